@@ -1,0 +1,405 @@
+"""Configuration: frozen dataclasses loaded from YAML with ``key=value`` overrides.
+
+``load(path, overrides=["model.num_layers=8", "train.steps=10"])`` returns a validated
+:class:`Config`. Every error names the offending key: an unknown key, a value of the wrong type,
+or values that do not fit together (top-k above the expert count, a layer index out of range, a
+head dim the kernels cannot take).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+  """A configuration value is unknown, of the wrong type, or inconsistent."""
+
+
+KERNEL_HEAD_DIMS = (64, 128)  # head dims the KDA kernels take
+
+
+@dataclasses.dataclass(frozen=True)
+class KDAConfig:
+  num_heads: int = 4
+  num_v_heads: int = 0  # grouped values: a multiple of num_heads; 0 means num_heads
+  head_dim: int = 64  # K
+  v_head_dim: int = 64  # V
+  conv_size: int = 4
+  gate: str = "bounded"  # "bounded" (K3, g in (lower_bound, 0)) or "softplus" (Kimi Linear)
+  gate_lower_bound: float = -5.0
+  output_gate: str = "full"  # "full" (g_proj) or "low_rank" (g_a_proj, g_b_proj)
+  output_gate_rank: int = 128
+  forget_rank: int = 0  # f_a_proj width; 0 means v_head_dim
+  chunk_size: int = 64
+  implementation: str | None = None  # None: pallas on GPU/TPU, chunked on CPU
+
+  @property
+  def value_heads(self) -> int:
+    return self.num_v_heads or self.num_heads
+
+  @property
+  def f_rank(self) -> int:
+    return self.forget_rank or self.v_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+  num_heads: int = 4
+  q_lora_rank: int = 0  # 0: plain q_proj (Kimi Linear)
+  kv_lora_rank: int = 512
+  qk_nope_head_dim: int = 128
+  qk_rope_head_dim: int = 64  # the shared, never rotated key part
+  v_head_dim: int = 128
+  output_gate: bool = True
+  norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm eps of the reference code
+  implementation: str | None = None
+
+  @property
+  def qk_head_dim(self) -> int:
+    return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  num_experts: int = 8
+  top_k: int = 2
+  num_shared_experts: int = 1
+  expert_intermediate: int = 64
+  latent_dim: int = 0  # 0: experts work at full width (Kimi Linear)
+  routed_scaling_factor: float = 1.0
+  renormalize: bool = True
+  balancing: str = "quantile"  # "quantile" (exact), "quantile_hist", "sign", "none"
+  balancing_bins: int = 1000
+  sign_update_rate: float = 1e-3
+  capacity_factor: float = 0.0  # 0: dropless
+  implementation: str | None = None  # grouped matmul: None picks per backend
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnResConfig:
+  enabled: bool = True
+  block_size: int = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  name: str = "k3_tiny"
+  arch: str = "kimi_k3"  # "kimi_k3" or "kimi_linear"
+  vocab_size: int = 512
+  hidden_size: int = 128
+  num_layers: int = 4
+  rms_norm_eps: float = 1e-5
+  mla_layers: tuple[int, ...] = (3,)  # 0-based; every other layer is KDA
+  dense_layers: tuple[int, ...] = (0,)  # 0-based; every other layer is MoE
+  dense_intermediate: int = 256
+  activation: str = "situ"  # "situ" (SiTU-GLU) or "silu" (SiLU-GLU)
+  situ_beta: float = 4.0
+  situ_linear_beta: float = 25.0
+  max_position: int = 1_048_576
+  bos_token_id: int = 1
+  eos_token_id: int = 2
+  pad_token_id: int = 0
+  init_std: float = 0.02
+  param_dtype: str = "float32"
+  compute_dtype: str = "float32"
+  remat: str = "none"  # "none", "full", "dots": rematerialisation policy per decoder layer
+  kda: KDAConfig = KDAConfig()
+  mla: MLAConfig = MLAConfig()
+  moe: MoEConfig = MoEConfig()
+  attn_res: AttnResConfig = AttnResConfig()
+
+  def layer_kind(self, i: int) -> str:
+    return "mla" if i in self.mla_layers else "kda"
+
+  def is_moe(self, i: int) -> bool:
+    return i not in self.dense_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  source: str = "stdlib"  # "stdlib" (embedded default), or a path/glob of text/jsonl/parquet/arrayrecord
+  tokenizer: str = "byte"  # "byte", a tokenizer.json path, or a tiktoken model file path
+  text_field: str = "text"
+  seq_len: int = 256
+  eval_fraction: float = 0.02
+  seed: int = 0
+  shuffle: bool = True
+  num_workers: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StageConfig:
+  seq_len: int = 256
+  steps: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  name: str = "adamw"  # "adamw" or "muon"
+  lr: float = 3e-3
+  min_lr_ratio: float = 0.1
+  schedule: str = "wsd"  # "wsd" (warmup-stable-decay), "cosine", "constant"
+  warmup_steps: int = 20
+  decay_fraction: float = 0.2
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  grad_clip: float = 1.0
+  muon_per_head: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 300
+  batch_size: int = 8
+  grad_accum: int = 1
+  seed: int = 0
+  eval_every: int = 50
+  eval_batches: int = 4
+  log_every: int = 10
+  max_nonfinite: int = 5
+  stages: tuple[StageConfig, ...] = ()
+  peak_tflops: float = 0.0  # 0: look the device up
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every: int = 100
+  keep: int = 3
+  async_save: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = -1
+  fsdp: int = 1
+  expert: int = 1
+  context: int = 1
+  tensor: int = 1
+  moonep: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelConfig = ModelConfig()
+  data: DataConfig = DataConfig()
+  optimizer: OptimizerConfig = OptimizerConfig()
+  train: TrainConfig = TrainConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  mesh: MeshConfig = MeshConfig()
+
+
+# ---------------------------------------------------------------------------------------------
+# Building dataclasses from plain dicts, with errors that name the key.
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+  origin = typing.get_origin(tp)
+  if origin in (types.UnionType, typing.Union):
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+      return None
+    errors = []
+    for a in args:
+      if a is type(None):
+        continue
+      try:
+        return _coerce(value, a, key)
+      except ConfigError as e:
+        errors.append(str(e))
+    raise ConfigError(f"{key}: expected {tp}, got {value!r}")
+  if origin is tuple:
+    (elem, *_rest) = typing.get_args(tp)
+    if not isinstance(value, (list, tuple)):
+      raise ConfigError(f"{key}: expected a list, got {value!r}")
+    return tuple(_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value))
+  if dataclasses.is_dataclass(tp):
+    if isinstance(value, tp):
+      return value
+    if not isinstance(value, dict):
+      raise ConfigError(f"{key}: expected a mapping for {tp.__name__}, got {value!r}")
+    return _build(tp, value, key)
+  if tp is bool:
+    if isinstance(value, bool):
+      return value
+    raise ConfigError(f"{key}: expected true/false, got {value!r}")
+  if tp is int:
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+    raise ConfigError(f"{key}: expected an integer, got {value!r}")
+  if tp is float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+    raise ConfigError(f"{key}: expected a number, got {value!r}")
+  if tp is str:
+    if isinstance(value, str):
+      return value
+    raise ConfigError(f"{key}: expected a string, got {value!r}")
+  raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _build(cls: type, data: dict, prefix: str = "") -> Any:
+  hints = typing.get_type_hints(cls)
+  names = {f.name for f in dataclasses.fields(cls)}
+  for k in data:
+    if k not in names:
+      full = f"{prefix}.{k}" if prefix else k
+      raise ConfigError(f"unknown config key {full!r} (known: {', '.join(sorted(names))})")
+  kwargs = {}
+  for k, v in data.items():
+    full = f"{prefix}.{k}" if prefix else k
+    kwargs[k] = _coerce(v, hints[k], full)
+  return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> Any:
+  """The config as plain YAML-able Python data (tuples become lists)."""
+  if dataclasses.is_dataclass(cfg):
+    return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+  if isinstance(cfg, tuple):
+    return [to_dict(v) for v in cfg]
+  return cfg
+
+
+def _apply_override(tree: dict, item: str) -> None:
+  if "=" not in item:
+    raise ConfigError(f"override {item!r}: expected key=value")
+  key, raw = item.split("=", 1)
+  key = key.strip()
+  value = yaml.safe_load(raw) if raw.strip() else ""
+  parts = key.split(".")
+  node = tree
+  for p in parts[:-1]:
+    node = node.setdefault(p, {})
+    if not isinstance(node, dict):
+      raise ConfigError(f"override {key!r}: {p!r} is not a section")
+  node[parts[-1]] = value
+
+
+def _merge(base: dict, over: dict) -> dict:
+  out = dict(base)
+  for k, v in over.items():
+    if isinstance(v, dict) and isinstance(out.get(k), dict):
+      out[k] = _merge(out[k], v)
+    else:
+      out[k] = v
+  return out
+
+
+def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+  tree = _merge({}, data or {})
+  for item in overrides:
+    _apply_override(tree, item)
+  cfg = _build(Config, tree)
+  validate(cfg)
+  return cfg
+
+
+def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+  """Loads a YAML config, applies ``key=value`` overrides and validates the result."""
+  path = Path(path)
+  if not path.is_file():
+    raise ConfigError(f"config file {str(path)!r} does not exist")
+  with open(path) as f:
+    data = yaml.safe_load(f) or {}
+  if not isinstance(data, dict):
+    raise ConfigError(f"{path}: top level must be a mapping")
+  return from_dict(data, overrides)
+
+
+def replace(cfg: Config, overrides: list[str]) -> Config:
+  """A copy of ``cfg`` with ``key=value`` overrides applied and validated."""
+  return from_dict(to_dict(cfg), overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+  if not cond:
+    raise ConfigError(f"{key}: {msg}")
+
+
+def _one_of(value: Any, options: tuple, key: str) -> None:
+  _check(value in options, key, f"must be one of {options}, got {value!r}")
+
+
+def validate(cfg: Config) -> None:
+  m = cfg.model
+  _one_of(m.arch, ("kimi_k3", "kimi_linear"), "model.arch")
+  _one_of(m.activation, ("situ", "silu"), "model.activation")
+  _one_of(m.param_dtype, ("float32", "bfloat16", "float64"), "model.param_dtype")
+  _one_of(m.compute_dtype, ("float32", "bfloat16", "float64"), "model.compute_dtype")
+  _one_of(m.remat, ("none", "full", "dots"), "model.remat")
+  for name in ("vocab_size", "hidden_size", "num_layers", "dense_intermediate"):
+    _check(getattr(m, name) > 0, f"model.{name}", "must be positive")
+  for name in ("mla_layers", "dense_layers"):
+    for i in getattr(m, name):
+      _check(0 <= i < m.num_layers, f"model.{name}",
+             f"layer index {i} out of range for num_layers={m.num_layers}")
+  for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+    _check(0 <= getattr(m, name) < m.vocab_size, f"model.{name}", "must be a token id < vocab_size")
+
+  k = m.kda
+  _one_of(k.gate, ("bounded", "softplus"), "model.kda.gate")
+  _one_of(k.output_gate, ("full", "low_rank"), "model.kda.output_gate")
+  _check(k.head_dim in KERNEL_HEAD_DIMS, "model.kda.head_dim",
+         f"the KDA kernels take head dims {KERNEL_HEAD_DIMS}, got {k.head_dim}")
+  _check(k.v_head_dim in KERNEL_HEAD_DIMS, "model.kda.v_head_dim",
+         f"the KDA kernels take head dims {KERNEL_HEAD_DIMS}, got {k.v_head_dim}")
+  _check(k.num_heads > 0, "model.kda.num_heads", "must be positive")
+  _check(k.value_heads % k.num_heads == 0, "model.kda.num_v_heads",
+         f"must be a multiple of num_heads={k.num_heads}, got {k.num_v_heads}")
+  _check(k.gate_lower_bound < 0, "model.kda.gate_lower_bound", "must be negative")
+  _check(k.conv_size >= 1, "model.kda.conv_size", "must be >= 1")
+  _check(k.chunk_size in (16, 32, 64, 128), "model.kda.chunk_size", "must be 16, 32, 64 or 128")
+
+  a = m.mla
+  _check(a.num_heads > 0, "model.mla.num_heads", "must be positive")
+  _check(a.kv_lora_rank > 0, "model.mla.kv_lora_rank", "must be positive")
+  _check(a.q_lora_rank >= 0, "model.mla.q_lora_rank", "must be >= 0")
+
+  e = m.moe
+  _one_of(e.balancing, ("quantile", "quantile_hist", "sign", "none"), "model.moe.balancing")
+  _check(e.num_experts > 0, "model.moe.num_experts", "must be positive")
+  _check(1 <= e.top_k <= e.num_experts, "model.moe.top_k",
+         f"top_k={e.top_k} must be between 1 and num_experts={e.num_experts}")
+  _check(e.top_k < e.num_experts or e.balancing == "none", "model.moe.balancing",
+         "quantile balancing needs top_k < num_experts")
+  _check(e.latent_dim >= 0, "model.moe.latent_dim", "must be >= 0")
+  _check(e.num_shared_experts >= 0, "model.moe.num_shared_experts", "must be >= 0")
+
+  _check(m.attn_res.block_size > 0, "model.attn_res.block_size", "must be positive")
+
+  _check(cfg.data.seq_len > 0, "data.seq_len", "must be positive")
+  _check(0.0 <= cfg.data.eval_fraction < 1.0, "data.eval_fraction", "must be in [0, 1)")
+  t = cfg.train
+  _check(t.steps >= 0, "train.steps", "must be >= 0")
+  _check(t.batch_size > 0, "train.batch_size", "must be positive")
+  _check(t.grad_accum > 0, "train.grad_accum", "must be positive")
+  _check(t.batch_size % t.grad_accum == 0, "train.grad_accum",
+         f"must divide train.batch_size={t.batch_size}")
+  for i, s in enumerate(t.stages):
+    _check(s.seq_len > 0 and s.steps > 0, f"train.stages[{i}]", "seq_len and steps must be positive")
+  o = cfg.optimizer
+  _one_of(o.name, ("adamw", "muon"), "optimizer.name")
+  _one_of(o.schedule, ("wsd", "cosine", "constant"), "optimizer.schedule")
+  _check(cfg.checkpoint.every > 0, "checkpoint.every", "must be positive")
+  _check(cfg.checkpoint.keep > 0, "checkpoint.keep", "must be positive")
+  for name in ("data", "fsdp", "expert", "context", "tensor"):
+    v = getattr(cfg.mesh, name)
+    _check(v == -1 or v > 0, f"mesh.{name}", "must be positive or -1 (the rest of the devices)")
+  _check(sum(getattr(cfg.mesh, n) == -1 for n in ("data", "fsdp", "expert", "context", "tensor")) <= 1,
+         "mesh", "at most one axis may be -1")
+
+
+def dtype(name: str):
+  import jax.numpy as jnp
+  return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}[name]

@@ -1,0 +1,118 @@
+"""Kimi Delta Attention ops: ``kda`` (training/prefill) and ``kda_decode`` (serving).
+
+``implementation``:
+  - ``"naive"``: token recurrence (pure JAX), the reference;
+  - ``"chunked"``: XLA chunked form (chunk 64, 16-token sub-tiles), the CPU default;
+  - ``"pallas_gpu"`` / ``"pallas_tpu"``: Pallas kernels (interpret mode on CPU);
+  - ``"pallas"``: the Pallas backend of the current platform;
+  - ``None``: ``"pallas"`` on GPU and TPU, ``"chunked"`` on CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import default_backend
+from pallas_kernels.kda import reference
+from pallas_kernels.kda.reference import kda_gate, l2norm
+
+IMPLEMENTATIONS = ("naive", "chunked", "pallas_gpu", "pallas_tpu", "pallas")
+
+
+def resolve(implementation: str | None) -> str:
+  """The concrete implementation name for ``implementation`` on the current backend."""
+  backend = default_backend()
+  if implementation is None:
+    implementation = "pallas" if backend in ("gpu", "tpu") else "chunked"
+  if implementation == "pallas":
+    implementation = "pallas_tpu" if backend == "tpu" else "pallas_gpu"
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"kda: unknown implementation {implementation!r}; expected one of {IMPLEMENTATIONS}")
+  return implementation
+
+
+def _prepare(q, k, g, beta, *, use_qk_l2norm, A_log, dt_bias, gate, lower_bound, beta_is_logit):
+  """Applies the unfused pre-processing (L2 norm, gate, beta sigmoid) in JAX."""
+  if use_qk_l2norm:
+    q, k = l2norm(q), l2norm(k)
+  if gate is not None:
+    g = kda_gate(g, A_log, dt_bias, gate, lower_bound)
+  if beta_is_logit:
+    beta = jax.nn.sigmoid(beta.astype(jnp.promote_types(beta.dtype, jnp.float32)))
+  return q, k, g, beta
+
+
+def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+        segment_ids=None, use_qk_l2norm=False, A_log=None, dt_bias=None, gate=None,
+        lower_bound=-5.0, beta_is_logit=False, chunk_size=64, implementation=None):
+  """Kimi Delta Attention over a sequence.
+
+  Args:
+    q, k: ``[B, T, H, K]``.
+    v: ``[B, T, HV, V]`` with ``HV`` a multiple of ``H``.
+    g: ``[B, T, HV, K]``: the log-space decay, or with ``gate`` set, the raw gate projection
+      ``f`` from which the decay is computed with ``A_log [HV]`` and ``dt_bias [HV*K]``.
+    beta: ``[B, T, HV]`` in (0, 1), or logits with ``beta_is_logit``.
+    scale: defaults to ``K ** -0.5``.
+    initial_state: ``[B, HV, K, V]`` (float32), the state before the first token of each row.
+    output_final_state: return the state after the last token (else None).
+    segment_ids: ``[B, T]`` int; the recurrence restarts from zero where the id changes.
+    use_qk_l2norm: L2-normalise q and k first.
+    gate: None, ``"bounded"`` or ``"softplus"`` (see :func:`kda_gate`).
+  Returns:
+    ``(o [B, T, HV, V], final_state [B, HV, K, V] float32 or None)``; o has v's dtype.
+  """
+  impl = resolve(implementation)
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  if impl in ("pallas_gpu", "pallas_tpu"):
+    from pallas_kernels.kda import pallas as _pallas  # imported lazily: Pallas is heavy
+    o, s = _pallas.kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                       segment_ids=segment_ids, use_qk_l2norm=use_qk_l2norm, A_log=A_log,
+                       dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
+                       beta_is_logit=beta_is_logit, chunk_size=chunk_size,
+                       backend=impl.removeprefix("pallas_"))
+  else:
+    q, k, g, beta = _prepare(q, k, g, beta, use_qk_l2norm=use_qk_l2norm, A_log=A_log,
+                             dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
+                             beta_is_logit=beta_is_logit)
+    fn = reference.kda_naive if impl == "naive" else reference.kda_chunked
+    kwargs = {} if impl == "naive" else {"chunk_size": chunk_size}
+    o, s = fn(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+              segment_ids=segment_ids, **kwargs)
+  state_dtype = jnp.promote_types(v.dtype, jnp.float32)
+  return o.astype(v.dtype), (s.astype(state_dtype) if output_final_state else None)
+
+
+def kda_decode(q, k, v, g, beta, state, *, slots=None, scale=None, use_qk_l2norm=False,
+               A_log=None, dt_bias=None, gate=None, lower_bound=-5.0, beta_is_logit=False,
+               implementation=None):
+  """A few new tokens for N requests against a pool of recurrent states.
+
+  Args:
+    q, k: ``[N, Tn, H, K]``; v: ``[N, Tn, HV, V]``; g: ``[N, Tn, HV, K]``; beta: ``[N, Tn, HV]``
+      (pre-processing flags as in :func:`kda`).
+    state: ``[S, HV, K, V]`` float32 pool of per-request states (S >= N).
+    slots: ``[N]`` int32 pool index of each request (default ``arange(N)``).
+  Returns:
+    ``(o [N, Tn, HV, V], state)``: the pool with the N slots advanced by Tn tokens. Donate the
+    pool (``jax.jit(..., donate_argnums=...)``) to update it in place.
+  """
+  impl = resolve(implementation)
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  n = q.shape[0]
+  slots = jnp.arange(n, dtype=jnp.int32) if slots is None else slots
+  if impl in ("pallas_gpu", "pallas_tpu"):
+    from pallas_kernels.kda import decode as _decode
+    return _decode.kda_decode(q, k, v, g, beta, state, slots=slots, scale=scale,
+                              use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias,
+                              gate=gate, lower_bound=lower_bound, beta_is_logit=beta_is_logit,
+                              backend=impl.removeprefix("pallas_"))
+  q, k, g, beta = _prepare(q, k, g, beta, use_qk_l2norm=use_qk_l2norm, A_log=A_log,
+                           dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
+                           beta_is_logit=beta_is_logit)
+  o, s = reference.kda_naive(q, k, v, g, beta, scale=scale, initial_state=state[slots])
+  return o.astype(v.dtype), state.at[slots].set(s.astype(state.dtype))
+
+
+__all__ = ["kda", "kda_decode", "kda_gate", "l2norm", "resolve", "IMPLEMENTATIONS"]

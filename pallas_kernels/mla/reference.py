@@ -1,0 +1,47 @@
+"""XLA references for MLA attention (causal, packed segments) and paged latent decode."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def attention_mask(t: int, s: int, segment_ids=None, causal=True) -> jax.Array:
+  """``[B or 1, T, S]`` bool: query i may attend key j."""
+  i = jnp.arange(t)[:, None] + (s - t)
+  j = jnp.arange(s)[None, :]
+  mask = (j <= i) if causal else jnp.ones((t, s), bool)
+  mask = mask[None]
+  if segment_ids is not None:
+    mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+  return mask
+
+
+def attention(q, k, v, *, segment_ids=None, causal=True, scale):
+  """q ``[B,T,H,Dk]``, k ``[B,S,H,Dk]``, v ``[B,S,H,Dv]`` -> ``[B,T,H,Dv]``."""
+  acc = jnp.promote_types(q.dtype, jnp.float32)
+  s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=acc) * scale
+  mask = attention_mask(q.shape[1], k.shape[1], segment_ids, causal)[:, None]
+  s = jnp.where(mask, s, -jnp.inf)
+  p = jax.nn.softmax(s, axis=-1)
+  p = jnp.where(mask, p, 0.0)  # rows with no visible key give zeros, not NaN
+  o = jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v, preferred_element_type=acc)
+  return o.astype(q.dtype)
+
+
+def paged_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale):
+  """q ``[N,Tn,H,R+Dr]``, cache ``[P,ps,R+Dr]`` -> ``[N,Tn,H,R]`` (see ``mla_decode``)."""
+  n, tn = q.shape[:2]
+  ps = cache.shape[1]
+  kv = cache[page_table].reshape(n, -1, cache.shape[-1])  # [N, L, R+Dr]
+  acc = jnp.promote_types(q.dtype, jnp.float32)
+  s = jnp.einsum("nthd,nld->nhtl", q, kv, preferred_element_type=acc) * scale
+  pos = jnp.arange(kv.shape[1])[None, None, :]
+  qpos = (lengths[:, None] - tn + jnp.arange(tn)[None, :])[:, :, None]  # [N, Tn, 1]
+  mask = (pos <= qpos)[:, None]  # [N, 1, Tn, L]
+  s = jnp.where(mask, s, -jnp.inf)
+  p = jnp.where(mask, jax.nn.softmax(s, axis=-1), 0.0)
+  o = jnp.einsum("nhtl,nld->nthd", p.astype(kv.dtype), kv[..., :kv_lora_rank],
+                 preferred_element_type=acc)
+  del ps
+  return o.astype(q.dtype)

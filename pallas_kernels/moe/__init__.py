@@ -1,0 +1,54 @@
+"""MoE ops: grouped matmuls and token permutation.
+
+``implementation``: ``"xla"`` (``jax.lax.ragged_dot``, the reference), ``"pallas_gpu"``,
+``"pallas_tpu"``, ``"pallas"`` (the current platform's) or ``None`` (Pallas on GPU/TPU, XLA on CPU).
+"""
+
+from __future__ import annotations
+
+from pallas_kernels import default_backend
+from pallas_kernels.moe import reference
+from pallas_kernels.moe.reference import permute, unpermute
+
+IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas_tpu", "pallas")
+
+
+def resolve(implementation: str | None) -> str:
+  backend = default_backend()
+  if implementation is None:
+    implementation = "pallas" if backend in ("gpu", "tpu") else "xla"
+  if implementation == "pallas":
+    implementation = "pallas_tpu" if backend == "tpu" else "pallas_gpu"
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"moe: unknown implementation {implementation!r}; expected one of {IMPLEMENTATIONS}")
+  return implementation
+
+
+def gmm(lhs, rhs, group_sizes, *, implementation=None, preferred_element_type=None):
+  """Grouped matmul: rows of ``lhs [M, K]`` sorted by group, ``rhs [E, K, N]``,
+  ``group_sizes [E]`` int32 (sum <= M; rows past the sum give zeros). Returns ``[M, N]``.
+  Differentiable in lhs and rhs."""
+  impl = resolve(implementation)
+  if impl == "xla":
+    return reference.gmm(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+  from pallas_kernels.moe import pallas as _pallas
+  return _pallas.gmm(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
+                     backend=impl.removeprefix("pallas_"))
+
+
+def expert_mlp(x, expert_ids, weights, w_gate_up, w_down, activation, *, implementation=None):
+  """Routed experts on tokens ``x [N, D]``.
+
+  expert_ids, weights: ``[N, k]``; w_gate_up: ``[E, D, 2F]`` (gate then up); w_down: ``[E, F, D]``;
+  activation: ``(gate, up) -> h``. Sorts the N*k token-expert pairs by expert (stable), runs the
+  GLU with two grouped matmuls and scatters back with the routing weights. Returns ``[N, D]``.
+  """
+  xs, group_sizes, order = permute(x, expert_ids, w_gate_up.shape[0])
+  h = gmm(xs, w_gate_up, group_sizes, implementation=implementation)
+  f = w_down.shape[1]
+  h = activation(h[:, :f], h[:, f:]).astype(x.dtype)
+  y = gmm(h, w_down, group_sizes, implementation=implementation)
+  return unpermute(y, order, weights)
+
+
+__all__ = ["gmm", "expert_mlp", "permute", "unpermute", "resolve", "IMPLEMENTATIONS"]
