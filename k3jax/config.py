@@ -114,6 +114,16 @@ class ModelConfig:
   moe: MoEConfig = MoEConfig()
   attn_res: AttnResConfig = AttnResConfig()
 
+  @property
+  def pdtype(self):
+    """Parameter storage dtype."""
+    return dtype(self.param_dtype)
+
+  @property
+  def cdtype(self):
+    """Compute dtype of activations and matmuls."""
+    return dtype(self.compute_dtype)
+
   def layer_kind(self, i: int) -> str:
     return "mla" if i in self.mla_layers else "kda"
 
@@ -153,6 +163,7 @@ class OptimizerConfig:
   weight_decay: float = 0.1
   grad_clip: float = 1.0
   muon_per_head: bool = False
+  muon_beta: float = 0.95  # Muon momentum
 
 
 @dataclasses.dataclass(frozen=True)

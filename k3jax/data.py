@@ -1,0 +1,359 @@
+"""Training data: documents -> token ids -> packed rows, as a checkpointable grain pipeline.
+
+Sources (``data.source``): ``"stdlib"`` (the ``.py`` files of this Python's standard library, the
+embedded default), or a file, directory or glob of ``.txt``/``.py``/``.md`` text (one document per
+file), ``.jsonl`` (one document per line, ``data.text_field``), ``.parquet`` (one document per row,
+``data.text_field``) or ``.array_record`` (pre-tokenised: each record is one document's token ids
+as little-endian int32 bytes).
+
+Tokenizers (``data.tokenizer``): ``"byte"`` (UTF-8 bytes 0-255), a HF ``tokenizer.json`` path, or a
+tiktoken-format BPE file (Kimi's ``tiktoken.model``, split with Kimi's pre-tokenisation pattern).
+
+Every document becomes ``x = [bos] + ids + [eos]``; its training pairs are ``x[:-1]`` (inputs) and
+``x[1:]`` (targets), so no target ever belongs to another document. Pairs are concatenated and cut
+into rows of ``seq_len`` (grain's concat-then-split packing): a document longer than the room left
+in a row continues in the next row as a new segment. Batches are dicts of ``[B, T]`` arrays:
+``input_ids``, ``targets`` (int32), ``segment_ids`` (1, 2, ... per document piece in the row, 0 on
+padding), ``positions`` (position inside the piece) and ``weights`` (float32, 1 on real tokens, 0 on
+padding).
+
+The held-out split is decided per document by a hash of its key (relative file path, or
+``path:line`` / ``path:row`` / record index), so it never changes with the shuffle seed. Each
+process reads its own slice of the documents (``jax.process_index()::jax.process_count()``).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+from pathlib import Path
+from typing import Any, Protocol
+
+import grain
+import numpy as np
+
+from k3jax.config import Config, ConfigError
+
+# Kimi's pre-tokenisation pattern (tokenization_kimi.py of the K2/K3 releases).
+KIMI_PATTERN = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+
+TEXT_SUFFIXES = (".txt", ".py", ".md", ".text")
+RECORD_SUFFIXES = (".jsonl", ".parquet", ".array_record")
+
+
+class DataError(ValueError):
+  """A data path, format or tokenizer cannot be used."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers: encode(text) -> list of ids (no special tokens), vocab_size.
+
+
+class Tokenizer(Protocol):
+  vocab_size: int
+
+  def encode(self, text: str) -> list[int]: ...
+
+
+class ByteTokenizer:
+  """UTF-8 bytes as ids 0-255."""
+  vocab_size = 256
+
+  def encode(self, text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
+class HFTokenizer:
+  """A HF ``tokenizers`` ``tokenizer.json``; special tokens are added by the pipeline, not here."""
+
+  def __init__(self, path: str):
+    import tokenizers
+    self._tok = tokenizers.Tokenizer.from_file(path)
+    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+
+class TiktokenTokenizer:
+  """A tiktoken-format BPE file (base64 token, rank per line) with Kimi's split pattern."""
+
+  def __init__(self, path: str):
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+    ranks = load_tiktoken_bpe(path)
+    self._enc = tiktoken.Encoding(name=Path(path).stem, pat_str=KIMI_PATTERN,
+                                  mergeable_ranks=ranks, special_tokens={})
+    self.vocab_size = len(ranks)
+
+  def encode(self, text: str) -> list[int]:
+    return self._enc.encode_ordinary(text)
+
+
+def make_tokenizer(spec: str) -> Tokenizer:
+  """``"byte"``, a ``tokenizer.json`` path, or a tiktoken BPE file path."""
+  if spec == "byte":
+    return ByteTokenizer()
+  if not os.path.isfile(spec):
+    raise DataError(f"data.tokenizer: {spec!r} is neither 'byte' nor an existing file")
+  try:
+    if spec.endswith(".json"):
+      return HFTokenizer(spec)
+    return TiktokenTokenizer(spec)
+  except Exception as e:  # the libraries' own errors do not name the file
+    raise DataError(f"data.tokenizer: cannot load {spec!r}: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# Document sources: random access (len, getitem) plus one stable key per document.
+
+
+class TextFiles:
+  """One document per file; keys are paths relative to ``root``."""
+
+  def __init__(self, paths: list[Path], root: Path):
+    self.paths = paths
+    self.keys = [str(p.relative_to(root)) if p.is_relative_to(root) else str(p) for p in paths]
+
+  def __len__(self) -> int:
+    return len(self.paths)
+
+  def __getitem__(self, i: int) -> str:
+    return self.paths[i].read_bytes().decode("utf-8", errors="replace")
+
+
+class JsonlLines:
+  """One document per non-empty line of JSONL files, read by byte offset."""
+
+  def __init__(self, paths: list[Path], field: str):
+    self.field = field
+    self.index: list[tuple[Path, int]] = []
+    self.keys = []
+    for p in paths:
+      offset = 0
+      with open(p, "rb") as f:
+        for n, line in enumerate(f):
+          if line.strip():
+            self.index.append((p, offset))
+            self.keys.append(f"{p.name}:{n}")
+          offset += len(line)
+
+  def __len__(self) -> int:
+    return len(self.index)
+
+  def __getitem__(self, i: int) -> str:
+    path, offset = self.index[i]
+    with open(path, "rb") as f:
+      f.seek(offset)
+      line = f.readline()
+    record = json.loads(line)
+    if self.field not in record:
+      raise DataError(f"{path}: line at byte {offset} has no field {self.field!r} "
+                      f"(data.text_field); fields: {sorted(record)}")
+    return record[self.field]
+
+
+class ParquetRows:
+  """One document per row of the ``field`` column; reads one row group at a time."""
+
+  def __init__(self, paths: list[Path], field: str):
+    import pyarrow.parquet as pq
+    self.field = field
+    self.index: list[tuple[Path, int, int]] = []
+    self.keys = []
+    for p in paths:
+      meta = pq.ParquetFile(p)
+      if field not in meta.schema_arrow.names:
+        raise DataError(f"{p}: no column {field!r} (data.text_field); columns: {meta.schema_arrow.names}")
+      row = 0
+      for g in range(meta.num_row_groups):
+        for r in range(meta.metadata.row_group(g).num_rows):
+          self.index.append((p, g, r))
+          self.keys.append(f"{p.name}:{row}")
+          row += 1
+    self._cache: tuple[Any, list[str]] | None = None
+
+  def __len__(self) -> int:
+    return len(self.index)
+
+  def __getitem__(self, i: int) -> str:
+    import pyarrow.parquet as pq
+    path, group, row = self.index[i]
+    if self._cache is None or self._cache[0] != (path, group):
+      table = pq.ParquetFile(path).read_row_group(group, columns=[self.field])
+      self._cache = ((path, group), table.column(self.field).to_pylist())
+    return self._cache[1][row]
+
+
+class TokenRecords:
+  """Pre-tokenised ArrayRecord files: each record is one document's int32 ids."""
+
+  def __init__(self, paths: list[Path]):
+    self._src = grain.sources.ArrayRecordDataSource([str(p) for p in paths])
+    self.keys = [str(i) for i in range(len(self._src))]
+
+  def __len__(self) -> int:
+    return len(self._src)
+
+  def __getitem__(self, i: int) -> np.ndarray:
+    return np.frombuffer(self._src[i], dtype="<i4").astype(np.int32)
+
+
+class Subset:
+  """The documents of ``source`` at ``indices``."""
+
+  def __init__(self, source, indices: list[int]):
+    self.source, self.indices = source, indices
+
+  def __len__(self) -> int:
+    return len(self.indices)
+
+  def __getitem__(self, i: int):
+    return self.source[self.indices[i]]
+
+
+def stdlib_files() -> tuple[list[Path], Path]:
+  """The standard library's ``.py`` files, sorted by relative path (no site-packages)."""
+  root = Path(sysconfig.get_paths()["stdlib"])
+  files = [p for p in root.rglob("*.py")
+           if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)]
+  return sorted(files, key=lambda p: str(p.relative_to(root))), root
+
+
+def _expand(source: str) -> tuple[list[Path], Path]:
+  p = Path(source)
+  if p.is_dir():
+    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES + RECORD_SUFFIXES)
+    return files, p
+  files = sorted(Path(f) for f in glob.glob(source, recursive=True) if os.path.isfile(f))
+  return files, (p.parent if p.is_file() else Path(os.path.commonpath(files)) if files else p)
+
+
+def open_source(source: str, text_field: str = "text"):
+  """The document source named by ``data.source`` (see the module docstring)."""
+  if source == "stdlib":
+    files, root = stdlib_files()
+    return TextFiles(files, root)
+  files, root = _expand(source)
+  if not files:
+    raise DataError(f"data.source: no data files found at {source!r}")
+  kinds = {f.suffix if f.suffix in RECORD_SUFFIXES else "text" for f in files}
+  if len(kinds) > 1:
+    raise DataError(f"data.source: {source!r} mixes file kinds {sorted(kinds)}; point it at one kind")
+  kind = kinds.pop()
+  if kind == ".jsonl":
+    return JsonlLines(files, text_field)
+  if kind == ".parquet":
+    return ParquetRows(files, text_field)
+  if kind == ".array_record":
+    return TokenRecords(files)
+  bad = [f for f in files if f.suffix not in TEXT_SUFFIXES]
+  if bad:
+    raise DataError(f"data.source: unsupported file type {bad[0].suffix!r} ({bad[0]}); "
+                    f"expected {TEXT_SUFFIXES + RECORD_SUFFIXES}")
+  return TextFiles(files, root)
+
+
+def split_indices(keys: list[str], eval_fraction: float) -> tuple[list[int], list[int]]:
+  """(train, eval) document indices: a document is held out when its key's hash falls below
+  ``eval_fraction``; at least one document is held out when the fraction is positive."""
+  h = [int.from_bytes(hashlib.sha1(k.encode()).digest()[:8], "big") / 2.0**64 for k in keys]
+  held = {i for i, v in enumerate(h) if v < eval_fraction}
+  if eval_fraction > 0 and not held and len(keys) > 1:
+    held = {min(range(len(keys)), key=h.__getitem__)}
+  train = [i for i in range(len(keys)) if i not in held]
+  return train, sorted(held)
+
+
+# ---------------------------------------------------------------------------------------------
+# The pipeline.
+
+
+class _Encode:
+  """Document (text or ids) -> {"input_ids": x[:-1], "targets": x[1:]} with x = [bos] + ids + [eos]."""
+
+  def __init__(self, tokenizer: Tokenizer, bos: int, eos: int):
+    self.tokenizer, self.bos, self.eos = tokenizer, bos, eos
+
+  def __call__(self, doc) -> dict[str, np.ndarray]:
+    ids = doc if isinstance(doc, np.ndarray) else np.asarray(self.tokenizer.encode(doc), np.int32)
+    x = np.concatenate([[self.bos], ids, [self.eos]]).astype(np.int32)
+    return {"input_ids": x[:-1], "targets": x[1:]}
+
+
+class _ToBatch:
+  """grain's packed features -> the model's batch dict."""
+
+  def __init__(self, pad: int):
+    self.pad = pad
+
+  def __call__(self, f: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    seg = f["input_ids_segment_ids"].astype(np.int32)
+    real = seg > 0
+    return {
+        "input_ids": np.where(real, f["input_ids"], self.pad).astype(np.int32),
+        "targets": np.where(real, f["targets"], self.pad).astype(np.int32),
+        "segment_ids": seg,
+        "positions": f["input_ids_positions"].astype(np.int32),
+        "weights": real.astype(np.float32),
+    }
+
+
+class Data:
+  """The documents, tokenizer and split of one config; builds per-stage grain pipelines."""
+
+  def __init__(self, cfg: Config, *, process_index: int = 0, process_count: int = 1):
+    m = cfg.model
+    self.cfg = cfg
+    self.tokenizer = make_tokenizer(cfg.data.tokenizer)
+    if self.tokenizer.vocab_size > m.vocab_size:
+      raise DataError(f"data.tokenizer: vocabulary of {self.tokenizer.vocab_size} ids does not fit "
+                      f"model.vocab_size={m.vocab_size}")
+    self.source = open_source(cfg.data.source, cfg.data.text_field)
+    if isinstance(self.source, TokenRecords) and cfg.data.tokenizer != "byte":
+      raise DataError("data.tokenizer: ArrayRecord sources are pre-tokenised; leave data.tokenizer as 'byte'")
+    train, held = split_indices(self.source.keys, cfg.data.eval_fraction)
+    if not train:
+      raise DataError(f"data.source: {cfg.data.source!r} has no training documents left after the "
+                      f"held-out split (data.eval_fraction={cfg.data.eval_fraction})")
+    self.splits = {"train": train, "eval": held}
+    self.process_index, self.process_count = process_index, process_count
+    if cfg.train.batch_size % process_count:
+      raise DataError(f"train.batch_size={cfg.train.batch_size} must be a multiple of the "
+                      f"process count {process_count}")
+    self.local_batch = cfg.train.batch_size // process_count
+    self._encode = _Encode(self.tokenizer, m.bos_token_id, m.eos_token_id)
+    self._to_batch = _ToBatch(m.pad_token_id)
+
+  def num_docs(self, split: str) -> int:
+    return len(self.splits[split])
+
+  def dataset(self, split: str, seq_len: int, *, seed: int = 0) -> grain.IterDataset:
+    """Endless packed batches ``[local_batch, seq_len]``. Training reshuffles every epoch (seeded by
+    ``seed``); eval cycles through the held-out documents in a fixed order."""
+    indices = self.splits[split]
+    if not indices:
+      raise DataError(f"no {split} documents (data.eval_fraction={self.cfg.data.eval_fraction})")
+    ds = grain.MapDataset.source(Subset(self.source, indices))
+    ds = ds[self.process_index::self.process_count]
+    if len(ds) == 0:
+      raise DataError(f"{split} split has {len(indices)} documents, fewer than the "
+                      f"{self.process_count} processes")
+    if split == "train" and self.cfg.data.shuffle:
+      ds = ds.shuffle(seed=seed)
+    ds = ds.repeat(None).map(self._encode).to_iter_dataset()
+    ds = grain.experimental.ConcatThenSplitIterDataset(
+        ds, length_struct={"input_ids": seq_len, "targets": seq_len})
+    return ds.map(self._to_batch).batch(self.local_batch, drop_remainder=True)

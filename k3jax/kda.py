@@ -1,0 +1,157 @@
+"""Kimi Delta Attention layer (SPEC section 2): projections, short convs, gates, the KDA op and
+the gated per-head RMSNorm output.
+
+Decoding keeps, per request, the last ``conv_size - 1`` inputs of each short conv and the
+recurrent state ``[HV, K, V]`` (float32).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import pallas_kernels.kda as kda_ops
+from k3jax.config import ModelConfig
+from k3jax.nn import Linear, RMSNorm, constant, param
+from sharding import shard
+
+
+def short_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
+               tail: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """Causal depthwise conv followed by SiLU.
+
+  x: ``[B, T, C]``; w: ``[W, C]`` (tap ``W-1`` multiplies the current token); tail: ``[B, W-1, C]``
+  inputs preceding x (zeros when None). With segment ids, taps never reach into another
+  document. Returns (y ``[B, T, C]``, new tail ``[B, W-1, C]``: the last W-1 inputs).
+  """
+  b, t, c = x.shape
+  width = w.shape[0]
+  if tail is None:
+    tail = jnp.zeros((b, width - 1, c), x.dtype)
+  xp = jnp.concatenate([tail.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]
+  y = jnp.zeros((b, t, c), jnp.promote_types(x.dtype, jnp.float32))
+  for j in range(width):
+    shift = width - 1 - j  # tap j reads x[t - shift]
+    xs = xp[:, j:j + t]
+    if segment_ids is not None and shift:
+      prev = jnp.pad(segment_ids, ((0, 0), (shift, 0)), constant_values=-1)[:, :t]
+      xs = jnp.where((prev == segment_ids)[..., None], xs, 0)
+    y = y + xs.astype(y.dtype) * w[j].astype(y.dtype)
+  new_tail = xp[:, xp.shape[1] - (width - 1):] if width > 1 else tail
+  return jax.nn.silu(y).astype(x.dtype), new_tail
+
+
+def _dt_bias_init(key, shape, dtype, dt_min=1e-3, dt_max=0.1):
+  """``inverse_softplus(dt)`` with dt log-uniform in [dt_min, dt_max]."""
+  u = jax.random.uniform(key, shape, jnp.float32)
+  dt = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+  return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+
+
+class KDA(nnx.Module):
+  """x ``[B, T, d]`` -> ``[B, T, d]``."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    k = cfg.kda
+    self.cfg = cfg
+    d, dt, std = cfg.hidden_size, cfg.pdtype, cfg.init_std
+    h, hv, kd, vd = k.num_heads, k.value_heads, k.head_dim, k.v_head_dim
+    self.q_proj = Linear(d, h * kd, ("embed", "heads"), rngs=rngs, dtype=dt, std=std)
+    self.k_proj = Linear(d, h * kd, ("embed", "heads"), rngs=rngs, dtype=dt, std=std)
+    self.v_proj = Linear(d, hv * vd, ("embed", "heads"), rngs=rngs, dtype=dt, std=std)
+    conv_std = 1.0 / math.sqrt(k.conv_size)
+    self.q_conv1d = Linear(k.conv_size, h * kd, ("conv", "heads"), rngs=rngs, dtype=dt, std=conv_std)
+    self.k_conv1d = Linear(k.conv_size, h * kd, ("conv", "heads"), rngs=rngs, dtype=dt, std=conv_std)
+    self.v_conv1d = Linear(k.conv_size, hv * vd, ("conv", "heads"), rngs=rngs, dtype=dt, std=conv_std)
+    self.f_a_proj = Linear(d, k.f_rank, ("embed", None), rngs=rngs, dtype=dt, std=std)
+    self.f_b_proj = Linear(k.f_rank, hv * kd, (None, "heads"), rngs=rngs, dtype=dt, std=std)
+    if k.gate == "bounded":
+      a_init = constant(0.0)
+    else:  # Mamba-style A in [1, 16]
+      a_init = lambda key, shape, dtype: jnp.log(jax.random.uniform(key, shape, jnp.float32, 1, 16)).astype(dtype)
+    self.A_log = param(rngs, a_init, (hv,), ("heads",), jnp.float32)
+    self.dt_bias = param(rngs, _dt_bias_init, (hv * kd,), ("heads",), jnp.float32)
+    self.b_proj = Linear(d, hv, ("embed", "heads"), rngs=rngs, dtype=dt, std=std)
+    if k.output_gate == "full":
+      self.g_proj = Linear(d, hv * vd, ("embed", "heads"), rngs=rngs, dtype=dt, std=std)
+    else:
+      self.g_a_proj = Linear(d, k.output_gate_rank, ("embed", None), rngs=rngs, dtype=dt, std=std)
+      self.g_b_proj = Linear(k.output_gate_rank, hv * vd, (None, "heads"), rngs=rngs, dtype=dt, std=std)
+    self.o_norm = RMSNorm(vd, cfg.rms_norm_eps, rngs=rngs, dtype=dt, name="head_dim")
+    self.o_proj = Linear(hv * vd, d, ("heads", "embed"), rngs=rngs, dtype=dt,
+                         std=std / math.sqrt(2 * cfg.num_layers))
+
+  def init_cache(self, batch: int) -> dict:
+    """Decode cache of one request batch: conv tails and the float32 recurrent state."""
+    k = self.cfg.kda
+    cd = self.cfg.cdtype
+    w = k.conv_size - 1
+    return {
+        "conv_q": jnp.zeros((batch, w, k.num_heads * k.head_dim), cd),
+        "conv_k": jnp.zeros((batch, w, k.num_heads * k.head_dim), cd),
+        "conv_v": jnp.zeros((batch, w, k.value_heads * k.v_head_dim), cd),
+        "state": jnp.zeros((batch, k.value_heads, k.head_dim, k.v_head_dim),
+                           jnp.promote_types(cd, jnp.float32)),
+    }
+
+  def _output_gate(self, x):
+    if self.cfg.kda.output_gate == "full":
+      return self.g_proj(x)
+    return self.g_b_proj(self.g_a_proj(x))
+
+  def __call__(self, x: jax.Array, *, segment_ids=None, valid=None, cache=None, decode=False):
+    """x: ``[B, T, d]``; segment_ids ``[B, T]`` (packed documents); valid ``[B, T]`` bool, a
+    prefix of each row (prefill of right-padded prompts: padding leaves state and conv tails
+    unchanged); cache: this layer's decode cache or None; decode: x holds new tokens that
+    continue the cache. Returns (y ``[B, T, d]``, new cache or None)."""
+    k = self.cfg.kda
+    b, t, _ = x.shape
+    h, hv, kd, vd = k.num_heads, k.value_heads, k.head_dim, k.v_head_dim
+    proj = {"q": self.q_proj(x), "k": self.k_proj(x), "v": self.v_proj(x)}
+    convs = {"q": self.q_conv1d, "k": self.k_conv1d, "v": self.v_conv1d}
+    out, tails = {}, {}
+    for n in ("q", "k", "v"):
+      tail = None if cache is None else cache["conv_" + n]
+      out[n], tails[n] = short_conv(proj[n], convs[n].kernel[...], segment_ids, tail)
+      if valid is not None:
+        tails[n] = conv_tail_at(proj[n], valid.sum(1), k.conv_size)
+    names = ("batch", "length", "heads", None)
+    q = shard(out["q"].reshape(b, t, h, kd), names)
+    kk = shard(out["k"].reshape(b, t, h, kd), names)
+    v = shard(out["v"].reshape(b, t, hv, vd), names)
+    f = self.f_b_proj(self.f_a_proj(x)).reshape(b, t, hv, kd)
+    beta = self.b_proj(x)  # logits [B, T, HV]
+    gate_kw = dict(use_qk_l2norm=True, A_log=self.A_log[...], dt_bias=self.dt_bias[...],
+                   gate=k.gate, lower_bound=k.gate_lower_bound, beta_is_logit=True)
+    if valid is not None:  # padding: no decay (g = 0) and no write (beta = 0)
+      g = kda_ops.kda_gate(f, self.A_log[...], self.dt_bias[...], k.gate, k.gate_lower_bound)
+      f = jnp.where(valid[..., None, None], g, 0.0)
+      beta = jnp.where(valid[..., None], jax.nn.sigmoid(beta.astype(jnp.float32)), 0.0)
+      gate_kw.update(gate=None, beta_is_logit=False)
+    if decode:
+      o, state = kda_ops.kda_decode(q, kk, v, f, beta, cache["state"],
+                                    implementation=k.implementation, **gate_kw)
+    else:
+      o, state = kda_ops.kda(q, kk, v, f, beta, segment_ids=segment_ids,
+                             initial_state=None if cache is None else cache["state"],
+                             output_final_state=cache is not None, chunk_size=k.chunk_size,
+                             implementation=k.implementation, **gate_kw)
+    o = self.o_norm(o) * jax.nn.sigmoid(self._output_gate(x)).reshape(b, t, hv, vd).astype(o.dtype)
+    y = self.o_proj(o.reshape(b, t, hv * vd))
+    if cache is None:
+      return y, None
+    return y, {"conv_q": tails["q"], "conv_k": tails["k"], "conv_v": tails["v"], "state": state}
+
+
+def conv_tail_at(x_proj: jax.Array, lengths: jax.Array, width: int) -> jax.Array:
+  """The last ``width - 1`` inputs before position ``lengths[b]`` of each row: ``[B, W-1, C]``.
+
+  For right-padded prefill, where the tail returned by :func:`short_conv` would hold padding."""
+  b, t, c = x_proj.shape
+  xp = jnp.pad(x_proj, ((0, 0), (width - 1, 0), (0, 0)))
+  idx = lengths[:, None] + np.arange(width - 1)[None, :]  # positions in the padded sequence
+  return jnp.take_along_axis(xp, idx[..., None], axis=1)

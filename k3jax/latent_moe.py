@@ -1,0 +1,88 @@
+"""Stable LatentMoE (SPEC section 5): sigmoid router with a selection-only bias, routed experts
+working in a latent space (``d -> latent``, experts, RMSNorm, ``latent -> d``), shared experts at
+full width. With ``latent_dim = 0`` the routed experts work at full width (Kimi Linear).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import pallas_kernels.moe as moe_ops
+from k3jax import router
+from k3jax.config import ModelConfig
+from k3jax.glu import GLU, glu_activation
+from k3jax.nn import Linear, RMSNorm, constant, normal, param
+from sharding import shard
+
+
+class RouterBias(nnx.Variable):
+  """The router's selection bias ``[E]``: non-trainable, updated by the train step."""
+
+
+class Router(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    e = cfg.moe.num_experts
+    self.kernel = param(rngs, normal(cfg.init_std), (cfg.hidden_size, e), ("embed", None),
+                        cfg.pdtype)
+    self.bias = RouterBias(jnp.zeros((e,), jnp.float32), sharding_names=(None,), eager_sharding=False)
+
+  def scores(self, x: jax.Array) -> jax.Array:
+    """``[N, E]`` float32 sigmoid scores of tokens ``x [N, d]``."""
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    return jax.nn.sigmoid(jnp.dot(x.astype(acc), self.kernel[...].astype(acc)))
+
+
+class Experts(nnx.Module):
+  """Routed expert weights: ``w_gate_up [E, L, 2F]`` (gate then up), ``w_down [E, F, L]``."""
+
+  def __init__(self, cfg: ModelConfig, width: int, *, rngs: nnx.Rngs):
+    m, dt, std = cfg.moe, cfg.pdtype, cfg.init_std
+    e, f = m.num_experts, m.expert_intermediate
+    self.w_gate_up = param(rngs, normal(std), (e, width, 2 * f), ("expert", "latent", "mlp"), dt)
+    self.w_down = param(rngs, normal(std), (e, f, width), ("expert", "mlp", "latent"), dt)
+
+
+class LatentMoE(nnx.Module):
+  """x ``[B, T, d]`` -> (``[B, T, d]``, router stats)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    m, d, dt, std = cfg.moe, cfg.hidden_size, cfg.pdtype, cfg.init_std
+    self.cfg = cfg
+    self.gate = Router(cfg, rngs=rngs)
+    width = m.latent_dim or d
+    if m.latent_dim:
+      self.routed_expert_down_proj = Linear(d, m.latent_dim, ("embed", "latent"), rngs=rngs,
+                                            dtype=dt, std=std)
+      self.routed_expert_norm = RMSNorm(m.latent_dim, cfg.rms_norm_eps, rngs=rngs, dtype=dt,
+                                        name="latent")
+      self.routed_expert_up_proj = Linear(m.latent_dim, d, ("latent", "embed"), rngs=rngs,
+                                          dtype=dt, std=std)
+    self.experts = Experts(cfg, width, rngs=rngs)
+    if m.num_shared_experts:
+      self.shared_experts = GLU(cfg, m.num_shared_experts * m.expert_intermediate, rngs=rngs)
+    self.act = glu_activation(cfg)
+
+  def __call__(self, x: jax.Array, *, valid: jax.Array | None = None):
+    """valid: ``[B, T]`` bool, tokens that count for balancing (padding excluded)."""
+    m = self.cfg.moe
+    b, t, d = x.shape
+    xf = x.reshape(b * t, d)
+    vf = None if valid is None else valid.reshape(b * t)
+    scores = self.gate.scores(xf)
+    bias = self.gate.bias[...]
+    ids, weights = router.route(scores, bias, m)
+    xe = self.routed_expert_down_proj(xf) if m.latent_dim else xf
+    y = moe_ops.expert_mlp(xe, ids, weights, self.experts.w_gate_up[...].astype(x.dtype),
+                           self.experts.w_down[...].astype(x.dtype), self.act,
+                           implementation=m.implementation)
+    if m.latent_dim:
+      y = self.routed_expert_up_proj(self.routed_expert_norm(y))
+    if m.num_shared_experts:
+      y = y + self.shared_experts(xf)
+    stats = {
+        "load": router.expert_load(ids, m.num_experts, vf),
+        "bias_stat": jax.lax.stop_gradient(router.bias_stat(scores, bias, ids, m, vf)),
+    }
+    return shard(y.reshape(b, t, d), ("batch", "length", "embed")), stats

@@ -1,0 +1,122 @@
+"""Gated NoPE MLA (SPEC section 3).
+
+Queries ``[H, nope + rope]`` from ``q_proj`` or the q LoRA path; keys ``[k_nope, k_r]`` with the
+64-dim ``k_r`` shared by all heads and never rotated; softmax scale ``(nope + rope) ** -0.5``;
+optional output gate ``attn * sigmoid(g_proj(x))``.
+
+Decoding caches, per token, the normalised latent ``c`` (kv_lora_rank) and ``k_r`` (rope dim):
+576 values for K3. ``kv_b_proj`` is absorbed into the query (``W_uk``) and output (``W_uv``)
+sides, so decode attention runs directly on the latent cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import pallas_kernels.mla as mla_ops
+from k3jax.config import ModelConfig
+from k3jax.nn import Linear, RMSNorm
+from sharding import shard
+
+PAGE_SIZE = 64
+
+
+class MLA(nnx.Module):
+  """x ``[B, T, d]`` -> ``[B, T, d]``."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    a = cfg.mla
+    self.cfg = cfg
+    d, dt, std = cfg.hidden_size, cfg.pdtype, cfg.init_std
+    h, dq = a.num_heads, a.qk_head_dim
+    if a.q_lora_rank:
+      self.q_a_proj = Linear(d, a.q_lora_rank, ("embed", None), rngs=rngs, dtype=dt, std=std)
+      self.q_a_layernorm = RMSNorm(a.q_lora_rank, a.norm_eps, rngs=rngs, dtype=dt, name=None)
+      self.q_b_proj = Linear(a.q_lora_rank, h * dq, (None, "heads"), rngs=rngs, dtype=dt, std=std)
+    else:
+      self.q_proj = Linear(d, h * dq, ("embed", "heads"), rngs=rngs, dtype=dt, std=std)
+    self.kv_a_proj_with_mqa = Linear(d, a.kv_lora_rank + a.qk_rope_head_dim, ("embed", "kv"),
+                                     rngs=rngs, dtype=dt, std=std)
+    self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, a.norm_eps, rngs=rngs, dtype=dt, name="kv")
+    self.kv_b_proj = Linear(a.kv_lora_rank, h * (a.qk_nope_head_dim + a.v_head_dim), ("kv", "heads"),
+                            rngs=rngs, dtype=dt, std=std)
+    if a.output_gate:
+      self.g_proj = Linear(d, h * a.v_head_dim, ("embed", "heads"), rngs=rngs, dtype=dt, std=std)
+    self.o_proj = Linear(h * a.v_head_dim, d, ("heads", "embed"), rngs=rngs, dtype=dt,
+                         std=std / math.sqrt(2 * cfg.num_layers))
+
+  @property
+  def scale(self) -> float:
+    return self.cfg.mla.qk_head_dim ** -0.5
+
+  def init_cache(self, batch: int, max_len: int) -> dict:
+    """Latent cache ``[B, max_len, kv_lora_rank + rope]`` (max_len a multiple of PAGE_SIZE)."""
+    a = self.cfg.mla
+    return {"latent": jnp.zeros((batch, max_len, a.kv_lora_rank + a.qk_rope_head_dim),
+                                self.cfg.cdtype)}
+
+  def _queries(self, x):
+    a = self.cfg.mla
+    b, t, _ = x.shape
+    q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
+    return shard(q.reshape(b, t, a.num_heads, a.qk_head_dim), ("batch", "length", "heads", None))
+
+  def _latent(self, x):
+    """``[B, T, R + Dr]``: the normalised latent c and the shared key part k_r."""
+    a = self.cfg.mla
+    kv = self.kv_a_proj_with_mqa(x)
+    c = self.kv_a_layernorm(kv[..., :a.kv_lora_rank])
+    return jnp.concatenate([c, kv[..., a.kv_lora_rank:]], axis=-1)
+
+  def _output(self, x, o):
+    a = self.cfg.mla
+    b, t = x.shape[:2]
+    o = o.reshape(b, t, a.num_heads * a.v_head_dim)
+    if a.output_gate:
+      o = o * jax.nn.sigmoid(self.g_proj(x)).astype(o.dtype)
+    return self.o_proj(o)
+
+  def __call__(self, x: jax.Array, *, segment_ids=None, valid=None, cache=None, decode=False,
+               lengths=None):
+    """x ``[B, T, d]``. Training/prefill: causal (and segment-masked) attention over x; with a
+    cache, the latents of x are written at positions ``0..T-1``. Decode (``decode=True``): x holds
+    ``T`` new tokens per row written at ``lengths - T .. lengths - 1`` (``lengths [B]``: cached
+    tokens including the new ones) and attention runs on the latent cache. Returns
+    (y ``[B, T, d]``, new cache or None)."""
+    del valid  # padding sits after the valid tokens: causal masking already hides it
+    a = self.cfg.mla
+    b, t, _ = x.shape
+    h, r = a.num_heads, a.kv_lora_rank
+    q = self._queries(x)
+    lat = self._latent(x)  # [B, T, R + Dr]
+    w_kv = self.kv_b_proj.kernel[...].astype(x.dtype).reshape(r, h, a.qk_nope_head_dim + a.v_head_dim)
+    w_uk, w_uv = w_kv[..., :a.qk_nope_head_dim], w_kv[..., a.qk_nope_head_dim:]
+    if not decode:
+      kv = jnp.einsum("btr,rhd->bthd", lat[..., :r], w_kv)
+      k_nope, v = kv[..., :a.qk_nope_head_dim], kv[..., a.qk_nope_head_dim:]
+      k_r = jnp.broadcast_to(lat[:, :, None, r:], (b, t, h, a.qk_rope_head_dim))
+      k = shard(jnp.concatenate([k_nope, k_r], -1), ("batch", "length", "heads", None))
+      v = shard(v, ("batch", "length", "heads", None))
+      o = mla_ops.mla_attention(q, k, v, segment_ids=segment_ids, causal=True, scale=self.scale,
+                                implementation=a.implementation)
+      new_cache = None
+      if cache is not None:
+        new_cache = {"latent": jax.lax.dynamic_update_slice_in_dim(
+            cache["latent"], lat.astype(cache["latent"].dtype), 0, axis=1)}
+      return self._output(x, o), new_cache
+    # Decode: write the new latents, then absorbed attention on the paged view of the cache.
+    pos = lengths[:, None] - t + jnp.arange(t)[None, :]  # [B, T]
+    latent = cache["latent"].at[jnp.arange(b)[:, None], pos].set(lat.astype(cache["latent"].dtype))
+    q_abs = jnp.concatenate(
+        [jnp.einsum("bthd,rhd->bthr", q[..., :a.qk_nope_head_dim], w_uk), q[..., a.qk_nope_head_dim:]], -1)
+    max_len = latent.shape[1]
+    pages = latent.reshape(b * (max_len // PAGE_SIZE), PAGE_SIZE, latent.shape[-1])
+    page_table = jnp.arange(b * (max_len // PAGE_SIZE), dtype=jnp.int32).reshape(b, -1)
+    o_lat = mla_ops.mla_decode(q_abs, pages, page_table, lengths.astype(jnp.int32),
+                               kv_lora_rank=r, scale=self.scale, implementation=a.implementation)
+    o = jnp.einsum("bthr,rhd->bthd", o_lat.astype(x.dtype), w_uv)
+    return self._output(x, o), {"latent": latent}

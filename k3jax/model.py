@@ -1,0 +1,138 @@
+"""The Kimi K3 / Kimi Linear decoder: embedding, hybrid KDA/MLA layers with dense or LatentMoE
+MLPs, Block Attention Residuals (or plain residuals), final norm and an untied head.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.attn_res import AttnRes
+from k3jax.config import ModelConfig
+from k3jax.glu import GLU
+from k3jax.kda import KDA
+from k3jax.latent_moe import LatentMoE
+from k3jax.mla import MLA
+from k3jax.nn import Embed, Linear, RMSNorm
+from sharding import shard
+
+_ACT = ("batch", "length", "embed")
+_REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, cfg: ModelConfig, idx: int, *, rngs: nnx.Rngs):
+    self.idx = idx
+    self.kind = cfg.layer_kind(idx)
+    self.moe = cfg.is_moe(idx)
+    self.attn_res_on = cfg.attn_res.enabled
+    self.block_size = cfg.attn_res.block_size
+    d, eps, dt = cfg.hidden_size, cfg.rms_norm_eps, cfg.pdtype
+    self.input_layernorm = RMSNorm(d, eps, rngs=rngs, dtype=dt)
+    self.post_attention_layernorm = RMSNorm(d, eps, rngs=rngs, dtype=dt)
+    self.self_attn = MLA(cfg, rngs=rngs) if self.kind == "mla" else KDA(cfg, rngs=rngs)
+    self.mlp = LatentMoE(cfg, rngs=rngs) if self.moe else GLU(cfg, cfg.dense_intermediate, rngs=rngs)
+    if self.attn_res_on:
+      self.self_attention_res = AttnRes(d, eps, rngs=rngs, dtype=dt)
+      self.mlp_res = AttnRes(d, eps, rngs=rngs, dtype=dt)
+
+  def _mlp(self, x, valid):
+    if self.moe:
+      return self.mlp(x, valid=valid)
+    return self.mlp(x), None
+
+  def __call__(self, prefix, blocks, *, segment_ids=None, valid=None, cache=None, decode=False,
+               lengths=None):
+    """One decoder layer.
+
+    With AttnRes, ``prefix`` is the current block's partial sum and ``blocks`` the committed
+    block summaries (a tuple of ``[B, T, d]``); without it ``prefix`` is the residual stream and
+    ``blocks`` stays empty. Returns (prefix, blocks, new cache, router stats or None).
+    """
+    attn_kw = dict(segment_ids=segment_ids, valid=valid, cache=cache, decode=decode)
+    if self.kind == "mla":
+      attn_kw["lengths"] = lengths
+    if not self.attn_res_on:
+      a, cache = self.self_attn(self.input_layernorm(prefix), **attn_kw)
+      x = shard(prefix + a, _ACT)
+      m, stats = self._mlp(self.post_attention_layernorm(x), valid)
+      return shard(x + m, _ACT), blocks, cache, stats
+    h = self.self_attention_res(blocks + (prefix,)) if blocks else prefix
+    if self.idx % self.block_size == 0:
+      blocks, prefix = blocks + (prefix,), None
+    a, cache = self.self_attn(self.input_layernorm(h), **attn_kw)
+    prefix = a if prefix is None else prefix + a
+    h = self.mlp_res(blocks + (prefix,))
+    m, stats = self._mlp(self.post_attention_layernorm(h), valid)
+    return shard(prefix + m, _ACT), blocks, cache, stats
+
+
+def _apply_layer(layer, x, blocks, segment_ids, valid, cache, decode, lengths):
+  return layer(x, blocks, segment_ids=segment_ids, valid=valid, cache=cache, decode=decode,
+               lengths=lengths)
+
+
+class K3Model(nnx.Module):
+  """Kimi K3 (``arch: kimi_k3``) or Kimi Linear (``arch: kimi_linear``) language model."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, dt = cfg.hidden_size, cfg.pdtype
+    self.embed_tokens = Embed(cfg.vocab_size, d, rngs=rngs, dtype=dt, std=cfg.init_std)
+    self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+    if cfg.attn_res.enabled:
+      self.output_attn_res = AttnRes(d, cfg.rms_norm_eps, rngs=rngs, dtype=dt)
+    self.norm = RMSNorm(d, cfg.rms_norm_eps, rngs=rngs, dtype=dt)
+    self.lm_head = Linear(d, cfg.vocab_size, ("embed", "vocab"), rngs=rngs, dtype=dt,
+                          std=cfg.init_std)
+
+  def hidden(self, input_ids, *, segment_ids=None, valid=None, cache=None, decode=False,
+             lengths=None):
+    """input_ids ``[B, T]`` int32 -> (h ``[B, T, d]`` after the final norm, aux).
+
+    aux: ``{"moe": {layer index (str): {"load": [E], "bias_stat": ...}}}`` and, with a cache,
+    ``{"cache": [per-layer caches]}``. ``valid`` ``[B, T]`` marks real tokens (defaults to
+    ``segment_ids > 0`` when segment ids are given).
+    """
+    cfg = self.cfg
+    if valid is None and segment_ids is not None:
+      valid = segment_ids > 0
+    x = shard(self.embed_tokens(input_ids, cfg.cdtype), _ACT)
+    blocks: tuple = ()
+    moe_stats, caches = {}, []
+    for i, layer in enumerate(self.layers):
+      fn = _apply_layer
+      if cfg.remat != "none" and cache is None:
+        fn = nnx.remat(fn, policy=_REMAT_POLICIES[cfg.remat], static_argnums=(6,))
+      x, blocks, c, stats = fn(layer, x, blocks, segment_ids, valid,
+                               None if cache is None else cache[i], decode, lengths)
+      caches.append(c)
+      if stats is not None:
+        moe_stats[str(i)] = stats
+    if cfg.attn_res.enabled:
+      x = self.output_attn_res(blocks + (x,))
+    aux = {"moe": moe_stats}
+    if cache is not None:
+      aux["cache"] = caches
+    return self.norm(x), aux
+
+  def logits(self, h: jax.Array) -> jax.Array:
+    """``[..., d]`` -> ``[..., V]`` float32 (for few tokens; training uses losses.cross_entropy)."""
+    acc = jnp.promote_types(h.dtype, jnp.float32)
+    return jnp.dot(h.astype(acc), self.lm_head.kernel[...].astype(acc))
+
+  def __call__(self, input_ids, *, segment_ids=None):
+    """input_ids ``[B, T]`` int32 -> logits ``[B, T, V]`` float32."""
+    h, _ = self.hidden(input_ids, segment_ids=segment_ids)
+    return self.logits(h)
+
+  def init_cache(self, batch: int, max_len: int) -> list:
+    """Per-layer decode caches for ``batch`` requests of up to ``max_len`` tokens."""
+    from k3jax.mla import PAGE_SIZE
+    max_len = -(-max_len // PAGE_SIZE) * PAGE_SIZE
+    return [layer.self_attn.init_cache(batch, max_len) if layer.kind == "mla"
+            else layer.self_attn.init_cache(batch) for layer in self.layers]

@@ -1,0 +1,70 @@
+"""Basic building blocks: parameters with logical axis names, Linear, RMSNorm, Embed.
+
+Every parameter is an ``nnx.Param`` whose ``sharding_names`` metadata holds one logical axis
+name per dimension (see :mod:`sharding.rules`). Parameters are stored in ``param_dtype`` and
+cast to the compute dtype where they are used.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Init = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
+
+
+def param(rngs: nnx.Rngs, init: Init, shape: Sequence[int], names: Sequence[str | None],
+          dtype) -> nnx.Param:
+  """An ``nnx.Param`` of ``shape`` with logical axis ``names`` (one per dimension)."""
+  if len(shape) != len(names):
+    raise ValueError(f"param: {len(names)} axis names {tuple(names)} for shape {tuple(shape)}")
+  return nnx.Param(init(rngs.params(), tuple(shape), dtype), sharding_names=tuple(names),
+                   eager_sharding=False)
+
+
+def normal(std: float) -> Init:
+  return lambda key, shape, dtype: std * jax.random.normal(key, shape, dtype)
+
+
+def constant(value: float) -> Init:
+  return lambda key, shape, dtype: jnp.full(shape, value, dtype)
+
+
+class Linear(nnx.Module):
+  """``y = x @ kernel`` with ``kernel [in, out]`` (no bias)."""
+
+  def __init__(self, din: int, dout: int, names: tuple[str | None, str | None], *, rngs: nnx.Rngs,
+               dtype, std: float = 0.02):
+    self.kernel = param(rngs, normal(std), (din, dout), names, dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return jnp.dot(x, self.kernel[...].astype(x.dtype))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+  """RMSNorm over the last axis in float32 (or wider), returned in x's dtype."""
+  xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  if weight is not None:
+    y = y * weight.astype(y.dtype)
+  return y.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, dtype, name: str | None = "embed"):
+    self.weight = param(rngs, constant(1.0), (dim,), (name,), dtype)
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return rms_norm(x, self.weight[...], self.eps)
+
+
+class Embed(nnx.Module):
+  def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, dtype, std: float = 0.02):
+    self.embedding = param(rngs, normal(std), (vocab, dim), ("vocab", "embed"), dtype)
+
+  def __call__(self, ids: jax.Array, dtype) -> jax.Array:
+    return jnp.take(self.embedding[...], ids, axis=0).astype(dtype)

@@ -1,0 +1,132 @@
+"""Sigmoid top-k routing with a selection-only bias, and the bias updates that balance it.
+
+Quantile Balancing (SPEC section 5): with N tokens, E experts and top-k, each expert's target
+load is ``q = N*k/E``. For token i the cutoff ``alpha_i`` is its (k+1)-th largest biased score;
+the margin ``m_ij = s_ij - alpha_i``; the next bias is ``b_j = -((q+1)-th largest of m_.j)``,
+mean-centred. At scale the same quantile is read from per-expert histograms of
+``alpha_i - s_ij`` (bins over ``[min b - 1, max b + 1]``), which sum across micro-batches and
+ranks. The baseline it replaces: ``b_j += gamma * sign(mean_load - load_j)``.
+
+All functions are pure; the bias is non-trainable state that the train step updates.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import MoEConfig
+
+
+def route(scores: jax.Array, bias: jax.Array, cfg: MoEConfig):
+  """Top-k selection on ``scores + bias``; weights from the unbiased scores.
+
+  scores: ``[N, E]`` sigmoid scores (float32); bias: ``[E]``.
+  Returns (expert ids ``[N, k]`` int32, weights ``[N, k]`` float32).
+  """
+  _, ids = jax.lax.top_k(scores + bias.astype(scores.dtype), cfg.top_k)
+  w = jnp.take_along_axis(scores, ids, axis=-1)
+  if cfg.renormalize and cfg.top_k > 1:
+    w = w / jnp.sum(w, axis=-1, keepdims=True)
+  return ids.astype(jnp.int32), w * cfg.routed_scaling_factor
+
+
+def expert_load(ids: jax.Array, num_experts: int, valid: jax.Array | None = None) -> jax.Array:
+  """``[E]`` float32: routed token slots per expert (padding tokens excluded)."""
+  w = jnp.ones(ids.shape, jnp.float32) if valid is None else jnp.broadcast_to(
+      valid[:, None], ids.shape).astype(jnp.float32)
+  return jnp.zeros((num_experts,), jnp.float32).at[ids.reshape(-1)].add(w.reshape(-1))
+
+
+def _margins(scores, bias, top_k, valid):
+  """``alpha_i - s_ij`` ``[N, E]`` (float32) with alpha_i the (k+1)-th largest biased score;
+  +inf on padding tokens so they never count."""
+  biased = scores + bias.astype(scores.dtype)
+  alpha = jax.lax.top_k(biased, top_k + 1)[0][:, -1:]
+  d = alpha - scores
+  if valid is not None:
+    d = jnp.where(valid[:, None], d, jnp.inf)
+  return d
+
+
+def _target(n_valid, cfg: MoEConfig):
+  return jnp.floor(n_valid * cfg.top_k / cfg.num_experts).astype(jnp.int32)
+
+
+def quantile_bias(scores, bias, cfg: MoEConfig, valid=None) -> jax.Array:
+  """Exact (sort-based) Quantile Balancing: the next bias ``[E]`` from one batch."""
+  d = _margins(scores, bias, cfg.top_k, valid)
+  n_valid = d.shape[0] if valid is None else jnp.sum(valid)
+  q = _target(n_valid, cfg)
+  # b_j = -((q+1)-th largest margin) = (q+1)-th smallest of alpha - s
+  new = jnp.sort(d, axis=0)[jnp.minimum(q, d.shape[0] - 1)]
+  return new - jnp.mean(new)
+
+
+def hist_edges(bias: jax.Array, bins: int) -> tuple[jax.Array, jax.Array]:
+  lo = jnp.min(bias) - 1.0
+  hi = jnp.max(bias) + 1.0
+  return lo, (hi - lo) / bins
+
+
+def quantile_histogram(scores, bias, cfg: MoEConfig, valid=None) -> jax.Array:
+  """``[E, bins]`` int32 per-expert histogram of ``alpha_i - s_ij`` over
+  ``[min b - 1, max b + 1]`` (values outside land in the edge bins; padding is not counted)."""
+  bins = cfg.balancing_bins
+  d = _margins(scores, bias, cfg.top_k, valid)
+  lo, width = hist_edges(bias, bins)
+  idx = jnp.clip(jnp.floor((d - lo) / width), 0, bins - 1).astype(jnp.int32)
+  e = d.shape[1]
+  flat = (jnp.arange(e)[None, :] * bins + idx).reshape(-1)
+  ones = jnp.isfinite(d).astype(jnp.int32).reshape(-1)
+  return jnp.zeros((e * bins,), jnp.int32).at[flat].add(ones).reshape(e, bins)
+
+
+def bias_from_histogram(hist: jax.Array, bias: jax.Array, cfg: MoEConfig) -> jax.Array:
+  """The (q+1)-th smallest value of each expert's histogram by cumulative count, with linear
+  interpolation inside the bin; mean-centred."""
+  bins = hist.shape[1]
+  n_valid = jnp.sum(hist[0])
+  q = _target(n_valid, cfg).astype(jnp.float32)
+  lo, width = hist_edges(bias, bins)
+  cum = jnp.cumsum(hist, axis=1).astype(jnp.float32)  # [E, bins]
+  rank = q + 1.0
+  j = jnp.argmax(cum >= rank, axis=1)  # first bin whose cumulative count reaches the rank
+  before = jnp.where(j > 0, jnp.take_along_axis(cum, (j - 1)[:, None], 1)[:, 0], 0.0)
+  count = jnp.take_along_axis(hist, j[:, None], 1)[:, 0].astype(jnp.float32)
+  frac = jnp.clip((rank - before - 0.5) / jnp.maximum(count, 1.0), 0.0, 1.0)
+  new = lo + (j.astype(jnp.float32) + frac) * width
+  return new - jnp.mean(new)
+
+
+def bias_stat(scores, bias, ids, cfg: MoEConfig, valid=None):
+  """What :func:`next_bias` needs from one micro-batch, by ``cfg.balancing``."""
+  if cfg.balancing == "quantile":
+    return quantile_bias(scores, bias, cfg, valid)
+  if cfg.balancing == "quantile_hist":
+    return quantile_histogram(scores, bias, cfg, valid)
+  return expert_load(ids, cfg.num_experts, valid)
+
+
+def sign_update(bias, load, rate: float) -> jax.Array:
+  """The baseline: ``b_j += rate * sign(mean_load - load_j)``."""
+  return bias + rate * jnp.sign(jnp.mean(load) - load)
+
+
+def next_bias(cfg: MoEConfig, bias: jax.Array, stats: Sequence[dict]) -> jax.Array:
+  """The bias for the next batch from the stats of one or more micro-batches.
+
+  stats: ``aux["moe"][layer]`` dicts (``bias_stat`` and ``load``), already summed across
+  devices. Exact QB averages the micro-batch biases; histogram QB sums the histograms; the sign
+  baseline sums the loads.
+  """
+  if cfg.balancing == "none":
+    return bias
+  if cfg.balancing == "quantile":
+    return jnp.mean(jnp.stack([s["bias_stat"] for s in stats]), axis=0).astype(bias.dtype)
+  total = sum(s["bias_stat"] for s in stats)
+  if cfg.balancing == "quantile_hist":
+    return bias_from_histogram(total, bias, cfg).astype(bias.dtype)
+  return sign_update(bias, total, cfg.sign_update_rate).astype(bias.dtype)

@@ -1,0 +1,17 @@
+"""Dispatch of the Pallas KDA kernels to their backend module (``gpu.py`` or ``tpu.py``).
+
+Each backend module exposes ``kda(q, k, v, g, beta, *, scale, initial_state, segment_ids,
+use_qk_l2norm, A_log, dt_bias, gate, lower_bound, beta_is_logit, chunk_size)`` with a
+``jax.custom_vjp`` and returns ``(o, final_state)``; on CPU it runs in interpret mode.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+
+def kda(q, k, v, g, beta, *, backend: str, **kwargs):
+  if backend not in ("gpu", "tpu"):
+    raise ValueError(f"kda: unknown Pallas backend {backend!r}")
+  mod = importlib.import_module(f"pallas_kernels.kda.{backend}")
+  return mod.kda(q, k, v, g, beta, **kwargs)
