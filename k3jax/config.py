@@ -76,6 +76,7 @@ class MoEConfig:
   renormalize: bool = True
   balancing: str = "quantile"  # "quantile" (exact), "quantile_hist", "sign", "none"
   balancing_bins: int = 1000
+  balancing_iters: int = 4  # exact QB: refinements of the update on the same batch
   sign_update_rate: float = 1e-3
   capacity_factor: float = 0.0  # 0: dropless
   implementation: str | None = None  # grouped matmul: None picks per backend
@@ -384,6 +385,7 @@ def validate(cfg: Config) -> None:
          f"top_k={e.top_k} must be between 1 and num_experts={e.num_experts}")
   _check(e.top_k < e.num_experts or e.balancing == "none", "model.moe.balancing",
          "quantile balancing needs top_k < num_experts")
+  _check(e.balancing_iters >= 1, "model.moe.balancing_iters", "must be >= 1")
   _check(e.latent_dim >= 0, "model.moe.latent_dim", "must be >= 0")
   _check(e.num_shared_experts >= 0, "model.moe.num_shared_experts", "must be >= 0")
 

@@ -1,0 +1,57 @@
+import pytest
+
+from k3jax import config
+from k3jax.config import ConfigError
+from conftest import ROOT
+
+PRESETS = ["k3", "kimi_linear_48b", "k3_tiny", "k3_1b"]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_load_frozen(name):
+  cfg = config.load(ROOT / "configs" / f"{name}.yaml")
+  assert cfg.model.name == name
+  with pytest.raises(Exception):
+    cfg.model.hidden_size = 1  # frozen
+
+
+def test_k3_layer_pattern():
+  m = config.load(ROOT / "configs" / "k3.yaml").model
+  mla = [i + 1 for i in range(m.num_layers) if m.layer_kind(i) == "mla"]
+  assert mla == list(range(4, 93, 4)) + [93]
+  assert sum(m.is_moe(i) for i in range(m.num_layers)) == 92
+
+
+def test_overrides_apply_and_validate():
+  cfg = config.load(ROOT / "configs" / "k3_tiny.yaml",
+                    ["train.steps=7", "model.moe.top_k=2", "data.seq_len=64", "model.mla_layers=[1]"])
+  assert (cfg.train.steps, cfg.model.moe.top_k, cfg.data.seq_len) == (7, 2, 64)
+  assert cfg.model.mla_layers == (1,)
+  again = config.replace(cfg, ["train.steps=9"])
+  assert again.train.steps == 9 and again.model == cfg.model
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model.foo=1", "model.foo"),
+    ("model.hidden_size=abc", "model.hidden_size"),
+    ("model.moe.top_k=17", "model.moe.top_k"),
+    ("model.num_layers=3", "model.mla_layers"),
+    ("model.kda.head_dim=96", "model.kda.head_dim"),
+    ("model.kda.gate=relu", "model.kda.gate"),
+    ("model.attn_res.enabled=maybe", "model.attn_res.enabled"),
+    ("train.batch_size=0", "train.batch_size"),
+    ("mesh.data=-1", None),
+])
+def test_config_errors_name_the_key(override, key):
+  if key is None:  # a valid override
+    config.load(ROOT / "configs" / "k3_tiny.yaml", [override])
+    return
+  with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+    config.load(ROOT / "configs" / "k3_tiny.yaml", [override])
+
+
+def test_missing_file_and_bad_override():
+  with pytest.raises(ConfigError, match="does not exist"):
+    config.load("configs/nope.yaml")
+  with pytest.raises(ConfigError, match="key=value"):
+    config.load(ROOT / "configs" / "k3_tiny.yaml", ["train.steps"])

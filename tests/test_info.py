@@ -1,0 +1,28 @@
+import json
+import subprocess
+import sys
+
+from k3jax import config
+from k3jax.info import param_counts
+from conftest import ROOT
+
+
+def test_k3_counts_match_release():
+  out = subprocess.run([sys.executable, "-m", "k3jax.info", str(ROOT / "configs" / "k3.yaml")],
+                       capture_output=True, text=True, check=True, cwd=ROOT)
+  info = json.loads(out.stdout)
+  assert abs(info["total_params"] / 2.78e12 - 1) < 0.01
+  assert abs(info["active_params"] / 104.2e9 - 1) < 0.01
+  # the released config's count by this rule: 2.7795T and 104.19B
+  assert abs(info["total_params"] - 2.7795e12) < 1e9
+  assert abs(info["active_params"] - 104.19e9) < 0.01e9
+  assert info["cache"]["mla_bytes_per_token"] == 24 * 576 * 2
+
+
+def test_kimi_linear_and_small_presets():
+  kl = param_counts(config.load(ROOT / "configs" / "kimi_linear_48b.yaml").model)
+  assert 47e9 < kl["total_params"] < 50e9 and 2.8e9 < kl["active_params"] < 3.3e9
+  one_b = param_counts(config.load(ROOT / "configs" / "k3_1b.yaml").model)
+  assert 0.9e9 < one_b["total_params"] < 1.2e9
+  tiny = param_counts(config.load(ROOT / "configs" / "k3_tiny.yaml").model)
+  assert 1e6 < tiny["total_params"] < 10e6

@@ -1,0 +1,144 @@
+"""AttnRes, SiTU-GLU, short conv, routing and Quantile Balancing against NumPy."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax import router
+from k3jax.attn_res import attn_res
+from k3jax.config import MoEConfig
+from k3jax.glu import situ_glu
+from k3jax.kda import short_conv
+
+
+def test_attn_res_matches_numpy_and_zero_query_is_mean():
+  rng = np.random.default_rng(0)
+  srcs = [rng.normal(size=(2, 5, 16)) * (i + 1) for i in range(4)]
+  proj, norm = rng.normal(size=16), rng.normal(size=16)
+  got = np.asarray(attn_res([jnp.asarray(s, jnp.float32) for s in srcs], jnp.asarray(proj), jnp.asarray(norm), 1e-5))
+  want = np.zeros((2, 5, 16))
+  for b in range(2):
+    for t in range(5):
+      logits = []
+      for s in srcs:
+        v = s[b, t]
+        logits.append(np.dot(v / np.sqrt(np.mean(v * v) + 1e-5), norm * proj))
+      p = np.exp(np.array(logits) - max(logits))
+      p /= p.sum()
+      want[b, t] = sum(pi * s[b, t] for pi, s in zip(p, srcs))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  mean = attn_res([jnp.asarray(s, jnp.float32) for s in srcs], jnp.zeros(16), jnp.asarray(norm), 1e-5)
+  np.testing.assert_allclose(np.asarray(mean), np.mean(srcs, axis=0), rtol=1e-5, atol=1e-5)
+
+
+def test_situ_glu_bounded_and_swiglu_near_origin():
+  a = jnp.linspace(-1e4, 1e4, 1001)
+  h = situ_glu(a[:, None], a[None, :])
+  assert float(jnp.max(jnp.abs(h))) <= 100.0 + 1e-3
+  x = jnp.linspace(-0.05, 0.05, 11)
+  swiglu = jax.nn.silu(x)[:, None] * x[None, :]
+  np.testing.assert_allclose(np.asarray(situ_glu(x[:, None], x[None, :])), np.asarray(swiglu), atol=1e-5)
+  # the closed form itself
+  a0, b0 = 3.0, -40.0
+  want = 4 * np.tanh(a0 / 4) / (1 + np.exp(-a0)) * 25 * np.tanh(b0 / 25)
+  np.testing.assert_allclose(float(situ_glu(jnp.float32(a0), jnp.float32(b0))), want, rtol=1e-5)
+
+
+def test_short_conv_matches_numpy_with_segments_and_tail():
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=(2, 9, 3)).astype(np.float32)
+  w = rng.normal(size=(4, 3)).astype(np.float32)
+  seg = np.array([[1] * 4 + [2] * 5, [1] * 9])
+  y, tail = short_conv(jnp.asarray(x), jnp.asarray(w), jnp.asarray(seg))
+  want = np.zeros_like(x)
+  for b in range(2):
+    for t in range(9):
+      acc = np.zeros(3)
+      for j in range(4):
+        s = t - (3 - j)
+        if s >= 0 and seg[b, s] == seg[b, t]:
+          acc += w[j] * x[b, s]
+      want[b, t] = acc / (1 + np.exp(-acc))
+  np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(tail), x[:, -3:])
+  # splitting the sequence and carrying the tail gives the same result
+  y1, t1 = short_conv(jnp.asarray(x[:, :5]), jnp.asarray(w))
+  y2, _ = short_conv(jnp.asarray(x[:, 5:]), jnp.asarray(w), tail=t1)
+  full, _ = short_conv(jnp.asarray(x), jnp.asarray(w))
+  np.testing.assert_allclose(np.concatenate([y1, y2], 1), np.asarray(full), rtol=1e-6, atol=1e-6)
+
+
+def test_router_bias_changes_selection_not_weights():
+  cfg = MoEConfig(num_experts=8, top_k=2, routed_scaling_factor=2.5)
+  scores = jax.nn.sigmoid(jax.random.normal(jax.random.key(0), (64, 8)))
+  ids0, w0 = router.route(scores, jnp.zeros(8), cfg)
+  bias = jnp.zeros(8).at[7].set(10.0)
+  ids1, w1 = router.route(scores, bias, cfg)
+  assert bool(jnp.all(jnp.any(ids1 == 7, axis=1)))  # the bias forces expert 7 in
+  assert not bool(jnp.all(ids0 == ids1))
+  # weights are the unbiased scores of the chosen experts, renormalised and scaled
+  s = np.asarray(scores)
+  for i in range(64):
+    sel = s[i, np.asarray(ids1[i])]
+    np.testing.assert_allclose(np.asarray(w1[i]), sel / sel.sum() * 2.5, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(w0.sum(1)), 2.5, rtol=1e-6)
+
+
+def _skewed_scores(n, e, seed=0):
+  key1, key2 = jax.random.split(jax.random.key(seed))
+  skew = jnp.linspace(-1.0, 1.0, e)  # strongly preferred experts
+  return jax.nn.sigmoid(jax.random.normal(key1, (n, e)) + skew)
+
+
+@pytest.mark.parametrize("experts, top_k", [(16, 4), (64, 8)])
+def test_quantile_balancing_one_update(experts, top_k):
+  cfg = MoEConfig(num_experts=experts, top_k=top_k, balancing="quantile")
+  scores = _skewed_scores(8192, experts)
+  bias = jnp.zeros(experts)
+  ids, _ = router.route(scores, bias, cfg)
+  load0 = router.expert_load(ids, experts)
+  assert float(load0.max() / load0.mean()) > 2.0  # skewed before
+  stat = router.bias_stat(scores, bias, ids, cfg)
+  new = router.next_bias(cfg, bias, [{"bias_stat": stat, "load": load0}])
+  assert abs(float(new.mean())) < 1e-5
+  ids1, _ = router.route(scores, new, cfg)
+  load1 = router.expert_load(ids1, experts)
+  assert float(load1.max() / load1.mean()) < 1.05
+
+
+def test_quantile_exact_matches_numpy_and_ignores_padding():
+  cfg = MoEConfig(num_experts=6, top_k=2, balancing_iters=1)
+  scores = np.asarray(_skewed_scores(50, 6, seed=3), np.float64)
+  bias = np.linspace(-0.2, 0.2, 6)
+  valid = np.arange(50) < 41
+  got = np.asarray(router.quantile_bias(jnp.asarray(scores, jnp.float32), jnp.asarray(bias, jnp.float32),
+                                        cfg, jnp.asarray(valid)))
+  s = scores[valid]
+  q = int(np.floor(len(s) * 2 / 6))
+  alpha = np.sort(s + bias, axis=1)[:, -3]
+  want = np.array([-np.sort(s[:, j] - alpha)[::-1][q] for j in range(6)])
+  np.testing.assert_allclose(got, want - want.mean(), atol=1e-5)
+
+
+def test_histogram_bias_within_one_bin_of_exact():
+  cfg = MoEConfig(num_experts=16, top_k=4, balancing="quantile_hist", balancing_bins=1000)
+  scores = _skewed_scores(2048, 16, seed=5)
+  bias = jnp.linspace(-0.5, 0.5, 16)
+  exact = router.quantile_bias(scores, bias, dataclasses.replace(cfg, balancing_iters=1))
+  # two micro-batches' histograms sum to the whole batch's
+  h = router.quantile_histogram(scores[:1024], bias, cfg) + router.quantile_histogram(scores[1024:], bias, cfg)
+  np.testing.assert_array_equal(np.asarray(h), np.asarray(router.quantile_histogram(scores, bias, cfg)))
+  approx = router.bias_from_histogram(h, bias, cfg)
+  width = (float(bias.max() - bias.min()) + 2.0) / 1000
+  assert float(jnp.max(jnp.abs(approx - exact))) <= width
+
+
+def test_sign_baseline():
+  cfg = MoEConfig(num_experts=4, top_k=1, balancing="sign", sign_update_rate=0.01)
+  bias = jnp.zeros(4)
+  load = jnp.array([10.0, 0.0, 5.0, 5.0])
+  new = router.next_bias(cfg, bias, [{"bias_stat": load, "load": load}])
+  np.testing.assert_allclose(np.asarray(new), [-0.01, 0.01, 0.0, 0.0])
