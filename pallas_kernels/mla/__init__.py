@@ -1,22 +1,34 @@
 """MLA attention ops: ``mla_attention`` (training/prefill) and ``mla_decode`` (paged latent cache).
 
 ``implementation``: ``"xla"`` (reference), ``"pallas_gpu"``, ``"pallas_tpu"``, ``"pallas"`` (the
-current platform's), ``"cudnn"`` (GPU, values padded to the query dim; prefill only) or ``None``
-(the best available: Pallas on GPU/TPU, XLA on CPU).
+current platform's), ``"cudnn"`` (GPU, values padded to the query dim; prefill only),
+``"cudnn_fwd"`` (GPU: cuDNN with padded values for an undifferentiated call with T == S and no
+segment ids, else the Pallas kernels, always under differentiation; decode: Pallas) or ``None`` (the
+best available: ``"cudnn_fwd"`` on GPU, Pallas on TPU, XLA on CPU).
+
+Why ``"cudnn_fwd"`` on GPU (H200, bf16, ``benchmarks/RESULTS.md``): at B1 T16384 H32 and B2 T8192
+H96 causal, cuDNN's forward is 1.15-1.21x faster than the Pallas forward, but the Pallas
+forward+backward is 1.10-1.14x faster than cuDNN's; with packed documents cuDNN needs a dense mask
+(3.6-3.9x slower than its causal case) while Pallas skips blocks (1.6-2.8x faster than causal).
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import jax.numpy as jnp
+
 from pallas_kernels import default_backend
 from pallas_kernels.mla import reference
 
-IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas_tpu", "pallas", "cudnn")
+IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas_tpu", "pallas", "cudnn", "cudnn_fwd")
 
 
 def resolve(implementation: str | None) -> str:
   backend = default_backend()
   if implementation is None:
-    implementation = "pallas" if backend in ("gpu", "tpu") else "xla"
+    implementation = {"gpu": "cudnn_fwd", "tpu": "pallas"}.get(backend, "xla")
   if implementation == "pallas":
     implementation = "pallas_tpu" if backend == "tpu" else "pallas_gpu"
   if implementation not in IMPLEMENTATIONS:
@@ -35,9 +47,61 @@ def mla_attention(q, k, v, *, segment_ids=None, causal=True, scale=None, impleme
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   if impl == "xla":
     return reference.attention(q, k, v, segment_ids=segment_ids, causal=causal, scale=scale)
+  if impl == "cudnn":
+    return padded_dot_product_attention(q, k, v, segment_ids=segment_ids, causal=causal,
+                                        scale=scale)
+  if impl == "cudnn_fwd" and segment_ids is None and q.shape[1] == k.shape[1]:
+    return fast_forward_pallas_grad(q, k, v, bool(causal), float(scale), "cudnn")
   from pallas_kernels.mla import prefill
   return prefill.mla_attention(q, k, v, segment_ids=segment_ids, causal=causal, scale=scale,
-                               backend=impl.removeprefix("pallas_"))
+                               backend=_pallas_backend(impl))
+
+
+def _pallas_backend(impl: str) -> str:
+  return "gpu" if impl == "cudnn_fwd" else impl.removeprefix("pallas_")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def fast_forward_pallas_grad(q, k, v, causal, scale, fast):
+  """Attention computed by ``padded_dot_product_attention(implementation=fast)`` when not
+  differentiated; under differentiation the Pallas GPU forward (which saves the log-sum-exp) and
+  backward run instead."""
+  return padded_dot_product_attention(q, k, v, causal=causal, scale=scale, implementation=fast)
+
+
+def _ffpg_fwd(q, k, v, causal, scale, fast):
+  from pallas_kernels.mla import prefill
+  del fast
+  return jax.vjp(functools.partial(prefill.mla_attention, causal=causal, scale=scale,
+                                   backend="gpu"), q, k, v)
+
+
+def _ffpg_bwd(causal, scale, fast, vjp, do):
+  del causal, scale, fast
+  return vjp(do)
+
+
+fast_forward_pallas_grad.defvjp(_ffpg_fwd, _ffpg_bwd)
+
+
+def padded_dot_product_attention(q, k, v, *, segment_ids=None, causal=True, scale,
+                                 implementation="cudnn"):
+  """``jax.nn.dot_product_attention`` with v zero-padded to q's head dim (it needs Dv == Dk),
+  sliced back to ``[B, T, H, Dv]``. Segments (and causal with T != S) go in as a dense mask."""
+  dk, dv = q.shape[-1], v.shape[-1]
+  if dv > dk:
+    raise ValueError(f"mla_attention(cudnn): value dim {dv} exceeds query dim {dk}")
+  vp = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, dk - dv))) if dv < dk else v
+  t, s = q.shape[1], k.shape[1]
+  mask = None
+  if segment_ids is not None or (causal and t != s):
+    mask = reference.attention_mask(t, s, segment_ids, causal)[:, None]
+  o = jax.nn.dot_product_attention(q, k, vp, mask=mask, scale=scale,
+                                   is_causal=bool(causal) and t == s,
+                                   implementation=implementation)[..., :dv]
+  if mask is not None:  # rows with no visible key give zeros (as the reference)
+    o = jnp.where(mask.any(-1).swapaxes(1, 2)[..., None], o, 0)
+  return o
 
 
 def mla_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, implementation=None):
@@ -55,7 +119,8 @@ def mla_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, implementa
                                   scale=scale)
   from pallas_kernels.mla import decode
   return decode.mla_decode(q, cache, page_table, lengths, kv_lora_rank=kv_lora_rank, scale=scale,
-                           backend=impl.removeprefix("pallas_"))
+                           backend=_pallas_backend(impl))
 
 
-__all__ = ["mla_attention", "mla_decode", "resolve", "IMPLEMENTATIONS"]
+__all__ = ["mla_attention", "mla_decode", "padded_dot_product_attention",
+           "fast_forward_pallas_grad", "resolve", "IMPLEMENTATIONS"]

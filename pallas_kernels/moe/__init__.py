@@ -1,7 +1,11 @@
 """MoE ops: grouped matmuls and token permutation.
 
-``implementation``: ``"xla"`` (``jax.lax.ragged_dot``, the reference), ``"pallas_gpu"``,
-``"pallas_tpu"``, ``"pallas"`` (the current platform's) or ``None`` (Pallas on GPU/TPU, XLA on CPU).
+``implementation``: ``"xla"`` (``jax.lax.ragged_dot``, the reference), ``"pallas_gpu"`` (Mosaic GPU
+kernels for Hopper, :mod:`pallas_kernels.moe.gpu`), ``"pallas_tpu"`` (megablox,
+:mod:`pallas_kernels.moe.tpu`), ``"pallas"`` (the current platform's) or ``None``: Pallas on
+GPU/TPU where the kernels take the operands (GPU: bf16/f16, K and N multiples of 64), else XLA.
+An explicit Pallas implementation raises on operands its kernels do not take. On a CPU backend the
+Pallas kernels run in interpret mode.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ def gmm(lhs, rhs, group_sizes, *, implementation=None, preferred_element_type=No
   ``group_sizes [E]`` int32 (sum <= M; rows past the sum give zeros). Returns ``[M, N]``.
   Differentiable in lhs and rhs."""
   impl = resolve(implementation)
-  if impl == "xla":
-    return reference.gmm(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
-  from pallas_kernels.moe import pallas as _pallas
-  return _pallas.gmm(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
-                     backend=impl.removeprefix("pallas_"))
+  if impl != "xla":
+    from pallas_kernels.moe import pallas as _pallas
+    backend = impl.removeprefix("pallas_")
+    if implementation is not None or _pallas.supported(lhs, rhs, group_sizes, backend):
+      return _pallas.gmm(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
+                         backend=backend)
+  return reference.gmm(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
 
 
 def expert_mlp(x, expert_ids, weights, w_gate_up, w_down, activation, *, implementation=None):

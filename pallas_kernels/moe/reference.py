@@ -1,6 +1,13 @@
-"""XLA reference for grouped matmuls and token permutation."""
+"""XLA reference for grouped matmuls, and the token permutation shared by every implementation.
+
+The permutation never builds a ``[tokens, experts]`` one-hot: one stable sort of the ``N*k``
+expert ids, its inverse (a scatter of an iota), and row gathers whose VJPs are row gathers with
+the other permutation (no scatter-add, no dense ``[N*k, N]`` matrix in the gradient).
+"""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,25 +20,72 @@ def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None):
   return out
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _expand(x, order, inverse, k):
+  """``x [N, D]`` -> ``[N*k, D]``: row r is token ``order[r] // k``."""
+  return jnp.take(x, order // k, axis=0)
+
+
+def _expand_fwd(x, order, inverse, k):
+  return _expand(x, order, inverse, k), (order, inverse)
+
+
+def _expand_bwd(k, res, g):
+  order, inverse = res
+  n = inverse.shape[0] // k
+  dx = jnp.take(g, inverse, axis=0).reshape(n, k, -1).sum(axis=1, dtype=jnp.float32)
+  return dx.astype(g.dtype), None, None
+
+
+_expand.defvjp(_expand_fwd, _expand_bwd)
+
+
+@jax.custom_vjp
+def _gather_rows(y, index, inverse):
+  """``y[index]`` for a permutation ``index`` with inverse ``inverse``."""
+  return jnp.take(y, index, axis=0)
+
+
+def _gather_rows_fwd(y, index, inverse):
+  return _gather_rows(y, index, inverse), (index, inverse)
+
+
+def _gather_rows_bwd(res, g):
+  index, inverse = res
+  return _gather_rows(g, inverse, index), None, None
+
+
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
 def permute(x, expert_ids, num_experts):
   """Sorts token-expert pairs by expert (stable) and gathers the tokens into that order.
 
-  x: ``[N, D]``; expert_ids: ``[N, k]``. Returns (``xs [N*k, D]``, ``group_sizes [E]`` int32,
-  ``order [N*k]``: the flat pair index of each sorted row).
+  x: ``[N, D]``; expert_ids: ``[N, k]`` int. Returns (``xs [N*k, D]``, ``group_sizes [E]`` int32,
+  ``order [N*k]`` int32: the flat pair index ``n*k + j`` of each sorted row).
   """
   n, k = expert_ids.shape
-  flat = expert_ids.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  xs = jnp.take(x, order // k, axis=0)
-  group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  flat = expert_ids.reshape(-1).astype(jnp.int32)
+  iota = jnp.arange(n * k, dtype=jnp.int32)
+  sorted_ids, order = jax.lax.sort((flat, iota), num_keys=1, is_stable=True)
+  inverse = _inverse(order)
+  xs = _expand(x, order, inverse, k)
+  ends = jnp.searchsorted(sorted_ids, jnp.arange(num_experts, dtype=jnp.int32), side="right")
+  group_sizes = jnp.diff(ends.astype(jnp.int32), prepend=jnp.int32(0))
   return xs, group_sizes, order
+
+
+def _inverse(order):
+  """The inverse permutation of ``order`` (one scatter of an iota)."""
+  iota = jnp.arange(order.shape[0], dtype=order.dtype)
+  return jnp.zeros_like(order).at[order].set(iota, unique_indices=True)
 
 
 def unpermute(y, order, weights):
   """Inverse of :func:`permute`: ``y [N*k, D]`` in sorted order, weighted sum over each token's k
-  experts with ``weights [N, k]``. Returns ``[N, D]`` in y's dtype."""
+  experts with ``weights [N, k]`` (float32 accumulation). Returns ``[N, D]`` in y's dtype."""
   n, k = weights.shape
-  unsorted = jnp.zeros_like(y).at[order].set(y)  # pair order
-  out = jnp.einsum("nkd,nk->nd", unsorted.reshape(n, k, -1).astype(jnp.float32),
+  pairs = _gather_rows(y, _inverse(order), order)  # pair order
+  out = jnp.einsum("nkd,nk->nd", pairs.reshape(n, k, -1).astype(jnp.float32),
                    weights.astype(jnp.float32))
   return out.astype(y.dtype)

@@ -1,0 +1,103 @@
+"""KDA decode: a few new tokens for N requests against a pool of float32 states.
+
+Shapes: q, k ``[N, Tn, H, K]``; v ``[N, Tn, HV, V]``; g ``[N, Tn, HV, K]``; beta ``[N, Tn, HV]``;
+state pool ``[S, HV, K, V]`` float32; slots ``[N]`` int32 (pool row of each request).
+
+GPU (Pallas, Triton lowering): one program per (request, value head, V tile) loads its state
+tile once, applies the Tn token updates of SPEC section 2 in registers (with the L2 norm, the
+gate from ``f, A_log, dt_bias`` and the beta sigmoid fused) and writes the tile back in place:
+the pool is an input/output alias, so with the pool donated nothing else of it is touched.
+Other backends use the XLA path of :mod:`pallas_kernels.kda`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.kda import reference
+from pallas_kernels.kda.reference import L2_EPS
+
+
+def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_ref, s_ref,
+                   o_ref, so_ref, *, tn, group, bv, scale, l2, gate, lower_bound, beta_logit):
+  n, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  f32 = jnp.float32
+  slot = slots_ref[n]
+  vs = pl.ds(iv * bv, bv)
+  s = s_ref[slot, h, :, vs]  # [K, BV] float32
+  for t in range(tn):
+    q = q_ref[n, t, h // group, :].astype(f32)
+    k = k_ref[n, t, h // group, :].astype(f32)
+    if l2:
+      q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS)
+      k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
+    g = g_ref[n, t, h, :].astype(f32)
+    if gate is not None:
+      x = g + dtb_ref[h, :].astype(f32)
+      a = jnp.exp(alog_ref[h].astype(f32))
+      g = (lower_bound * jax.nn.sigmoid(a * x) if gate == "bounded"
+           else -a * jax.nn.softplus(x))
+    beta = b_ref[n, t, h].astype(f32)
+    if beta_logit:
+      beta = jax.nn.sigmoid(beta)
+    s = s * jnp.exp(g)[:, None]
+    pred = jnp.sum(k[:, None] * s, axis=0)
+    s = s + k[:, None] * (beta * (v_ref[n, t, h, vs].astype(f32) - pred))[None, :]
+    o_ref[n, t, h, vs] = (scale * jnp.sum(q[:, None] * s, axis=0)).astype(o_ref.dtype)
+  so_ref[slot, h, :, vs] = s
+
+
+def _decode_gpu(q, k, v, g, beta, state, slots, *, scale, use_qk_l2norm, A_log, dt_bias, gate,
+                lower_bound, beta_is_logit, block_v=64, num_warps=4):
+  n, tn, h, kd = q.shape
+  hv, vd = v.shape[2], v.shape[3]
+  bv = min(block_v, vd)
+  if gate is None:
+    A_log, dt_bias = jnp.zeros((hv,), jnp.float32), jnp.zeros((hv * kd,), jnp.float32)
+  kern = functools.partial(_decode_kernel, tn=tn, group=hv // h, bv=bv, scale=float(scale),
+                           l2=bool(use_qk_l2norm), gate=gate, lower_bound=float(lower_bound),
+                           beta_logit=bool(beta_is_logit))
+  return pl.pallas_call(
+      kern,
+      out_shape=[jax.ShapeDtypeStruct((n, tn, hv, vd), v.dtype),
+                 jax.ShapeDtypeStruct(state.shape, state.dtype)],
+      grid=(n, hv, vd // bv),
+      input_output_aliases={8: 1},
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=jax.default_backend() != "gpu",
+      name="kda_decode",
+  )(slots.astype(jnp.int32), q, k, v, g, beta, A_log.reshape(hv), dt_bias.reshape(hv, kd),
+    state)
+
+
+def kda_decode(q, k, v, g, beta, state, *, slots, scale, use_qk_l2norm=False, A_log=None,
+               dt_bias=None, gate=None, lower_bound=-5.0, beta_is_logit=False, backend="gpu"):
+  """Advances the pool rows ``slots`` by the Tn tokens. Returns ``(o [N, Tn, HV, V], state)``.
+
+  Donate ``state`` to the enclosing ``jax.jit`` so the update happens in place.
+  """
+  n, tn, h, kd = q.shape
+  hv, vd = v.shape[2], v.shape[3]
+  if state.dtype != jnp.float32 or state.shape[1:] != (hv, kd, vd):
+    raise ValueError(f"kda_decode: state {state.shape} {state.dtype} must be float32 "
+                     f"[S, {hv}, {kd}, {vd}]")
+  if slots.shape != (n,):
+    raise ValueError(f"kda_decode: slots {slots.shape} must be [N={n}]")
+  if gate is not None and (A_log is None or dt_bias is None):
+    raise ValueError("kda_decode: gate set but A_log / dt_bias missing")
+  kwargs = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias,
+                gate=gate, lower_bound=lower_bound, beta_is_logit=beta_is_logit)
+  if backend == "gpu":
+    return _decode_gpu(q, k, v, g, beta, state, slots, **kwargs)
+  if backend != "tpu":
+    raise ValueError(f"kda_decode: unknown backend {backend!r}")
+  from pallas_kernels.kda import _prepare  # the package's XLA pre-processing
+  del kwargs["scale"]
+  q, k, g, beta = _prepare(q, k, g, beta, **kwargs)
+  o, s = reference.kda_naive(q, k, v, g, beta, scale=scale, initial_state=state[slots])
+  return o.astype(v.dtype), state.at[slots].set(s.astype(state.dtype))

@@ -1,0 +1,701 @@
+"""Flash attention with MLA's shapes (query/key dim != value dim) as Pallas kernels, GPU and TPU.
+
+Forward and backward (``jax.custom_vjp``), causal or not, packed documents as segment ids, bf16
+inputs with float32 accumulation, no padding of the head dims: Dk = 192 runs as two matmuls of
+128 + 64 (Triton wants power-of-two tiles), any dim that is a multiple of 16 works.
+
+Block skipping: the wrapper classifies every (query block, key block) pair from the causal
+diagonal, key padding and per-block min/max segment ids as *skipped* (nothing visible), *full*
+(everything visible: no element mask) or *partial*. Each row of blocks is summarised as
+``[lo, a, b, hi)``: only blocks in ``[lo, hi)`` are visited, ``[a, b)`` (the first run of full
+blocks) without a mask, the rest with one. With sorted (packed) segment ids this visits exactly
+the blocks that intersect the query block's documents.
+
+Softmax runs in base 2 (scores pre-multiplied by ``scale * log2(e)``); the forward saves the
+base-2 log-sum-exp ``[B, H, T]`` (``+inf`` for rows that see no key, so their probabilities are 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import operator
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import default_backend
+
+LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+  """Tile sizes (powers of two) and Triton launch parameters of the three kernels.
+
+  The GPU defaults won a sweep on the H200 at B2 T8192 H96 causal (``benchmarks/mla.py``)."""
+  fwd_q: int = 128
+  fwd_k: int = 64
+  fwd_warps: int = 8
+  fwd_stages: int = 3
+  dkv_q: int = 64
+  dkv_k: int = 128
+  dkv_warps: int = 8
+  dkv_stages: int = 2
+  dq_q: int = 128
+  dq_k: int = 64
+  dq_warps: int = 8
+  dq_stages: int = 2
+
+  def fitted(self, t: int, s: int) -> "Blocks":
+    """Tiles no longer than the (power-of-two rounded, at least 16) sequence they cover."""
+    cap_t = max(16, pl.next_power_of_2(t))
+    cap_s = max(16, pl.next_power_of_2(s))
+    return dataclasses.replace(
+        self, fwd_q=min(self.fwd_q, cap_t), fwd_k=min(self.fwd_k, cap_s),
+        dkv_q=min(self.dkv_q, cap_t), dkv_k=min(self.dkv_k, cap_s),
+        dq_q=min(self.dq_q, cap_t), dq_k=min(self.dq_k, cap_s))
+
+  def pad_to(self) -> int:
+    return max(self.fwd_q, self.fwd_k, self.dkv_q, self.dkv_k, self.dq_q, self.dq_k)
+
+
+GPU_BLOCKS = Blocks()
+TPU_BLOCKS = Blocks(fwd_q=128, fwd_k=128, dkv_q=128, dkv_k=128, dq_q=128, dq_k=128)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  backend: str
+  causal: bool
+  scale: float
+  t: int  # true query length
+  s: int  # true key length
+  blocks: Blocks
+  interpret: bool
+
+
+def _pow2_parts(d: int) -> tuple[tuple[int, int], ...]:
+  """``(offset, size)`` power-of-two pieces of a dim (a multiple of 16), largest first."""
+  parts, off = [], 0
+  for bit in reversed(range(d.bit_length())):
+    if d & (1 << bit):
+      parts.append((off, 1 << bit))
+      off += 1 << bit
+  return tuple(parts)
+
+
+# --------------------------------------------------------------------------- block tables
+
+
+def _seg_minmax(seg, blk):
+  """``[B, n]`` min and max segment id of each block of ``seg [B, Tp]``."""
+  r = seg.reshape(seg.shape[0], -1, blk)
+  return r.min(-1), r.max(-1)
+
+
+def _visibility(seg, *, t, s, tp, sp, bq, bk, causal):
+  """``(any, full)`` bool ``[B or 1, nq, nk]``: some / every element of the block pair visible."""
+  nq, nk = tp // bq, sp // bk
+  qi = jnp.arange(nq)[:, None]
+  kj = jnp.arange(nk)[None, :]
+  off = s - t
+  q_first = qi * bq + off
+  q_last = jnp.minimum(qi * bq + bq - 1, t - 1) + off
+  k_first, k_last = kj * bk, kj * bk + bk - 1
+  vis = (k_first < s) & (qi * bq < t)
+  full = (k_last < s) & (qi * bq < t)
+  if causal:
+    vis &= k_first <= q_last
+    full &= k_last <= q_first
+  vis, full = vis[None], full[None]
+  if seg is not None:
+    qmin, qmax = _seg_minmax(seg, bq)
+    kmin, kmax = _seg_minmax(seg, bk)
+    vis = vis & (kmax[:, None, :] >= qmin[:, :, None]) & (kmin[:, None, :] <= qmax[:, :, None])
+    uniform = ((qmin == qmax)[:, :, None] & (kmin == kmax)[:, None, :]
+               & (qmin[:, :, None] == kmin[:, None, :]))
+    full = full & uniform
+  return vis, full
+
+
+def _summarise(vis, full):
+  """``[..., n]`` visibility rows -> ``[..., 4]`` int32 ``(lo, a, b, hi)`` (see module doc)."""
+  n = vis.shape[-1]
+  j = jnp.arange(n)
+  anyv = vis.any(-1)
+  lo = jnp.where(anyv, jnp.argmax(vis, -1), 0)
+  hi = jnp.where(anyv, n - jnp.argmax(vis[..., ::-1], -1), 0)
+  anyf = full.any(-1)
+  a = jnp.where(anyf, jnp.argmax(full, -1), hi)
+  after = ~full & (j >= a[..., None])
+  b = jnp.where(after.any(-1), jnp.argmax(after, -1), n)
+  b = jnp.where(anyf, jnp.minimum(b, hi), hi)
+  return jnp.stack([lo, a, b, hi], -1).astype(jnp.int32)
+
+
+def block_tables(seg, *, t, s, tp, sp, bq, bk, causal):
+  """``(rows, cols)``: ``[B or 1, nq, 4]`` key-block ranges per query block and
+  ``[B or 1, nk, 4]`` query-block ranges per key block."""
+  vis, full = _visibility(seg, t=t, s=s, tp=tp, sp=sp, bq=bq, bk=bk, causal=causal)
+  return _summarise(vis, full), _summarise(vis.swapaxes(1, 2), full.swapaxes(1, 2))
+
+
+def _mask(qpos, kpos, qseg, kseg, *, causal, s, off):
+  """Element mask from broadcastable positions / segment ids."""
+  m = kpos < s
+  if causal:
+    m = m & (kpos <= qpos + off)
+  if qseg is not None:
+    m = m & (qseg == kseg)
+  return m
+
+
+def _dot_nt(a, b):
+  """``a [M, K] @ b [N, K].T`` with float32 accumulation."""
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot(a, b):
+  return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def _scores(q_parts, k_parts, scale2):
+  return functools.reduce(operator.add, map(_dot_nt, q_parts, k_parts)) * scale2
+
+
+def _softmax_step(s, m, l, accs, v_parts):
+  """One online-softmax update (base 2). s ``[bq, bk]``, m/l ``[bq, 1]``, accs ``[bq, dv_i]``."""
+  m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp2(m - m_safe)
+  p = jnp.exp2(s - m_safe)
+  l = l * alpha + p.sum(axis=1, keepdims=True)
+  pb = p.astype(v_parts[0].dtype)
+  accs = tuple(acc * alpha + _dot(pb, vc) for acc, vc in zip(accs, v_parts))
+  return m_new, l, accs
+
+
+def _finish(m, l, accs):
+  """Normalised outputs and the base-2 log-sum-exp (``+inf`` where no key was visible)."""
+  seen = l > 0.0
+  inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+  lse = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
+  return tuple(acc * inv for acc in accs), lse
+
+
+def _grad_step(q_parts, k_parts, v_parts, do_parts, lse, delta, mask, scale2):
+  """``(p, ds)`` for one block pair: ``p = softmax`` and ``ds = p * (dO V^T - delta)``.
+
+  With the roles swapped (``k, q, do, v`` and lse/delta as rows) it returns ``p^T, ds^T``."""
+  s = _scores(q_parts, k_parts, scale2)
+  if mask is not None:
+    s = jnp.where(mask, s, -jnp.inf)
+  p = jnp.exp2(s - lse)
+  dp = functools.reduce(operator.add, map(_dot_nt, do_parts, v_parts))
+  return p, p * (dp - delta)
+
+
+# --------------------------------------------------------------------------- GPU (Triton)
+
+
+def _three_loops(tab_ref, body, carry):
+  """``body(j, carry, masked)`` over ``[lo, a)`` masked, ``[a, b)`` plain, ``[b, hi)`` masked."""
+  lo, a, b, hi = tab_ref[0], tab_ref[1], tab_ref[2], tab_ref[3]
+  carry = lax.fori_loop(lo, a, functools.partial(body, masked=True), carry)
+  carry = lax.fori_loop(a, b, functools.partial(body, masked=False), carry)
+  return lax.fori_loop(b, hi, functools.partial(body, masked=True), carry)
+
+
+def _gpu_fwd_kernel(tab_ref, q_ref, k_ref, v_ref, *rest, st: _Static, nq: int, dk_parts, dv_parts,
+                    segmented: bool):
+  if segmented:
+    seg_ref, o_ref, lse_ref = rest
+  else:
+    (o_ref, lse_ref), seg_ref = rest, None
+  bq, bk = st.blocks.fwd_q, st.blocks.fwd_k
+  i = nq - 1 - pl.program_id(0)
+  scale2 = st.scale * LOG2E
+  q_parts = [q_ref[:, pl.ds(o, n)] for o, n in dk_parts]
+  qpos = (i * bq + jnp.arange(bq))[:, None]
+  qseg = seg_ref[pl.ds(i * bq, bq)][:, None] if segmented else None
+
+  def body(j, carry, masked):
+    m, l, accs = carry
+    rows = pl.ds(j * bk, bk)
+    s = _scores(q_parts, [k_ref[rows, pl.ds(o, n)] for o, n in dk_parts], scale2)
+    if masked:
+      kpos = (j * bk + jnp.arange(bk))[None, :]
+      kseg = seg_ref[rows][None, :] if segmented else None
+      s = jnp.where(_mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s, off=st.s - st.t),
+                    s, -jnp.inf)
+    return _softmax_step(s, m, l, accs, [v_ref[rows, pl.ds(o, n)] for o, n in dv_parts])
+
+  init = (jnp.full((bq, 1), -jnp.inf, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
+          tuple(jnp.zeros((bq, n), jnp.float32) for _, n in dv_parts))
+  m, l, accs = _three_loops(tab_ref, body, init)
+  outs, lse = _finish(m, l, accs)
+  for (o, n), out in zip(dv_parts, outs):
+    o_ref[:, pl.ds(o, n)] = out.astype(o_ref.dtype)
+  lse_ref[...] = lse[:, 0]
+
+
+def _gpu_dkv_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, st: _Static,
+                    dk_parts, dv_parts, segmented: bool):
+  """dK, dV of one key block, computed transposed (``[bk, bq]`` scores: no register transposes)."""
+  if segmented:
+    seg_ref, dk_ref, dv_ref = rest
+  else:
+    (dk_ref, dv_ref), seg_ref = rest, None
+  bq, bk = st.blocks.dkv_q, st.blocks.dkv_k
+  j = pl.program_id(0)
+  scale2 = st.scale * LOG2E
+  k_parts = [k_ref[:, pl.ds(o, n)] for o, n in dk_parts]
+  v_parts = [v_ref[:, pl.ds(o, n)] for o, n in dv_parts]
+  kpos = (j * bk + jnp.arange(bk))[:, None]
+  kseg = seg_ref[pl.ds(j * bk, bk)][:, None] if segmented else None
+
+  def body(i, carry, masked):
+    dks, dvs = carry
+    rows = pl.ds(i * bq, bq)
+    q_parts = [q_ref[rows, pl.ds(o, n)] for o, n in dk_parts]
+    do_parts = [do_ref[rows, pl.ds(o, n)] for o, n in dv_parts]
+    mask = None
+    if masked:
+      qpos = (i * bq + jnp.arange(bq))[None, :]
+      qseg = seg_ref[rows][None, :] if segmented else None
+      mask = _mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s, off=st.s - st.t)
+    # transposed roles: scores K Q^T, dP^T = V dO^T
+    pt, dst = _grad_step(k_parts, q_parts, do_parts, v_parts, lse_ref[rows][None, :],
+                         delta_ref[rows][None, :], mask, scale2)
+    pt = pt.astype(do_ref.dtype)
+    dst = dst.astype(q_ref.dtype)
+    dvs = tuple(acc + _dot(pt, dc) for acc, dc in zip(dvs, do_parts))
+    dks = tuple(acc + _dot(dst, qc) for acc, qc in zip(dks, q_parts))
+    return dks, dvs
+
+  init = (tuple(jnp.zeros((bk, n), jnp.float32) for _, n in dk_parts),
+          tuple(jnp.zeros((bk, n), jnp.float32) for _, n in dv_parts))
+  dks, dvs = _three_loops(tab_ref, body, init)
+  for (o, n), acc in zip(dk_parts, dks):
+    dk_ref[:, pl.ds(o, n)] = (acc * st.scale).astype(dk_ref.dtype)
+  for (o, n), acc in zip(dv_parts, dvs):
+    dv_ref[:, pl.ds(o, n)] = acc.astype(dv_ref.dtype)
+
+
+def _gpu_dq_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, st: _Static,
+                   nq: int, dk_parts, dv_parts, segmented: bool):
+  if segmented:
+    seg_ref, dq_ref = rest
+  else:
+    (dq_ref,), seg_ref = rest, None
+  bq, bk = st.blocks.dq_q, st.blocks.dq_k
+  i = nq - 1 - pl.program_id(0)
+  scale2 = st.scale * LOG2E
+  q_parts = [q_ref[:, pl.ds(o, n)] for o, n in dk_parts]
+  do_parts = [do_ref[:, pl.ds(o, n)] for o, n in dv_parts]
+  lse = lse_ref[...][:, None]
+  delta = delta_ref[...][:, None]
+  qpos = (i * bq + jnp.arange(bq))[:, None]
+  qseg = seg_ref[pl.ds(i * bq, bq)][:, None] if segmented else None
+
+  def body(j, dqs, masked):
+    rows = pl.ds(j * bk, bk)
+    k_parts = [k_ref[rows, pl.ds(o, n)] for o, n in dk_parts]
+    mask = None
+    if masked:
+      kpos = (j * bk + jnp.arange(bk))[None, :]
+      kseg = seg_ref[rows][None, :] if segmented else None
+      mask = _mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s, off=st.s - st.t)
+    _, ds = _grad_step(q_parts, k_parts, [v_ref[rows, pl.ds(o, n)] for o, n in dv_parts],
+                       do_parts, lse, delta, mask, scale2)
+    dsb = ds.astype(k_ref.dtype)
+    return tuple(acc + _dot(dsb, kc) for acc, kc in zip(dqs, k_parts))
+
+  dqs = _three_loops(tab_ref, body, tuple(jnp.zeros((bq, n), jnp.float32) for _, n in dk_parts))
+  for (o, n), acc in zip(dk_parts, dqs):
+    dq_ref[:, pl.ds(o, n)] = (acc * st.scale).astype(dq_ref.dtype)
+
+
+def _gpu_params(warps, stages):
+  return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+def _gpu_fwd(q, k, v, seg, st: _Static):
+  b, tp, h, dk = q.shape
+  sp, dv = k.shape[1], v.shape[-1]
+  bq, bk = st.blocks.fwd_q, st.blocks.fwd_k
+  nq = tp // bq
+  rows, _ = block_tables(seg, t=st.t, s=st.s, tp=tp, sp=sp, bq=bq, bk=bk, causal=st.causal)
+  segmented = seg is not None
+  bsel = (lambda bi: bi) if segmented else (lambda bi: 0)
+  in_specs = [
+      pl.BlockSpec((None, None, 4), lambda i, bi, hi: (bsel(bi), nq - 1 - i, 0)),
+      pl.BlockSpec((None, bq, None, dk), lambda i, bi, hi: (bi, nq - 1 - i, hi, 0)),
+      pl.BlockSpec((None, sp, None, dk), lambda i, bi, hi: (bi, 0, hi, 0)),
+      pl.BlockSpec((None, sp, None, dv), lambda i, bi, hi: (bi, 0, hi, 0)),
+  ]
+  args = [rows, q, k, v]
+  if segmented:
+    in_specs.append(pl.BlockSpec((None, tp), lambda i, bi, hi: (bi, 0)))
+    args.append(seg)
+  kernel = functools.partial(_gpu_fwd_kernel, st=st, nq=nq, dk_parts=_pow2_parts(dk),
+                             dv_parts=_pow2_parts(dv), segmented=segmented)
+  return pl.pallas_call(
+      kernel, grid=(nq, b, h), in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, bq, None, dv), lambda i, bi, hi: (bi, nq - 1 - i, hi, 0)),
+                 pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, nq - 1 - i))],
+      out_shape=[jax.ShapeDtypeStruct((b, tp, h, dv), q.dtype),
+                 jax.ShapeDtypeStruct((b, h, tp), jnp.float32)],
+      compiler_params=_gpu_params(st.blocks.fwd_warps, st.blocks.fwd_stages),
+      interpret=st.interpret, name="mla_fwd")(*args)
+
+
+def _gpu_bwd(q, k, v, seg, o, lse, do, st: _Static):
+  b, tp, h, dk = q.shape
+  sp, dv = k.shape[1], v.shape[-1]
+  delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+  segmented = seg is not None
+  bsel = (lambda bi: bi) if segmented else (lambda bi: 0)
+  parts = dict(dk_parts=_pow2_parts(dk), dv_parts=_pow2_parts(dv), segmented=segmented)
+  seg_args = [seg] if segmented else []
+
+  bq, bk = st.blocks.dkv_q, st.blocks.dkv_k
+  nk = sp // bk
+  _, cols = block_tables(seg, t=st.t, s=st.s, tp=tp, sp=sp, bq=bq, bk=bk, causal=st.causal)
+  whole = lambda n, d: pl.BlockSpec((None, n, None, d), lambda j, bi, hi: (bi, 0, hi, 0))
+  tile = lambda n, d: pl.BlockSpec((None, n, None, d), lambda j, bi, hi: (bi, j, hi, 0))
+  row = pl.BlockSpec((None, None, tp), lambda j, bi, hi: (bi, hi, 0))
+  in_specs = [pl.BlockSpec((None, None, 4), lambda j, bi, hi: (bsel(bi), j, 0)),
+              whole(tp, dk), tile(bk, dk), tile(bk, dv), whole(tp, dv), row, row]
+  if segmented:
+    in_specs.append(pl.BlockSpec((None, tp), lambda j, bi, hi: (bi, 0)))
+  dk_, dv_ = pl.pallas_call(
+      functools.partial(_gpu_dkv_kernel, st=st, **parts),
+      grid=(nk, b, h), in_specs=in_specs, out_specs=[tile(bk, dk), tile(bk, dv)],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=_gpu_params(st.blocks.dkv_warps, st.blocks.dkv_stages),
+      interpret=st.interpret, name="mla_bwd_dkv")(cols, q, k, v, do, lse, delta, *seg_args)
+
+  bq, bk = st.blocks.dq_q, st.blocks.dq_k
+  nq = tp // bq
+  rows, _ = block_tables(seg, t=st.t, s=st.s, tp=tp, sp=sp, bq=bq, bk=bk, causal=st.causal)
+  whole = lambda n, d: pl.BlockSpec((None, n, None, d), lambda i, bi, hi: (bi, 0, hi, 0))
+  tile = lambda n, d: pl.BlockSpec((None, n, None, d), lambda i, bi, hi: (bi, nq - 1 - i, hi, 0))
+  row = pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, nq - 1 - i))
+  in_specs = [pl.BlockSpec((None, None, 4), lambda i, bi, hi: (bsel(bi), nq - 1 - i, 0)),
+              tile(bq, dk), whole(sp, dk), whole(sp, dv), tile(bq, dv), row, row]
+  if segmented:
+    in_specs.append(pl.BlockSpec((None, tp), lambda i, bi, hi: (bi, 0)))
+  dq = pl.pallas_call(
+      functools.partial(_gpu_dq_kernel, st=st, nq=nq, **parts),
+      grid=(nq, b, h), in_specs=in_specs, out_specs=tile(bq, dk),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      compiler_params=_gpu_params(st.blocks.dq_warps, st.blocks.dq_stages),
+      interpret=st.interpret, name="mla_bwd_dq")(rows, q, k, v, do, lse, delta, *seg_args)
+  return dq, dk_, dv_
+
+
+# --------------------------------------------------------------------------- TPU (Mosaic)
+# Layout [B, H, T, D]; the key (or query) loop is the last grid axis ("arbitrary") with the
+# accumulators in VMEM scratch. Skipped blocks keep the previous block index (no new DMA).
+# Segment ids travel as [B, T, 1] (query side) and [B, 1, T] (key side).
+
+
+def _tpu_clamped(tab_ref, base, j):
+  """Block index for grid step j: clamped into [lo, hi) so skipped steps fetch nothing new."""
+  lo, hi = tab_ref[base], tab_ref[base + 3]
+  return jnp.clip(j, lo, jnp.maximum(hi - 1, lo))
+
+
+def _tpu_when_visible(tab_ref, base, j, compute):
+  """Calls ``compute(masked)`` when step j lies in ``[lo, hi)``: unmasked inside ``[a, b)``."""
+  lo, a, b, hi = (tab_ref[base + r] for r in range(4))
+  visit = (j >= lo) & (j < hi)
+  full = (j >= a) & (j < b)
+  pl.when(visit & full)(lambda: compute(False))
+  pl.when(visit & jnp.logical_not(full))(lambda: compute(True))
+
+
+def _tpu_fwd_kernel(tab_ref, q_ref, k_ref, v_ref, *rest, st: _Static, nq: int, nk: int,
+                    segmented: bool):
+  if segmented:
+    qseg_ref, kseg_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
+  else:
+    o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
+  bq, bk = st.blocks.fwd_q, st.blocks.fwd_k
+  b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  base = ((b if segmented else 0) * nq + i) * 4
+
+  @pl.when(j == 0)
+  def _():
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  def compute(masked):
+    s = _scores([q_ref[...]], [k_ref[...]], st.scale * LOG2E)
+    if masked:
+      qpos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+      kpos = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+      qseg, kseg = (qseg_ref[...], kseg_ref[...]) if segmented else (None, None)
+      s = jnp.where(_mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s, off=st.s - st.t),
+                    s, -jnp.inf)
+    m, l, (acc,) = _softmax_step(s, m_ref[...], l_ref[...], (acc_ref[...],), [v_ref[...]])
+    m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
+
+  _tpu_when_visible(tab_ref, base, j, compute)
+
+  @pl.when(j == nk - 1)
+  def _():
+    (out,), lse = _finish(m_ref[...], l_ref[...], (acc_ref[...],))
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
+
+
+def _tpu_dkv_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, st: _Static,
+                    nq: int, nk: int, segmented: bool):
+  if segmented:
+    qseg_ref, kseg_ref, dk_ref, dv_ref, dk_acc, dv_acc = rest
+  else:
+    dk_ref, dv_ref, dk_acc, dv_acc = rest
+  bq, bk = st.blocks.dkv_q, st.blocks.dkv_k
+  b, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  base = ((b if segmented else 0) * nk + j) * 4
+
+  @pl.when(i == 0)
+  def _():
+    dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+    dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+  def compute(masked):
+    mask = None
+    if masked:
+      qpos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+      kpos = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+      qseg, kseg = (qseg_ref[...], kseg_ref[...]) if segmented else (None, None)
+      mask = _mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s, off=st.s - st.t)
+    q, do = q_ref[...], do_ref[...]
+    p, ds = _grad_step([q], [k_ref[...]], [v_ref[...]], [do], lse_ref[...], delta_ref[...], mask,
+                       st.scale * LOG2E)
+    dv_acc[...] += _dot(p.T.astype(do.dtype), do)
+    dk_acc[...] += _dot(ds.T.astype(q.dtype), q)
+
+  _tpu_when_visible(tab_ref, base, i, compute)
+
+  @pl.when(i == nq - 1)
+  def _():
+    dk_ref[...] = (dk_acc[...] * st.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def _tpu_dq_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, st: _Static,
+                   nq: int, nk: int, segmented: bool):
+  if segmented:
+    qseg_ref, kseg_ref, dq_ref, dq_acc = rest
+  else:
+    dq_ref, dq_acc = rest
+  bq, bk = st.blocks.dq_q, st.blocks.dq_k
+  b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  base = ((b if segmented else 0) * nq + i) * 4
+
+  @pl.when(j == 0)
+  def _():
+    dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+
+  def compute(masked):
+    mask = None
+    if masked:
+      qpos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+      kpos = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+      qseg, kseg = (qseg_ref[...], kseg_ref[...]) if segmented else (None, None)
+      mask = _mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s, off=st.s - st.t)
+    k = k_ref[...]
+    _, ds = _grad_step([q_ref[...]], [k], [v_ref[...]], [do_ref[...]], lse_ref[...],
+                       delta_ref[...], mask, st.scale * LOG2E)
+    dq_acc[...] += _dot(ds.astype(k.dtype), k)
+
+  _tpu_when_visible(tab_ref, base, j, compute)
+
+  @pl.when(j == nk - 1)
+  def _():
+    dq_ref[...] = (dq_acc[...] * st.scale).astype(dq_ref.dtype)
+
+
+def _tpu_call(kernel, tab, args, in_specs, out_specs, out_shape, scratch, grid, st, name):
+  return pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=grid, in_specs=in_specs, out_specs=out_specs,
+          scratch_shapes=scratch),
+      out_shape=out_shape,
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+      interpret=pltpu.InterpretParams() if st.interpret else False,
+      name=name)(tab.reshape(-1), *args)
+
+
+def _tpu_seg_args(seg):
+  return [] if seg is None else [seg[:, :, None], seg[:, None, :]]
+
+
+def _tpu_fwd(q, k, v, seg, st: _Static):
+  """q ``[B, H, Tp, Dk]`` (TPU layout) -> o ``[B, H, Tp, Dv]``, lse ``[B, H, Tp, 1]``."""
+  b, h, tp, dk = q.shape
+  sp, dv = k.shape[2], v.shape[-1]
+  bq, bk = st.blocks.fwd_q, st.blocks.fwd_k
+  nq, nk = tp // bq, sp // bk
+  segmented = seg is not None
+  rows, _ = block_tables(seg, t=st.t, s=st.s, tp=tp, sp=sp, bq=bq, bk=bk, causal=st.causal)
+  base = lambda bi, i: ((bi if segmented else 0) * nq + i) * 4
+  kv_idx = lambda bi, hi, i, j, tab: (bi, hi, _tpu_clamped(tab, base(bi, i), j), 0)
+  q_idx = lambda bi, hi, i, j, tab: (bi, hi, i, 0)
+  in_specs = [pl.BlockSpec((None, None, bq, dk), q_idx), pl.BlockSpec((None, None, bk, dk), kv_idx),
+              pl.BlockSpec((None, None, bk, dv), kv_idx)]
+  if segmented:
+    in_specs += [pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j, tab: (bi, i, 0)),
+                 pl.BlockSpec((None, 1, bk),
+                              lambda bi, hi, i, j, tab: (bi, 0, _tpu_clamped(tab, base(bi, i), j)))]
+  kernel = functools.partial(_tpu_fwd_kernel, st=st, nq=nq, nk=nk, segmented=segmented)
+  return _tpu_call(
+      kernel, rows, [q, k, v, *_tpu_seg_args(seg)], in_specs,
+      [pl.BlockSpec((None, None, bq, dv), q_idx), pl.BlockSpec((None, None, bq, 1), q_idx)],
+      [jax.ShapeDtypeStruct((b, h, tp, dv), q.dtype),
+       jax.ShapeDtypeStruct((b, h, tp, 1), jnp.float32)],
+      [pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
+       pltpu.VMEM((bq, dv), jnp.float32)],
+      (b, h, nq, nk), st, "mla_fwd")
+
+
+def _tpu_bwd(q, k, v, seg, o, lse, do, st: _Static):
+  """All in TPU layout ``[B, H, T, D]``; lse ``[B, H, Tp, 1]``."""
+  b, h, tp, dk = q.shape
+  sp, dv = k.shape[2], v.shape[-1]
+  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), -1, keepdims=True)
+  segmented = seg is not None
+  seg_args = _tpu_seg_args(seg)
+
+  bq, bk = st.blocks.dkv_q, st.blocks.dkv_k
+  nq, nk = tp // bq, sp // bk
+  _, cols = block_tables(seg, t=st.t, s=st.s, tp=tp, sp=sp, bq=bq, bk=bk, causal=st.causal)
+  base = lambda bi, j: ((bi if segmented else 0) * nk + j) * 4
+  q_idx = lambda bi, hi, j, i, tab: (bi, hi, _tpu_clamped(tab, base(bi, j), i), 0)
+  kv_idx = lambda bi, hi, j, i, tab: (bi, hi, j, 0)
+  in_specs = [pl.BlockSpec((None, None, bq, dk), q_idx), pl.BlockSpec((None, None, bk, dk), kv_idx),
+              pl.BlockSpec((None, None, bk, dv), kv_idx), pl.BlockSpec((None, None, bq, dv), q_idx),
+              pl.BlockSpec((None, None, bq, 1), q_idx), pl.BlockSpec((None, None, bq, 1), q_idx)]
+  if segmented:
+    in_specs += [pl.BlockSpec((None, bq, 1), lambda bi, hi, j, i, tab:
+                              (bi, _tpu_clamped(tab, base(bi, j), i), 0)),
+                 pl.BlockSpec((None, 1, bk), lambda bi, hi, j, i, tab: (bi, 0, j))]
+  dk_, dv_ = _tpu_call(
+      functools.partial(_tpu_dkv_kernel, st=st, nq=nq, nk=nk, segmented=segmented), cols,
+      [q, k, v, do, lse, delta, *seg_args], in_specs,
+      [pl.BlockSpec((None, None, bk, dk), kv_idx), pl.BlockSpec((None, None, bk, dv), kv_idx)],
+      [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      [pltpu.VMEM((bk, dk), jnp.float32), pltpu.VMEM((bk, dv), jnp.float32)],
+      (b, h, nk, nq), st, "mla_bwd_dkv")
+
+  bq, bk = st.blocks.dq_q, st.blocks.dq_k
+  nq, nk = tp // bq, sp // bk
+  rows, _ = block_tables(seg, t=st.t, s=st.s, tp=tp, sp=sp, bq=bq, bk=bk, causal=st.causal)
+  base = lambda bi, i: ((bi if segmented else 0) * nq + i) * 4
+  q_idx = lambda bi, hi, i, j, tab: (bi, hi, i, 0)
+  kv_idx = lambda bi, hi, i, j, tab: (bi, hi, _tpu_clamped(tab, base(bi, i), j), 0)
+  in_specs = [pl.BlockSpec((None, None, bq, dk), q_idx), pl.BlockSpec((None, None, bk, dk), kv_idx),
+              pl.BlockSpec((None, None, bk, dv), kv_idx), pl.BlockSpec((None, None, bq, dv), q_idx),
+              pl.BlockSpec((None, None, bq, 1), q_idx), pl.BlockSpec((None, None, bq, 1), q_idx)]
+  if segmented:
+    in_specs += [pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j, tab: (bi, i, 0)),
+                 pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j, tab:
+                              (bi, 0, _tpu_clamped(tab, base(bi, i), j)))]
+  dq = _tpu_call(
+      functools.partial(_tpu_dq_kernel, st=st, nq=nq, nk=nk, segmented=segmented), rows,
+      [q, k, v, do, lse, delta, *seg_args], in_specs,
+      pl.BlockSpec((None, None, bq, dk), q_idx), jax.ShapeDtypeStruct(q.shape, q.dtype),
+      [pltpu.VMEM((bq, dk), jnp.float32)], (b, h, nq, nk), st, "mla_bwd_dq")
+  return dq, dk_, dv_
+
+
+# --------------------------------------------------------------------------- custom_vjp
+
+
+def _to_tpu(x):
+  return x.transpose(0, 2, 1, 3)  # [B, T, H, D] <-> [B, H, T, D]
+
+
+def _forward(q, k, v, seg, st: _Static):
+  if st.backend == "gpu":
+    return _gpu_fwd(q, k, v, seg, st)
+  o, lse = _tpu_fwd(_to_tpu(q), _to_tpu(k), _to_tpu(v), seg, st)
+  return _to_tpu(o), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, seg, st: _Static):
+  return _forward(q, k, v, seg, st)[0]
+
+
+def _attention_fwd(q, k, v, seg, st: _Static):
+  o, lse = _forward(q, k, v, seg, st)
+  return o, (q, k, v, seg, o, lse)
+
+
+def _attention_bwd(st: _Static, res, do):
+  q, k, v, seg, o, lse = res
+  if st.backend == "gpu":
+    dq, dk, dv = _gpu_bwd(q, k, v, seg, o, lse, do, st)
+  else:
+    dq, dk, dv = map(_to_tpu, _tpu_bwd(*map(_to_tpu, (q, k, v)), seg, _to_tpu(o), lse,
+                                       _to_tpu(do), st))
+  return dq, dk, dv, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _pad_seq(x, n, mode="constant"):
+  return x if x.shape[1] == n else jnp.pad(x, [(0, 0), (0, n - x.shape[1])] +
+                                           [(0, 0)] * (x.ndim - 2), mode=mode)
+
+
+def mla_attention(q, k, v, *, segment_ids=None, causal=True, scale, backend, blocks=None,
+                  interpret=None):
+  """Flash attention over q ``[B, T, H, Dk]``, k ``[B, S, H, Dk]``, v ``[B, S, H, Dv]`` ->
+  ``[B, T, H, Dv]`` (q's dtype). segment_ids ``[B, T]`` int (needs S == T). Causal aligns the
+  last query with the last key. ``backend``: "gpu" (Triton) or "tpu" (Mosaic); interpret mode by
+  default off the matching platform. ``blocks`` overrides the tile sizes (``Blocks``)."""
+  if backend not in ("gpu", "tpu"):
+    raise ValueError(f"mla_attention: unknown Pallas backend {backend!r}; expected 'gpu' or 'tpu'")
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"mla_attention: q, k, v must be [B, T, H, D]; got {q.shape}, {k.shape}, "
+                     f"{v.shape}")
+  b, t, h, dk = q.shape
+  s, dv = k.shape[1], v.shape[-1]
+  if k.shape != (b, s, h, dk) or v.shape[:3] != (b, s, h):
+    raise ValueError(f"mla_attention: shapes disagree: q {q.shape}, k {k.shape}, v {v.shape}")
+  if dk % 16 or dv % 16:
+    raise ValueError(f"mla_attention: head dims must be multiples of 16; got Dk={dk}, Dv={dv}")
+  if segment_ids is not None and (segment_ids.shape != (b, t) or s != t):
+    raise ValueError(f"mla_attention: segment_ids must be [B, T] with S == T; got "
+                     f"{segment_ids.shape} for q {q.shape}, k {k.shape}")
+  if interpret is None:
+    interpret = default_backend() != backend
+  blk = (blocks or (GPU_BLOCKS if backend == "gpu" else TPU_BLOCKS)).fitted(t, s)
+  n = blk.pad_to()
+  tp, sp = -(-t // n) * n, -(-s // n) * n
+  st = _Static(backend=backend, causal=bool(causal), scale=float(scale), t=t, s=s, blocks=blk,
+               interpret=bool(interpret))
+  seg = None
+  if segment_ids is not None:
+    seg = _pad_seq(segment_ids.astype(jnp.int32), tp, mode="edge")
+  o = _attention(_pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp), seg, st)
+  return o[:, :t]
+
+
+__all__ = ["mla_attention", "Blocks", "GPU_BLOCKS", "TPU_BLOCKS", "block_tables"]

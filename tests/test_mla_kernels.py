@@ -1,0 +1,213 @@
+"""Pallas MLA kernels (interpret mode on CPU) against float64 NumPy loops and the XLA reference:
+prefill values and gradients (causal, packed documents, ragged T), paged decode (ragged lengths,
+shuffled page tables, several new tokens), block skipping, and TPU / GPU lowering."""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mla import (decode, fast_forward_pallas_grad, mla_attention,
+                                padded_dot_product_attention, prefill, reference)
+
+SMALL = prefill.Blocks(fwd_q=16, fwd_k=16, dkv_q=16, dkv_k=16, dq_q=16, dq_k=16)
+
+
+def np_attention(q, k, v, seg, causal, scale, do):
+  """Float64 attention and its gradients, one (batch, head) at a time: ``o, dq, dk, dv``."""
+  q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
+  b, t, h, _ = q.shape
+  s = k.shape[1]
+  o = np.zeros(do.shape)
+  dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+  i = np.arange(t)[:, None] + (s - t)
+  j = np.arange(s)[None, :]
+  for bi in range(b):
+    mask = (j <= i) if causal else np.ones((t, s), bool)
+    if seg is not None:
+      mask = mask & (seg[bi][:, None] == seg[bi][None, :])
+    for hi in range(h):
+      qq, kk, vv, dd = q[bi, :, hi], k[bi, :, hi], v[bi, :, hi], do[bi, :, hi]
+      logits = np.where(mask, qq @ kk.T * scale, -np.inf)
+      top = np.where(mask.any(1, keepdims=True), logits.max(1, keepdims=True), 0.0)
+      p = np.exp(logits - top) * mask
+      p /= np.maximum(p.sum(1, keepdims=True), 1e-300)
+      o[bi, :, hi] = p @ vv
+      dp = dd @ vv.T
+      ds = p * (dp - (dp * p).sum(1, keepdims=True))
+      dq[bi, :, hi] = ds @ kk * scale
+      dk[bi, :, hi] = ds.T @ qq * scale
+      dv[bi, :, hi] = p.T @ dd
+  return o, dq, dk, dv
+
+
+def np_paged_decode(q, cache, table, lengths, r, scale):
+  """Float64 loop over requests, new tokens and heads -> ``[N, Tn, H, R]``."""
+  q, cache = np.asarray(q, np.float64), np.asarray(cache, np.float64)
+  n, tn, h, _ = q.shape
+  out = np.zeros((n, tn, h, r))
+  for ni in range(n):
+    kv = np.concatenate([cache[p] for p in np.asarray(table)[ni]])
+    for ti in range(tn):
+      pos = int(lengths[ni]) - tn + ti
+      for hi in range(h):
+        logit = kv[:pos + 1] @ q[ni, ti, hi] * scale
+        p = np.exp(logit - logit.max())
+        out[ni, ti, hi] = (p / p.sum()) @ kv[:pos + 1, :r]
+  return out
+
+
+def _inputs(seed, b, t, s, h, dk, dv):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  return (jax.random.normal(ks[0], (b, t, h, dk)), jax.random.normal(ks[1], (b, s, h, dk)),
+          jax.random.normal(ks[2], (b, s, h, dv)), jax.random.normal(ks[3], (b, t, h, dv)))
+
+
+def _check_prefill(backend, *, b, t, s, h, dk, dv, seg, causal, seed=0):
+  q, k, v, do = _inputs(seed, b, t, s, h, dk, dv)
+  scale = dk ** -0.5
+  f = lambda q, k, v: prefill.mla_attention(q, k, v, segment_ids=seg, causal=causal, scale=scale,
+                                            backend=backend, blocks=SMALL)
+  o, vjp = jax.vjp(f, q, k, v)
+  got = (o, *vjp(do))
+  want = np_attention(q, k, v, None if seg is None else np.asarray(seg), causal, scale, do)
+  for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
+    np.testing.assert_allclose(np.asarray(g), w, rtol=2e-4, atol=2e-4, err_msg=name)
+  ref = reference.attention(q, k, v, segment_ids=seg, causal=causal, scale=scale)
+  np.testing.assert_allclose(np.asarray(o), np.asarray(ref), rtol=2e-4, atol=2e-4)
+
+
+# Row 0: three documents, the second crossing the 16-token block edges; row 1: one document.
+DOCS = jnp.array([[0] * 5 + [1] * 23 + [2] * 12, [7] * 40], jnp.int32)
+
+
+def test_prefill_gpu_packed_documents_ragged_t():
+  _check_prefill("gpu", b=2, t=40, s=40, h=1, dk=48, dv=32, seg=DOCS, causal=True)
+
+
+def test_prefill_gpu_not_causal_longer_keys():
+  _check_prefill("gpu", b=1, t=24, s=40, h=2, dk=48, dv=32, seg=None, causal=False, seed=1)
+
+
+def test_prefill_gpu_single_token():
+  _check_prefill("gpu", b=2, t=1, s=1, h=2, dk=64, dv=32, seg=None, causal=True, seed=2)
+
+
+def test_prefill_tpu_packed_documents_ragged_t():
+  _check_prefill("tpu", b=2, t=40, s=40, h=1, dk=48, dv=32, seg=DOCS, causal=True, seed=3)
+
+
+def test_block_tables_visit_exactly_the_visible_blocks():
+  t, bq, bk = 200, 32, 16
+  seg = jnp.asarray(np.repeat(np.arange(5), [30, 50, 7, 90, 23])[None])
+  tp = 224
+  seg_p = jnp.pad(seg, ((0, 0), (0, tp - t)), mode="edge")
+  rows, cols = prefill.block_tables(seg_p, t=t, s=t, tp=tp, sp=tp, bq=bq, bk=bk, causal=True)
+  i, j = np.arange(tp)[:, None], np.arange(tp)[None, :]
+  sid = np.asarray(seg_p[0])
+  vis = (j <= i) & (sid[:, None] == sid[None, :]) & (i < t) & (j < t)
+  blocks = vis.reshape(tp // bq, bq, tp // bk, bk)
+  any_vis, all_vis = blocks.any((1, 3)), blocks.all((1, 3))
+  for table, a_v, a_f in ((rows[0], any_vis, all_vis), (cols[0], any_vis.T, all_vis.T)):
+    for r, (lo, a, b, hi) in enumerate(np.asarray(table)):
+      visited = np.zeros(a_v.shape[1], bool)
+      visited[lo:hi] = True
+      np.testing.assert_array_equal(visited, a_v[r])  # sorted documents: nothing extra visited
+      plain = np.zeros_like(visited)
+      plain[a:b] = True
+      assert not (plain & ~a_f[r]).any()  # unmasked blocks are fully visible
+      assert lo <= a <= b <= hi
+
+
+def test_padded_cudnn_path_and_fast_forward_gradients():
+  q, k, v, do = _inputs(4, 1, 20, 20, 2, 32, 16)
+  scale = 0.2
+  seg = jnp.array([[0] * 9 + [1] * 11])
+  want = np_attention(q, k, v, np.asarray(seg), True, scale, do)
+  got = padded_dot_product_attention(q, k, v, segment_ids=seg, scale=scale, implementation="xla")
+  np.testing.assert_allclose(np.asarray(got), want[0], rtol=1e-5, atol=1e-5)
+  want = np_attention(q, k, v, None, True, scale, do)
+  f = lambda q, k, v: fast_forward_pallas_grad(q, k, v, True, scale, "xla")
+  o, vjp = jax.vjp(f, q, k, v)
+  for name, g, w in zip(("o", "dq", "dk", "dv"), (o, *vjp(do)), want):
+    np.testing.assert_allclose(np.asarray(g), w, rtol=2e-4, atol=2e-4, err_msg=name)
+
+
+def _paged(seed, n, tn, h, r, dr, ps):
+  rng = np.random.default_rng(seed)
+  lengths = np.array([37, tn + 2, 64][:n])
+  pages = 12
+  table = rng.permutation(pages)[:n * 4].reshape(n, 4).astype(np.int32)  # shuffled, disjoint
+  cache = rng.normal(size=(pages, ps, r + dr)).astype(np.float32)
+  q = rng.normal(size=(n, tn, h, r + dr)).astype(np.float32)
+  return q, cache, table, lengths
+
+
+@pytest.mark.parametrize("tn,splits", [(1, 3), (4, None)])
+def test_decode_gpu_ragged_paged(tn, splits):
+  q, cache, table, lengths = _paged(5 + tn, 3, tn, 2, 32, 16, 16)
+  got = decode.mla_decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(table),
+                          jnp.asarray(lengths), kv_lora_rank=32, scale=0.25, backend="gpu",
+                          num_splits=splits, block_rows=16, step_tokens=16)
+  np.testing.assert_allclose(np.asarray(got), np_paged_decode(q, cache, table, lengths, 32, 0.25),
+                             rtol=1e-4, atol=1e-4)
+
+
+def test_decode_tpu_ragged_paged():
+  q, cache, table, lengths = _paged(9, 3, 4, 2, 32, 16, 16)
+  got = decode.mla_decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(table),
+                          jnp.asarray(lengths), kv_lora_rank=32, scale=0.25, backend="tpu",
+                          num_splits=2, step_tokens=16)
+  want = np_paged_decode(q, cache, table, lengths, 32, 0.25)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+  ref = reference.paged_decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(table),
+                               jnp.asarray(lengths), kv_lora_rank=32, scale=0.25)
+  np.testing.assert_allclose(np.asarray(ref), want, rtol=1e-4, atol=1e-4)
+
+
+def _lowering_context(platform):
+  if platform != "cuda":
+    return contextlib.nullcontext()
+  dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  return jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev))
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_lowering_bf16_mla_shapes(platform):
+  backend = "tpu" if platform == "tpu" else "gpu"
+  sds = jax.ShapeDtypeStruct
+  bf16 = jnp.bfloat16
+  q, k, v = sds((1, 1000, 2, 192), bf16), sds((1, 1000, 2, 192), bf16), sds((1, 1000, 2, 128), bf16)
+  seg = sds((1, 1000), jnp.int32)
+
+  def loss(q, k, v, seg):
+    o = prefill.mla_attention(q, k, v, segment_ids=seg, causal=True, scale=192 ** -0.5,
+                              backend=backend, interpret=False)
+    return o.astype(jnp.float32).sum()
+
+  dec = lambda q, c, t, l: decode.mla_decode(q, c, t, l, kv_lora_rank=512, scale=192 ** -0.5,
+                                             backend=backend, interpret=False)
+  with _lowering_context(platform):
+    for f, args in ((jax.value_and_grad(loss, argnums=(0, 1, 2)), (q, k, v, seg)),
+                    (dec, (sds((4, 2, 96, 576), bf16), sds((64, 64, 576), bf16),
+                           sds((4, 16), jnp.int32), sds((4,), jnp.int32)))):
+      text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+      assert "mla_" in text
+
+
+def test_bad_inputs_raise():
+  q = jnp.zeros((1, 8, 2, 40))
+  with pytest.raises(ValueError, match="multiples of 16"):
+    prefill.mla_attention(q, q, q, scale=1.0, backend="gpu")
+  with pytest.raises(ValueError, match="segment_ids"):
+    prefill.mla_attention(q[..., :32], q[:, :4, :, :32], q[:, :4, :, :32], scale=1.0,
+                          segment_ids=jnp.zeros((1, 8), jnp.int32), backend="gpu")
+  with pytest.raises(ValueError, match="page_size"):
+    decode.mla_decode(jnp.zeros((1, 1, 2, 48)), jnp.zeros((4, 10, 48)),
+                      jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32), kv_lora_rank=32,
+                      scale=1.0, backend="gpu")
+  with pytest.raises(ValueError, match="unknown implementation"):
+    mla_attention(q, q, q, implementation="flash")
