@@ -141,7 +141,7 @@ class DataConfig:
   eval_fraction: float = 0.02
   seed: int = 0
   shuffle: bool = True
-  num_workers: int = 0
+  prefetch: int = 2  # batches prepared ahead in a background thread (0: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +183,7 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
+  enabled: bool = True  # false: neither restore nor save (benchmarks)
   every: int = 100
   keep: int = 3
   async_save: bool = True
@@ -393,6 +394,7 @@ def validate(cfg: Config) -> None:
 
   _check(cfg.data.seq_len > 0, "data.seq_len", "must be positive")
   _check(0.0 <= cfg.data.eval_fraction < 1.0, "data.eval_fraction", "must be in [0, 1)")
+  _check(cfg.data.prefetch >= 0, "data.prefetch", "must be >= 0")
   t = cfg.train
   _check(t.steps >= 0, "train.steps", "must be >= 0")
   _check(t.batch_size > 0, "train.batch_size", "must be positive")

@@ -238,7 +238,7 @@ def _expand(source: str) -> tuple[list[Path], Path]:
     files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES + RECORD_SUFFIXES)
     return files, p
   files = sorted(Path(f) for f in glob.glob(source, recursive=True) if os.path.isfile(f))
-  return files, (p.parent if p.is_file() else Path(os.path.commonpath(files)) if files else p)
+  return files, Path(os.path.commonpath([f.parent for f in files])) if files else p
 
 
 def open_source(source: str, text_field: str = "text"):
@@ -342,7 +342,8 @@ class Data:
 
   def dataset(self, split: str, seq_len: int, *, seed: int = 0) -> grain.IterDataset:
     """Endless packed batches ``[local_batch, seq_len]``. Training reshuffles every epoch (seeded by
-    ``seed``); eval cycles through the held-out documents in a fixed order."""
+    ``seed``); eval cycles through the held-out documents in a fixed order. ``data.prefetch``
+    batches are prepared ahead in a thread."""
     indices = self.splits[split]
     if not indices:
       raise DataError(f"no {split} documents (data.eval_fraction={self.cfg.data.eval_fraction})")
@@ -356,4 +357,7 @@ class Data:
     ds = ds.repeat(None).map(self._encode).to_iter_dataset()
     ds = grain.experimental.ConcatThenSplitIterDataset(
         ds, length_struct={"input_ids": seq_len, "targets": seq_len})
-    return ds.map(self._to_batch).batch(self.local_batch, drop_remainder=True)
+    ds = ds.map(self._to_batch).batch(self.local_batch, drop_remainder=True)
+    if self.cfg.data.prefetch:  # a background thread; the saved state stays that of the consumer
+      ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=self.cfg.data.prefetch)
+    return ds

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 
 L2_EPS = 1e-6
+SUB_TILE = 16  # tokens per sub-tile of a chunk
+_HI = jax.lax.Precision.HIGHEST
 
 
 def l2norm(x: jax.Array) -> jax.Array:
@@ -82,3 +84,138 @@ def kda_naive(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None):
   xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta, restart))
   s, o = jax.lax.scan(step, s0, xs)
   return jnp.moveaxis(o, 0, 1), s
+
+
+def pad_time(x: jax.Array, multiple: int) -> jax.Array:
+  """Zero-pads axis 1 (time) of ``x`` up to a multiple of ``multiple``."""
+  pad = -x.shape[1] % multiple
+  if not pad:
+    return x
+  return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+
+def masked_sums(mask: jax.Array, g: jax.Array) -> jax.Array:
+  """``out[..., i, d] = sum_t mask[i, t] g[..., t, d]``: windowed sums over axis -2 as one 0/1
+  matrix product (cheaper to compile and differentiate than nested cumsums). Each window is
+  summed directly, so its rounding error is relative to its own size."""
+  return jnp.einsum("it,...td->...id", mask.astype(g.dtype), g, precision=_HI)
+
+
+def suffix_sum(g: jax.Array) -> jax.Array:
+  """``sum_{t > i} g_t`` over axis -2 of ``g [..., C, D]``."""
+  c = g.shape[-2]
+  return masked_sums(jnp.arange(c)[None, :] > jnp.arange(c)[:, None], g)
+
+
+def decay_products(a: jax.Array, b: jax.Array, g: jax.Array, sub: int = SUB_TILE) -> jax.Array:
+  """``P[i, j] = sum_d a[i, d] b[j, d] exp(sum_{j < t <= i} g[t, d])`` for ``j <= i``, zero above
+  the diagonal, without taking ``exp`` of any positive number.
+
+  a, b, g: ``[..., C, D]`` (leading dims broadcast), g the per-token log-decay (``<= 0``), C a
+  multiple of ``sub``. Returns ``[..., C, C]``.
+
+  Diagonal ``sub x sub`` tiles sum the exponent of each pair ``i >= j`` directly. For row tile
+  ``I >= 1`` the earlier columns factor through the reference point ``r_I``, the token just before
+  the tile: ``exp(G_i - G_j) = exp(G_i - r_I) exp(r_I - G_j)``, both exponents <= 0 and each summed
+  directly over its own tokens. No exponent is the difference of two large cumulative sums, so a
+  huge decay early in the chunk does not cost precision on the later pairs.
+  """
+  c, d = g.shape[-2:]
+  if c % sub:
+    raise ValueError(f"decay_products: chunk length {c} must be a multiple of the sub-tile {sub}")
+  n = c // sub
+  lead = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2], g.shape[:-2])
+  at, bt, gt = (x.reshape(*x.shape[:-2], n, sub, d) for x in (a, b, g))
+  idx = jnp.arange(sub)
+  i_, j_, t_ = idx[:, None, None], idx[None, :, None], idx[None, None, :]
+  span = ((j_ < t_) & (t_ <= i_)).astype(g.dtype)  # [i, j, t]: token t lies in (j, i]
+  pair = jnp.einsum("ijt,...td->...ijd", span, gt, precision=_HI)  # [..., n, i, j, D]
+  pair = jnp.where((idx[:, None] >= idx[None, :])[:, :, None], pair, -jnp.inf)
+  diag = jnp.einsum("...id,...jd,...ijd->...ij", at, bt, jnp.exp(pair), precision=_HI)
+  rows = jnp.einsum("...Iij,IJ->...IiJj", diag, jnp.eye(n, dtype=diag.dtype), precision=_HI)
+  rows = rows.reshape(*lead, n, sub, c)
+  if n > 1:
+    left = at[..., 1:, :, :] * jnp.exp(masked_sums(idx[None, :] <= idx[:, None], gt[..., 1:, :, :]))
+    pos = jnp.arange(c)
+    start = sub * jnp.arange(1, n)[:, None, None]  # [n-1, 1, 1]: first token of row tile I
+    to_ref = jnp.einsum("Ijt,...td->...Ijd",  # [..., n-1, C, D]: sum_{j < t < start_I} g_t
+                        ((pos[:, None] < pos[None, :]) & (pos[None, :] < start)).astype(g.dtype),
+                        g, precision=_HI)
+    before = pos[None, :, None] < start  # [n-1, C, 1]
+    right = b[..., None, :, :] * jnp.exp(jnp.where(before, to_ref, -jnp.inf))
+    off = jnp.einsum("...Iid,...Ijd->...Iij", left, right, precision=_HI)
+    rows = rows.at[..., 1:, :, :].add(off)
+  return rows.reshape(*lead, c, c)
+
+
+def kda_chunked(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None, chunk_size=64):
+  """Chunked KDA (SPEC section 2), same arguments and results as :func:`kda_naive`.
+
+  T is padded to a multiple of ``chunk_size`` with tokens of ``g = 0, beta = 0, k = q = v = 0``,
+  which leave the state unchanged; their outputs are sliced off.
+
+  Within a chunk of C tokens with cumulative log-decay ``G`` (from the chunk start) and carried
+  state ``S`` (G is only used as ``exp(G)``, whose rounding is relative to its own size), the
+  corrected values ``V' = beta (V - (K e^G) S - A V')`` (A: the strictly lower
+  ``k_i . k_j e^(G_i - G_j)``) are ``V' = U - W S`` with ``U, W`` from one unit-lower triangular
+  solve of ``I + diag(beta) A``. Then ``O = scale ((Q e^G) S + mask(Q K^T decay) V')`` and
+  ``S <- e^(G_C) S + (K e^(G_C - G))^T V'``. Only ``exp`` of non-positive numbers is ever taken
+  and every decay exponent is summed directly over the tokens it spans (``G_C - G`` by
+  :func:`suffix_sum`; pairs by :func:`decay_products`), so the unbounded softplus gate can neither
+  overflow nor lose precision to cancellation.
+
+  Segment restarts inside a chunk: tokens get a local segment index (restarts counted from the
+  chunk start). Intra-chunk matrices are masked to same-segment pairs; only tokens of local
+  segment 0 read the carried state; only tokens of the chunk's last segment write the outgoing
+  state, and the carried state survives only when the chunk has no restart.
+
+  The pairwise work is vectorised over all chunks; a ``lax.scan`` carries the state across chunks.
+  Accumulation is float32 (float64 for float64 inputs).
+  """
+  b, t, h, kd = q.shape
+  hv, vd = v.shape[2], v.shape[3]
+  if chunk_size <= 0 or chunk_size % SUB_TILE:
+    raise ValueError(f"kda_chunked: chunk_size {chunk_size} must be a positive multiple of "
+                     f"{SUB_TILE}")
+  acc = jnp.promote_types(q.dtype, jnp.float32)
+  c = chunk_size
+  restart = pad_time(restart_mask(segment_ids, b, t), c)
+  n = restart.shape[1] // c
+
+  def chunks(x):  # [B, T, HV, D] -> [B, HV, N, C, D]
+    return jnp.moveaxis(pad_time(x.astype(acc), c).reshape(b, n, c, hv, -1), 3, 1)
+
+  q, k = chunks(expand_heads(q, hv)), chunks(expand_heads(k, hv))
+  v, g = chunks(v), chunks(g)
+  beta = chunks(beta[..., None])[..., 0]  # [B, HV, N, C]
+  seg = jnp.cumsum(restart.reshape(b, 1, n, c), axis=-1)  # [B, 1, N, C] local segment index
+  fresh = (seg == 0).astype(acc)  # reads the carried state
+  last = (seg == seg[..., -1:]).astype(acc)  # writes the outgoing state
+  same = seg[..., :, None] == seg[..., None, :]
+  lower = jnp.tril(jnp.ones((c, c), bool))
+
+  G = masked_sums(lower, g)  # cumulative decay from the chunk start
+  p_kk, p_qk = decay_products(jnp.stack([k, q]), k, g)
+  a_kk = jnp.where(same & lower & ~jnp.eye(c, dtype=bool), p_kk, 0.0)
+  a_qk = jnp.where(same & lower, p_qk, 0.0) * scale
+  m = jnp.eye(c, dtype=acc) + beta[..., None] * a_kk
+  rhs = beta[..., None] * jnp.concatenate([v, k * jnp.exp(G) * fresh[..., None]], axis=-1)
+  uw = jax.scipy.linalg.solve_triangular(m, rhs, lower=True, unit_diagonal=True)
+  u, w = uw[..., :vd], uw[..., vd:]
+  qe = scale * q * jnp.exp(G) * fresh[..., None]
+  kd_out = k * jnp.exp(suffix_sum(g)) * last[..., None]
+  carry = jnp.exp(G[..., -1, :]) * fresh[..., -1:]  # [B, HV, N, K]
+
+  def step(s, xs):
+    u, w, qe, a_qk, kd_out, carry = xs
+    vp = u - jnp.einsum("bhck,bhkv->bhcv", w, s, precision=_HI)
+    o = (jnp.einsum("bhck,bhkv->bhcv", qe, s, precision=_HI)
+         + jnp.einsum("bhcj,bhjv->bhcv", a_qk, vp, precision=_HI))
+    s = carry[..., None] * s + jnp.einsum("bhck,bhcv->bhkv", kd_out, vp, precision=_HI)
+    return s, o
+
+  s0 = (jnp.zeros((b, hv, kd, vd), acc) if initial_state is None else initial_state.astype(acc))
+  xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, qe, a_qk, kd_out, carry))
+  s, o = jax.lax.scan(step, s0, xs)  # o: [N, B, HV, C, V]
+  o = jnp.moveaxis(o, 0, 2).reshape(b, hv, n * c, vd)[:, :, :t]
+  return jnp.moveaxis(o, 1, 2), s

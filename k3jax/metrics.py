@@ -1,0 +1,102 @@
+"""Run metrics: ``RUN_DIR/metrics.jsonl`` (one JSON object per line), TensorBoard event files
+when ``tensorboardX`` or ``torch.utils.tensorboard`` is importable, and a tqdm progress bar.
+
+Non-finite numbers are written as ``null`` so that every line is strict JSON. A resumed run appends;
+a reader that wants one value per step should keep the last line of each step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _plain(v: Any) -> Any:
+  if isinstance(v, dict):
+    return {str(k): _plain(x) for k, x in v.items()}
+  if isinstance(v, (list, tuple)):
+    return [_plain(x) for x in v]
+  if isinstance(v, np.ndarray) or hasattr(v, "__array__"):
+    a = np.asarray(v)
+    return _plain(a.item() if a.ndim == 0 else a.tolist())
+  if isinstance(v, (np.integer, bool)):
+    return int(v) if not isinstance(v, bool) else v
+  if isinstance(v, (float, np.floating)):
+    return float(v) if math.isfinite(v) else None
+  return v
+
+
+def _tb_writer(log_dir: Path):
+  for module in ("tensorboardX", "torch.utils.tensorboard"):
+    try:
+      mod = __import__(module, fromlist=["SummaryWriter"])
+      return mod.SummaryWriter(str(log_dir))
+    except Exception:  # not installed, or installed without its dependencies
+      continue
+  return None
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+class Metrics:
+  """Writes metrics of a run (only on process 0 when ``enabled`` is False elsewhere)."""
+
+  def __init__(self, run_dir: str | Path, *, total_steps: int, start_step: int,
+               enabled: bool = True, progress: bool = True):
+    self.enabled = enabled
+    self.path = Path(run_dir) / "metrics.jsonl"
+    self._file = open(self.path, "a") if enabled else None
+    self._tb = _tb_writer(Path(run_dir) / "tensorboard") if enabled else None
+    self._bar = None
+    if enabled and progress:
+      from tqdm import tqdm
+      self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                       file=sys.stderr, mininterval=1.0)
+
+  def write(self, record: dict) -> None:
+    """Appends one record (must hold ``step``); scalars also go to TensorBoard."""
+    if not self.enabled:
+      return
+    record = _plain(record)
+    self._file.write(json.dumps(record) + "\n")
+    self._file.flush()
+    if self._tb is not None:
+      for k, v in record.items():
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+          self._tb.add_scalar(k, v, record["step"])
+        elif isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
+          for i, x in enumerate(v):
+            self._tb.add_scalar(f"{k}/{i}", x, record["step"])
+      self._tb.flush()
+
+  def progress(self, step: int, **postfix) -> None:
+    if self._bar is not None:
+      self._bar.n = step
+      self._bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v)
+                             for k, v in postfix.items()}, refresh=True)
+
+  def say(self, msg: str) -> None:
+    """Prints a line (above the progress bar)."""
+    if not self.enabled:
+      return
+    if self._bar is not None:
+      self._bar.write(msg, file=sys.stdout)
+    else:
+      print(msg, flush=True)
+    sys.stdout.flush()
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+    if self._file is not None:
+      self._file.close()
+    if self._tb is not None:
+      self._tb.close()

@@ -1,0 +1,135 @@
+"""The training step: a pure function of (params, opt_state, biases, step, rng, batch).
+
+``params`` and ``biases`` are pure dicts (``nnx.to_pure_dict``) of the model's ``nnx.Param`` and
+``RouterBias`` state; the model is rebuilt inside the step with ``nnx.merge`` from a static
+graphdef. One step:
+
+1. splits the batch ``[B, T]`` into ``train.grad_accum`` micro-batches ``[B/A, T]`` and scans over
+   them, summing the gradients of the summed token loss (so the result is the token-weighted mean
+   over the whole batch, whatever the split);
+2. computes the global gradient norm; when the loss or the norm is not finite, skips the update
+   (parameters, optimizer state and router biases unchanged) and reports ``nonfinite = 1``;
+3. otherwise applies the optimizer and installs the next router bias of every MoE layer
+   (Quantile Balancing through ``router.next_bias`` over the micro-batches' statistics).
+
+Metrics: ``loss``, ``grad_norm``, ``lr``, ``nonfinite``, ``tokens`` (tokens with a target),
+``moe_load_max_mean`` ``[n_moe_layers]`` (max over mean expert load per MoE layer, in layer order).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from k3jax import losses, router
+from k3jax.config import Config
+
+Batch = dict[str, jax.Array]
+
+
+def moe_layers(cfg: Config) -> list[int]:
+  return [i for i in range(cfg.model.num_layers) if cfg.model.is_moe(i)]
+
+
+def _loss(graphdef, params, biases, batch: Batch):
+  """(summed token loss, (summed weights, per-layer router stats)) of one micro-batch."""
+  model = nnx.merge(graphdef, params, biases)
+  h, aux = model.hidden(batch["input_ids"], segment_ids=batch["segment_ids"])
+  loss_sum, weight_sum = losses.cross_entropy(h, model.lm_head.kernel[...], batch["targets"],
+                                              batch["weights"])
+  return loss_sum, (weight_sum, aux["moe"])
+
+
+def _set_biases(biases, new: dict[int, jax.Array]):
+  """``biases`` with ``layers[i].mlp.gate.bias`` replaced by ``new[i]``."""
+  def pick(path, b):
+    keys = [getattr(k, "key", k) for k in path]
+    return new.get(keys[1], b) if keys[0] == "layers" else b
+  return jax.tree_util.tree_map_with_path(pick, biases)
+
+
+def _bias_of(biases, i: int) -> jax.Array:
+  return biases["layers"][i]["mlp"]["gate"]["bias"]
+
+
+def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation,
+                    schedule: optax.Schedule) -> Callable:
+  """The (unjitted) step ``(params, opt_state, biases, step, rng, batch) -> (params, opt_state,
+  biases, metrics)``."""
+  accum = cfg.train.grad_accum
+  grad_fn = jax.value_and_grad(_loss, argnums=1, has_aux=True)
+  layers = moe_layers(cfg)
+
+  def train_step(params, opt_state, biases, step, rng, batch: Batch):
+    del rng  # the model has no stochastic parts; kept in the signature for ones that do
+    if accum == 1:
+      (loss_sum, (weight_sum, stats)), grads = grad_fn(graphdef, params, biases, batch)
+      stats_list = [stats]
+    else:
+      micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+
+      def body(carry, mb):
+        g_acc, l_acc, w_acc = carry
+        (l, (w, st)), g = grad_fn(graphdef, params, biases, mb)
+        return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, w_acc + w), st
+
+      zeros = jax.tree.map(jnp.zeros_like, params)
+      zero = jnp.zeros((), jnp.float32)
+      (grads, loss_sum, weight_sum), stacked = jax.lax.scan(body, (zeros, zero, zero), micro)
+      stats_list = [jax.tree.map(lambda x, a=a: x[a], stacked) for a in range(accum)]
+
+    denom = jnp.maximum(weight_sum, 1.0)
+    grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
+    loss = loss_sum / denom
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+    def apply(operands):
+      params, opt_state, biases = operands
+      updates, opt_state = tx.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      new = {i: router.next_bias(cfg.model.moe, _bias_of(biases, i),
+                                 [s[str(i)] for s in stats_list]) for i in layers}
+      return params, opt_state, _set_biases(biases, new)
+
+    params, opt_state, biases = jax.lax.cond(finite, apply, lambda ops: ops,
+                                             (params, opt_state, biases))
+    loads = [sum(s[str(i)]["load"] for s in stats_list) for i in layers]
+    metrics = {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": jnp.asarray(schedule(step), jnp.float32),
+        "nonfinite": (~finite).astype(jnp.int32),
+        "tokens": weight_sum,
+        "moe_load_max_mean": (jnp.stack([jnp.max(l) / jnp.maximum(jnp.mean(l), 1e-9) for l in loads])
+                              if loads else jnp.zeros((0,), jnp.float32)),
+    }
+    return params, opt_state, biases, metrics
+
+  return train_step
+
+
+def make_eval_step(graphdef) -> Callable:
+  """``(params, biases, batch) -> (summed token loss, summed weights)``."""
+  def eval_step(params, biases, batch: Batch):
+    loss_sum, (weight_sum, _) = _loss(graphdef, params, biases, batch)
+    return loss_sum, weight_sum
+  return eval_step
+
+
+def jit_train_step(step_fn: Callable, *, donate: bool, state_shardings: tuple | None = None
+                   ) -> Callable:
+  """jax.jit of the step; donates params, optimizer state and biases when ``donate``;
+  ``state_shardings`` (of params, optimizer state, biases) pins the outputs to the inputs' layout
+  so that the second step does not compile again."""
+  out = None if state_shardings is None else (*state_shardings, None)
+  return jax.jit(step_fn, donate_argnums=(0, 1, 2) if donate else (), out_shardings=out)
+
+
+def abstract_like(tree: Any) -> Any:
+  """ShapeDtypeStructs (with shardings) of a tree of arrays."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)

@@ -1,0 +1,224 @@
+"""Schedules, Muon's update RMS and parameter roles, weight-decay masks, and the train step's
+gradient accumulation / non-finite guard on a toy model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from k3jax import config, optim, train_step
+from k3jax.latent_moe import RouterBias
+
+D = 128
+
+
+def cfg_with(*overrides):
+  return config.load("configs/k3_tiny.yaml", list(overrides))
+
+
+def fake_params():
+  """A pure-dict tree with the K3 parameter names (tiny preset: layer 0 KDA, layer 3 MLA)."""
+  ones = lambda *s: jnp.ones(s, jnp.float32)
+  return {
+      "embed_tokens": {"embedding": ones(320, D)},
+      "layers": {
+          0: {"self_attn": {"q_proj": {"kernel": ones(D, 256)}, "o_proj": {"kernel": ones(256, D)},
+                            "q_conv1d": {"kernel": ones(4, 256)}, "A_log": ones(4),
+                            "dt_bias": ones(256), "o_norm": {"weight": ones(64)}},
+              "mlp": {"gate_proj": {"kernel": ones(D, 512)}},
+              "input_layernorm": {"weight": ones(D)}},
+          3: {"self_attn": {"kv_b_proj": {"kernel": ones(64, 4 * 64)}},
+              "mlp": {"experts": {"w_gate_up": ones(16, 32, 2 * 24), "w_down": ones(16, 24, 32)},
+                      "gate": {"kernel": ones(D, 16)}},
+              "mlp_res": {"proj": ones(D)}},
+      },
+      "lm_head": {"kernel": ones(D, 320)},
+  }
+
+
+def random_like(tree, seed):
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), tree)
+
+
+def first_update(cfg, grads=None, seed=0):
+  params = fake_params()
+  tx, _ = optim.make_optimizer(cfg, params)
+  grads = random_like(params, seed) if grads is None else grads
+  updates, _ = jax.jit(tx.update)(grads, jax.jit(tx.init)(params), params)
+  return updates
+
+
+def rms(x):
+  return float(jnp.sqrt(jnp.mean(jnp.square(x))))
+
+
+NO_DECAY_NO_CLIP = ["optimizer.weight_decay=0.0", "optimizer.grad_clip=0.0",
+                    "optimizer.schedule=constant", "optimizer.warmup_steps=0", "optimizer.lr=0.01"]
+
+
+def test_wsd_schedule():
+  s = optim.make_schedule(cfg_with("optimizer.lr=1.0", "optimizer.warmup_steps=10",
+                                   "optimizer.decay_fraction=0.2",
+                                   "optimizer.min_lr_ratio=0.1").optimizer, 100)
+  np.testing.assert_allclose([float(s(i)) for i in (0, 4, 9, 10, 50, 80, 90, 100, 200)],
+                             [0.1, 0.5, 1.0, 1.0, 1.0, 1.0, 0.55, 0.1, 0.1], rtol=1e-6)
+
+
+def test_cosine_and_constant_schedules():
+  o = cfg_with("optimizer.lr=2.0", "optimizer.warmup_steps=4", "optimizer.schedule=cosine",
+               "optimizer.min_lr_ratio=0.0").optimizer
+  s = optim.make_schedule(o, 104)
+  np.testing.assert_allclose([float(s(i)) for i in (0, 3, 4, 54, 104)], [0.5, 2.0, 2.0, 1.0, 0.0],
+                             atol=1e-6)
+  c = optim.make_schedule(cfg_with("optimizer.schedule=constant", "optimizer.lr=1.0",
+                                   "optimizer.warmup_steps=0").optimizer, 10)
+  assert [float(c(i)) for i in (0, 5, 50)] == [1.0, 1.0, 1.0]
+
+
+def test_muon_update_rms_matches_adamw_scale():
+  cfg = cfg_with("optimizer.name=muon", *NO_DECAY_NO_CLIP)
+  u = first_update(cfg)
+  lr = cfg.optimizer.lr
+  muon = [u["layers"][0]["self_attn"]["q_proj"]["kernel"], u["layers"][0]["self_attn"]["o_proj"]["kernel"],
+          u["layers"][0]["mlp"]["gate_proj"]["kernel"], u["layers"][3]["mlp"]["gate"]["kernel"],
+          u["layers"][3]["mlp"]["experts"]["w_gate_up"], u["layers"][3]["mlp"]["experts"]["w_down"],
+          u["layers"][3]["self_attn"]["kv_b_proj"]["kernel"]]
+  for x in muon:  # 0.2 * sqrt(max(fan_in, fan_out)) scaling: RMS 0.2 x lr whatever the shape
+    assert 0.17 < rms(x) / lr < 0.23, (x.shape, rms(x) / lr)
+  adam = [u["embed_tokens"]["embedding"], u["lm_head"]["kernel"],
+          u["layers"][0]["self_attn"]["q_conv1d"]["kernel"], u["layers"][0]["self_attn"]["A_log"],
+          u["layers"][0]["input_layernorm"]["weight"], u["layers"][3]["mlp_res"]["proj"]]
+  for x in adam:  # Adam's first step is sign-like: RMS 1 x lr
+    assert 0.95 < rms(x) / lr < 1.05, (x.shape, rms(x) / lr)
+  # Orthogonalised: the singular values of a Muon update are nearly equal.
+  s = np.linalg.svd(np.asarray(u["layers"][0]["mlp"]["gate_proj"]["kernel"]), compute_uv=False)
+  assert s.max() / s.min() < 2.0
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_muon_per_head_orthogonalisation(per_head):
+  cfg = cfg_with("optimizer.name=muon", f"optimizer.muon_per_head={str(per_head).lower()}",
+                 *NO_DECAY_NO_CLIP)
+  g1 = random_like(fake_params(), 1)
+  g2 = jax.tree.map(lambda x: x, g1)
+  q = g1["layers"][0]["self_attn"]["q_proj"]["kernel"]  # [D, 4 heads * 64]
+  g2["layers"][0]["self_attn"]["q_proj"]["kernel"] = q.at[:, 64:].multiply(-3.0).at[:, 64:].add(1.0)
+  u1 = first_update(cfg, g1)["layers"][0]["self_attn"]["q_proj"]["kernel"]
+  u2 = first_update(cfg, g2)["layers"][0]["self_attn"]["q_proj"]["kernel"]
+  head0_same = np.allclose(u1[:, :64], u2[:, :64], atol=1e-6)
+  assert head0_same == per_head  # per head: head 0's update depends on head 0's gradient only
+  if per_head:
+    s = np.linalg.svd(np.asarray(u1[:, :64]), compute_uv=False)
+    assert s.max() / s.min() < 2.0
+
+
+def test_weight_decay_mask():
+  m = optim.decay_mask(fake_params())
+  assert m["embed_tokens"]["embedding"] and m["lm_head"]["kernel"]
+  assert m["layers"][0]["self_attn"]["q_proj"]["kernel"] and m["layers"][3]["mlp"]["experts"]["w_down"]
+  for no in (m["layers"][0]["self_attn"]["A_log"], m["layers"][0]["self_attn"]["dt_bias"],
+             m["layers"][0]["self_attn"]["o_norm"]["weight"], m["layers"][0]["input_layernorm"]["weight"],
+             m["layers"][3]["mlp_res"]["proj"]):
+    assert not no
+  # AdamW applies it: with zero gradients only the decayed leaves move.
+  cfg = cfg_with("optimizer.weight_decay=0.5", "optimizer.grad_clip=0.0",
+                 "optimizer.schedule=constant", "optimizer.warmup_steps=0", "optimizer.lr=0.1")
+  params = fake_params()
+  tx, _ = optim.make_optimizer(cfg, params)
+  u, _ = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  assert float(jnp.max(jnp.abs(u["layers"][0]["self_attn"]["A_log"]))) == 0.0
+  np.testing.assert_allclose(u["lm_head"]["kernel"], -0.05, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The train step on a toy model with the K3 interface (hidden, lm_head, router biases).
+
+
+class _Gate(nnx.Module):
+  def __init__(self):
+    self.bias = RouterBias(jnp.zeros((4,), jnp.float32))
+
+
+class _MLP(nnx.Module):
+  def __init__(self):
+    self.gate = _Gate()
+
+
+class _Layer(nnx.Module):
+  def __init__(self, rngs):
+    self.w = nnx.Param(jax.random.normal(rngs.params(), (8, 8)) * 0.3)
+    self.mlp = _MLP()
+
+
+class _Head(nnx.Module):
+  def __init__(self, rngs):
+    self.kernel = nnx.Param(jax.random.normal(rngs.params(), (8, 16)) * 0.3)
+
+
+class ToyModel(nnx.Module):
+  """Embedding, one tanh layer with a 4-expert 'router' whose stats are the mean features."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Param(jax.random.normal(rngs.params(), (16, 8)))
+    self.layers = nnx.List([_Layer(rngs)])
+    self.lm_head = _Head(rngs)
+
+  def hidden(self, ids, *, segment_ids=None):
+    h = jnp.tanh(self.embed[...][ids] @ self.layers[0].w[...])
+    scores = jax.nn.sigmoid(h[..., :4]).reshape(-1, 4)
+    load = jnp.sum(scores, 0)
+    return h, {"moe": {"0": {"load": load, "bias_stat": load - jnp.mean(load)}}}
+
+
+def toy_batch(seed, b=4, t=6):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(0, 16, (b, t)).astype(np.int32)
+  w = (rng.random((b, t)) > 0.3).astype(np.float32)
+  return {"input_ids": ids, "targets": np.roll(ids, -1, 1), "segment_ids": np.ones_like(ids),
+          "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)), "weights": w}
+
+
+def toy_step(*overrides):
+  cfg = cfg_with("model.num_layers=1", "model.mla_layers=[]", "model.dense_layers=[]",
+                 "model.moe.num_experts=4", "model.moe.top_k=2", "optimizer.grad_clip=0.0",
+                 *overrides)
+  graphdef, params, biases = nnx.split(ToyModel(nnx.Rngs(0)), nnx.Param, RouterBias)
+  params, biases = nnx.to_pure_dict(params), nnx.to_pure_dict(biases)
+  tx, sched = optim.make_optimizer(cfg, params)
+  fn = jax.jit(train_step.make_train_step(cfg, graphdef, tx, sched))
+  return fn, params, tx.init(params), biases
+
+
+def test_grad_accumulation_matches_one_batch():
+  batch = toy_batch(0)
+  rng = jax.random.key_data(jax.random.key(0))
+  f1, p, o, b = toy_step("train.batch_size=4", "train.grad_accum=1")
+  f2, *_ = toy_step("train.batch_size=4", "train.grad_accum=2")
+  p1, _, b1, m1 = f1(p, o, b, 0, rng, batch)
+  p2, _, b2, m2 = f2(p, o, b, 0, rng, batch)
+  np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
+  np.testing.assert_allclose(m1["grad_norm"], m2["grad_norm"], rtol=1e-5)
+  assert float(m1["tokens"]) == float(batch["weights"].sum())
+  for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+  # QB over micro-batches: next_bias averages the two micro-batches' proposals.
+  assert not np.allclose(b1["layers"][0]["mlp"]["gate"]["bias"], 0.0)
+  assert m1["moe_load_max_mean"].shape == (1,)
+
+
+def test_nonfinite_step_is_skipped():
+  f, p, o, b = toy_step("train.batch_size=4")
+  batch = toy_batch(1)
+  bad = jax.tree.map(lambda x: x, p)
+  bad["embed"] = bad["embed"].at[3].set(jnp.nan)
+  batch["input_ids"][0, 0] = 3
+  rng = jax.random.key_data(jax.random.key(0))
+  p2, o2, b2, m = f(bad, o, b, 0, rng, batch)
+  assert int(m["nonfinite"]) == 1
+  for x, y in zip(jax.tree.leaves((bad, o, b)), jax.tree.leaves((p2, o2, b2))):
+    np.testing.assert_array_equal(x, y)
+  _, _, _, m = f(p, o, b, 0, rng, batch)
+  assert int(m["nonfinite"]) == 0

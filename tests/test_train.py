@@ -1,0 +1,202 @@
+"""train.py end to end on CPU with a very small model: exact resume, SIGTERM, corrupt checkpoints,
+the non-finite guard, clear errors, and the default (no --config, no --run-dir) path."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train.py lives at the repo root
+import train  # noqa: E402
+from k3jax import checkpoint, metrics, optim, train_step  # noqa: E402
+
+# One shape for every run here, so the persistent compilation cache serves all but the first
+# (a constant schedule keeps train.steps out of the compiled step).
+SMALL = [
+    "train.batch_size=2", "data.seq_len=64", "train.log_every=1", "train.eval_every=0",
+    "checkpoint.every=2", "optimizer.schedule=constant",
+    "optimizer.warmup_steps=2", "model.num_layers=2", "model.mla_layers=[1]",
+    "model.hidden_size=64", "model.dense_intermediate=64", "model.kda.num_heads=1",
+    "model.kda.implementation=naive", "model.mla.num_heads=1", "model.mla.q_lora_rank=32",
+    "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=16",
+    "model.mla.v_head_dim=16", "model.moe.num_experts=4", "model.moe.top_k=2",
+    "model.moe.expert_intermediate=32", "model.moe.latent_dim=32",
+    "model.moe.num_shared_experts=1",
+]
+STEPS = 6
+
+
+def losses_by_step(run_dir):
+  """{step: (loss, grad_norm)} from metrics.jsonl, the last line of each step."""
+  out = {}
+  for r in metrics.read_jsonl(run_dir / "metrics.jsonl"):
+    if "loss" in r:
+      out[r["step"]] = (r["loss"], r["grad_norm"])
+  return out
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, root):
+  """An uninterrupted run through the default path: no --config, no --run-dir."""
+  cwd = tmp_path_factory.mktemp("default")
+  (cwd / "configs").symlink_to(root / "configs")
+  with pytest.MonkeyPatch.context() as mp:
+    mp.chdir(cwd)
+    assert train.main(["--no-progress", f"train.steps={STEPS}", *SMALL, "train.eval_every=3",
+                       "train.eval_batches=1"]) == 0
+  return cwd / "runs" / "k3_tiny"
+
+
+def test_default_path_trains_and_logs(full_run):
+  records = metrics.read_jsonl(full_run / "metrics.jsonl")
+  steps = [r for r in records if "loss" in r]
+  assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+  for r in steps:
+    for key in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu"):
+      assert key in r
+    assert np.isfinite(r["loss"]) and r["grad_norm"] > 0
+    assert len(r["moe_load_max_mean"]) == 1 and r["moe_load_max_mean"][0] >= 1.0
+  assert steps[-1]["tokens_per_s"] > 0
+  assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
+  assert sorted(int(p.name) for p in (full_run / "checkpoints").iterdir()) == [2, 4, 6]
+  assert (full_run / "config.yaml").exists()
+
+
+def test_resume_after_crash_skips_a_corrupt_checkpoint_and_is_bitwise_exact(
+    full_run, tmp_path, monkeypatch, capsys):
+  run_dir = tmp_path / "crash"
+  real = train_step.jit_train_step
+
+  def crashing(fn, **kw):  # the 6th call dies: step 5 done but not checkpointed
+    jitted, calls = real(fn, **kw), [0]
+
+    def step(*args):
+      calls[0] += 1
+      if calls[0] == 6:
+        raise RuntimeError("simulated crash")
+      return jitted(*args)
+    return step
+
+  monkeypatch.setattr(train_step, "jit_train_step", crashing)
+  argv = ["--no-progress", "--run-dir", str(run_dir), f"train.steps={STEPS}", *SMALL]
+  with pytest.raises(RuntimeError, match="simulated crash"):
+    train.main(argv)
+  monkeypatch.setattr(train_step, "jit_train_step", real)
+  ckpts = run_dir / "checkpoints"
+  assert sorted(int(p.name) for p in ckpts.iterdir()) == [2, 4]
+  # Break the newest checkpoint and leave the debris of an interrupted save.
+  for root, _, files in os.walk(ckpts / "4" / "state"):
+    for f in files:
+      with open(os.path.join(root, f), "wb") as fh:
+        fh.write(b"not a checkpoint")
+  (ckpts / "6.orbax-checkpoint-tmp-123").mkdir()
+  capsys.readouterr()
+  assert train.main(argv) == 0
+  out = capsys.readouterr()
+  assert f"checkpoint {ckpts / '4'} is corrupt" in out.err
+  assert "6.orbax-checkpoint-tmp-123" in out.err and "incomplete" in out.err
+  assert "resumed from step 2" in out.out
+  assert (ckpts / "4.corrupt").is_dir()  # kept, not overwritten by the new step 4
+  assert losses_by_step(run_dir) == losses_by_step(full_run)  # floats compared exactly
+
+
+def test_sigterm_saves_a_loadable_checkpoint(tmp_path, root):
+  run_dir = tmp_path / "sigterm"
+  proc = subprocess.Popen(
+      [sys.executable, str(root / "train.py"), "--no-progress", "--run-dir", str(run_dir),
+       *SMALL, "train.steps=100000", "checkpoint.every=100000"],
+      cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  log = run_dir / "metrics.jsonl"
+  deadline = time.time() + 300
+  while time.time() < deadline and proc.poll() is None:
+    if log.exists() and any("loss" in r for r in metrics.read_jsonl(log)):
+      break
+    time.sleep(0.5)
+  proc.send_signal(signal.SIGTERM)
+  out = proc.communicate(timeout=120)[0]
+  assert proc.returncode == 128 + signal.SIGTERM, out
+  assert "SIGTERM: saved checkpoint at step" in out
+  steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir())
+  assert len(steps) == 1 and steps[0] >= 1
+  # Loadable: the same tree restores, and the data iterator comes back.
+  from k3jax import config as config_lib, data as data_lib
+  cfg = config_lib.load(root / "configs" / "k3_tiny.yaml", [*SMALL])
+  graphdef, params, biases = train.init_model(cfg)
+  tx, _ = optim.make_optimizer(cfg, params)
+  state = {"params": params, "opt_state": tx.init(params), "biases": biases,
+           "rng": jax.random.key_data(jax.random.key(0))}
+  d = data_lib.Data(cfg)
+  ckpt = checkpoint.Checkpointer(run_dir / "checkpoints")
+  step, restored, meta, _ = ckpt.restore_latest(train_step.abstract_like(state),
+                                                lambda s: iter(d.dataset("train", 64)))
+  ckpt.close()
+  assert step == steps[0] == meta["step"]
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+
+
+def test_nonfinite_steps_stop_the_run(tmp_path, capsys):
+  rc = train.main(["--no-progress", "--run-dir", str(tmp_path / "nan"), "train.steps=6",
+                   "train.max_nonfinite=2", "model.init_std=1.0e+30", *SMALL])
+  assert rc == 2
+  out = capsys.readouterr()
+  assert "non-finite loss or gradient, update skipped (1 in a row)" in out.out
+  assert "2 non-finite steps in a row (train.max_nonfinite=2)" in out.err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", "configs/nope.yaml"], "config file 'configs/nope.yaml' does not exist"),
+    (["train.stepz=3"], "unknown config key 'train.stepz'"),
+    (["train.batch_size=0"], "train.batch_size: must be positive"),
+    (["data.source=/nonexistent/dir/*.jsonl"], "data.source: no data files found"),
+    (["data.tokenizer=/nonexistent/tokenizer.json"], "data.tokenizer: '/nonexistent/tokenizer.json'"),
+])
+def test_bad_config_or_data_gives_a_clear_error(argv, message, tmp_path, capsys, root,
+                                                monkeypatch):
+  monkeypatch.chdir(root)
+  assert train.main(["--run-dir", str(tmp_path / "bad"), *argv]) == 2
+  assert message in capsys.readouterr().err
+
+
+def test_metrics_jsonl_and_tensorboard(tmp_path, monkeypatch):
+  scalars = []
+
+  class Writer:  # stands in for tensorboardX.SummaryWriter
+    def __init__(self, log_dir):
+      self.log_dir = log_dir
+
+    def add_scalar(self, tag, value, step):
+      scalars.append((tag, value, step))
+
+    def flush(self):
+      pass
+
+    def close(self):
+      pass
+
+  monkeypatch.setitem(sys.modules, "tensorboardX", type(sys)("tensorboardX"))
+  sys.modules["tensorboardX"].SummaryWriter = Writer
+  m = metrics.Metrics(tmp_path, total_steps=3, start_step=0, progress=False)
+  m.write({"step": 1, "loss": np.float32(2.5), "mfu": None, "grad_norm": float("nan"),
+           "moe_load_max_mean": np.array([1.5, 2.0])})
+  m.close()
+  assert metrics.read_jsonl(tmp_path / "metrics.jsonl") == [
+      {"step": 1, "loss": 2.5, "mfu": None, "grad_norm": None, "moe_load_max_mean": [1.5, 2.0]}]
+  assert scalars == [("loss", 2.5, 1), ("moe_load_max_mean/0", 1.5, 1),
+                     ("moe_load_max_mean/1", 2.0, 1)]
+
+
+def test_stages_switch_packing_length(root):
+  from k3jax import config as config_lib
+  cfg = config_lib.load(root / "configs" / "k3_tiny.yaml", [
+      "train.steps=10", "train.stages=[{seq_len: 32, steps: 3}, {seq_len: 64, steps: 4}]"])
+  got = [(s.start, s.end, s.seq_len) for s in train.stages(cfg)]
+  assert got == [(0, 3, 32), (3, 10, 64)]
+  assert train.stage_at(train.stages(cfg), 2).seq_len == 32
+  assert train.stage_at(train.stages(cfg), 3).seq_len == 64

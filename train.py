@@ -1,0 +1,326 @@
+"""Pre-trains a K3 model: ``python train.py [--config CONFIG] [--run-dir DIR] [key=value ...]``.
+
+With no arguments it trains ``configs/k3_tiny.yaml`` on the embedded default data (the Python
+standard library's source, byte-level tokens) into ``runs/k3_tiny``. Running again with the same
+run directory resumes from its latest complete checkpoint, exactly where it stopped.
+
+The loop, step by step:
+  config -> data (grain, packed rows) -> model (NNX, split into pure param / router-bias dicts)
+  -> optimizer -> restore the latest checkpoint if any -> for each step: next batch, one jitted
+  train step, metrics, eval every ``train.eval_every`` steps, an async checkpoint every
+  ``checkpoint.every`` steps -> a final checkpoint. SIGTERM / SIGINT finish the current step,
+  save a checkpoint and exit with status 128 + signal number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+from flax import nnx
+
+from k3jax import checkpoint as checkpoint_lib
+from k3jax import config as config_lib
+from k3jax import data as data_lib
+from k3jax import flops as flops_lib
+from k3jax import metrics as metrics_lib
+from k3jax import optim
+from k3jax import train_step as step_lib
+import sharding
+from sharding import expert_parallel
+
+DEFAULT_CONFIG = "configs/k3_tiny.yaml"
+
+
+class TrainError(RuntimeError):
+  """The run cannot continue (bad run directory, repeated non-finite steps)."""
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default {DEFAULT_CONFIG})")
+  p.add_argument("--run-dir", default=None, help="run directory (default runs/<model.name>)")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("overrides", nargs="*", help="config overrides, e.g. train.steps=100")
+  return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages: [start, end) step ranges with their packing length.
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  index: int
+  start: int
+  end: int
+  seq_len: int
+
+
+def stages(cfg: config_lib.Config) -> list[Stage]:
+  """``train.stages`` as step ranges; the last stage runs to ``train.steps``. Without stages, one
+  stage of ``data.seq_len``."""
+  total = cfg.train.steps
+  if not cfg.train.stages:
+    return [Stage(0, 0, total, cfg.data.seq_len)]
+  out, start = [], 0
+  for i, s in enumerate(cfg.train.stages):
+    last = i == len(cfg.train.stages) - 1
+    end = max(total, start + s.steps) if last else start + s.steps
+    out.append(Stage(i, start, end, s.seq_len))
+    start = end
+  return out
+
+
+def stage_at(all_stages: list[Stage], step: int) -> Stage:
+  return next((s for s in all_stages if s.start <= step < s.end), all_stages[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def check_run_dir(run_dir: Path, cfg: config_lib.Config) -> None:
+  """Writes ``config.yaml`` on the first run; on a resume, refuses a different model."""
+  run_dir.mkdir(parents=True, exist_ok=True)
+  path = run_dir / "config.yaml"
+  current = config_lib.to_dict(cfg)
+  if path.exists():
+    saved = yaml.safe_load(path.read_text()) or {}
+    if saved.get("model") != current["model"]:
+      raise TrainError(f"{run_dir} holds a run of a different model (see {path}); "
+                       "use another --run-dir")
+  path.write_text(yaml.safe_dump(current, sort_keys=False))
+
+
+def init_model(cfg: config_lib.Config, mesh=None):
+  """(graphdef, params, biases): the model split into a static graph and pure-dict state, placed
+  on ``mesh`` by the parameters' logical axis names; the state is created by one jitted call
+  (nothing is initialised op by op, nothing gathered on one device)."""
+  from k3jax.latent_moe import RouterBias
+  from k3jax.model import K3Model
+
+  def create():
+    model = K3Model(cfg.model, rngs=nnx.Rngs(cfg.train.seed))
+    _, params, biases = nnx.split(model, nnx.Param, RouterBias)
+    return nnx.to_pure_dict(params), nnx.to_pure_dict(biases)
+
+  graphdef = nnx.split(nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0))),
+                       nnx.Param, RouterBias)[0]
+  out_shardings = None
+  if mesh is not None:
+    names = sharding.mesh.names_tree(cfg.model, nnx.Param, RouterBias)
+    shapes = jax.eval_shape(create)
+    out_shardings = tuple(sharding.mesh.pure_shardings(s, mesh, n) for s, n in zip(shapes, names))
+  params, biases = jax.jit(create, out_shardings=out_shardings)()
+  return graphdef, params, biases
+
+
+class _Signals:
+  """Turns SIGTERM / SIGINT into a flag that the loop checks after every step."""
+
+  def __init__(self):
+    self.received: int | None = None
+    self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+  def _handle(self, signum, frame):
+    if self.received is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt  # a second Ctrl-C stops at once
+    self.received = signum
+
+  def restore(self):
+    for s, h in self._old.items():
+      signal.signal(s, h)
+
+
+def on_mesh(tree, mesh):
+  """Leaves not yet laid out on ``mesh`` (optimizer counters, the rng) replicated over it."""
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  def put(x):
+    s = x.sharding
+    ok = isinstance(s, jax.sharding.NamedSharding) and s.mesh.devices.size == mesh.devices.size
+    return x if ok else jax.device_put(x, replicated)
+  return jax.tree.map(put, tree)
+
+
+def place(batch: dict, batch_sharding) -> dict:
+  """This process's rows -> global ``[B, T]`` arrays split over the mesh's batch axes."""
+  return {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in batch.items()}
+
+
+def evaluate(eval_fn, params, biases, data: data_lib.Data, seq_len: int, batches: int,
+             batch_sharding) -> float:
+  """Mean held-out token loss over the first ``batches`` eval batches (the same every time)."""
+  it = iter(data.dataset("eval", seq_len))
+  loss, weight = 0.0, 0.0
+  for _ in range(batches):
+    l, w = eval_fn(params, biases, place(next(it), batch_sharding))
+    loss, weight = loss + float(l), weight + float(w)
+  return loss / max(weight, 1.0)
+
+
+def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> dict:
+  """Runs (or resumes) the training of ``cfg`` in ``run_dir``; returns the last metrics record."""
+  # Multi-host start-up and the mesh of cfg.mesh (one device: every axis 1). The model is built
+  # outside the mesh context (its logical axis names are not mesh axes); the steps run inside.
+  sharding.mesh.initialize_distributed()
+  expert_parallel.configure(moonep=cfg.mesh.moonep)
+  mesh = sharding.make_mesh(cfg.mesh)
+  check_run_dir(run_dir, cfg)
+  data = data_lib.Data(cfg, process_index=jax.process_index(), process_count=jax.process_count())
+  all_stages = stages(cfg)
+  total = cfg.train.steps
+  batch_sharding = sharding.batch_sharding(mesh)
+
+  graphdef, params, biases = init_model(cfg, mesh)
+  tx, schedule = optim.make_optimizer(cfg, params)
+  opt_state = on_mesh(jax.jit(tx.init)(params), mesh)
+  rng = on_mesh(jax.random.key_data(jax.random.key(cfg.train.seed)), mesh)
+  state = {"params": params, "opt_state": opt_state, "biases": biases, "rng": rng}
+
+  def data_iter(step: int):  # the iterator a checkpoint at ``step`` saved: that of step - 1
+    stage = stage_at(all_stages, max(step - 1, 0))
+    return iter(data.dataset("train", stage.seq_len, seed=cfg.data.seed + stage.index))
+
+  ckpt = None
+  if cfg.checkpoint.enabled:
+    ckpt = checkpoint_lib.Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep,
+                                       async_save=cfg.checkpoint.async_save)
+  step, nonfinite_run = 0, 0
+  it = None
+  restored = ckpt and ckpt.restore_latest(step_lib.abstract_like(state), data_iter)
+  if restored is not None:
+    step, state, meta, it = restored
+    nonfinite_run = int(meta.get("nonfinite_run", 0))
+  stage = stage_at(all_stages, max(step - 1, 0))
+  it = it or data_iter(step)
+  params, opt_state, biases, rng = (state[k] for k in ("params", "opt_state", "biases", "rng"))
+  del state
+
+  donate = jax.default_backend() != "cpu"
+  shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state, biases))
+  step_fn = step_lib.jit_train_step(step_lib.make_train_step(cfg, graphdef, tx, schedule),
+                                    donate=donate, state_shardings=shardings)
+  eval_fn = jax.jit(step_lib.make_eval_step(graphdef))
+  peak, peak_note = flops_lib.device_peak_flops(cfg.train.peak_tflops)
+  is_main = jax.process_index() == 0
+  metrics = metrics_lib.Metrics(run_dir, total_steps=total, start_step=step, enabled=is_main,
+                                progress=progress)
+  n_params = sum(x.size for x in jax.tree.leaves(params))
+  metrics.say(f"{cfg.model.name}: {n_params / 1e6:.2f}M parameters, {data.num_docs('train')} "
+              f"training / {data.num_docs('eval')} held-out documents, {total} steps of "
+              f"{cfg.train.batch_size} rows, run dir {run_dir}")
+  metrics.say(f"mfu peak: {peak_note}")
+  if restored is not None:
+    metrics.say(f"resumed from step {step} ({run_dir / 'checkpoints' / str(step)})")
+  if step >= total:
+    metrics.say(f"the run is complete (step {step} of train.steps={total}); nothing to do")
+
+  def save(at_step: int, *, wait: bool = False) -> None:
+    if ckpt is None:
+      return
+    meta = {"step": at_step, "stage": stage.index, "nonfinite_run": nonfinite_run}
+    state = {"params": params, "opt_state": opt_state, "biases": biases, "rng": rng}
+    ckpt.save(at_step, state, it, meta, wait=wait)
+
+  signals = _Signals()
+  record: dict = {}
+  last_time, last_step, compile_s = time.perf_counter(), step, None
+  in_mesh = jax.set_mesh(mesh)
+  in_mesh.__enter__()
+  try:
+    while step < total:
+      now = stage_at(all_stages, step)
+      if now.index != stage.index:
+        stage, it = now, iter(data.dataset("train", now.seq_len, seed=cfg.data.seed + now.index))
+        metrics.say(f"stage {now.index}: seq_len {now.seq_len} from step {step}")
+      batch = place(next(it), batch_sharding)
+      t0 = time.perf_counter()
+      params, opt_state, biases, out = step_fn(params, opt_state, biases, jnp.int32(step), rng,
+                                               batch)
+      step += 1
+      out = jax.device_get(out)
+      if compile_s is None:
+        compile_s = time.perf_counter() - t0
+        last_time, last_step = time.perf_counter(), step
+        metrics.say(f"first step (compile + run) took {compile_s:.1f} s")
+      if out["nonfinite"]:
+        nonfinite_run += 1
+        metrics.say(f"step {step}: non-finite loss or gradient, update skipped "
+                    f"({nonfinite_run} in a row)")
+        if nonfinite_run >= cfg.train.max_nonfinite:
+          raise TrainError(f"{nonfinite_run} non-finite steps in a row (train.max_nonfinite="
+                           f"{cfg.train.max_nonfinite}); last loss {out['loss']}, grad norm "
+                           f"{out['grad_norm']}. Stopping; the last checkpoint is intact.")
+      else:
+        nonfinite_run = 0
+
+      if step % cfg.train.log_every == 0 or step == total or step == 1:
+        elapsed = time.perf_counter() - last_time
+        tokens = (step - last_step) * cfg.train.batch_size * stage.seq_len
+        tps = tokens / elapsed if elapsed > 0 and step > last_step else None
+        fpt = flops_lib.train_flops_per_token(cfg.model, stage.seq_len)
+        record = {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"],
+                  "lr": out["lr"], "tokens_per_s": tps,
+                  "mfu": (fpt * tps / peak) if (peak and tps) else None,
+                  "target_tokens": out["tokens"], "nonfinite": out["nonfinite"],
+                  "moe_load_max_mean": out["moe_load_max_mean"], "seq_len": stage.seq_len}
+        if step == 1:
+          record["compile_s"] = compile_s
+        metrics.write(record)
+        metrics.say(f"step {step:6d}  loss {float(out['loss']):.4f}  grad_norm "
+                    f"{float(out['grad_norm']):.3f}  lr {float(out['lr']):.2e}"
+                    + (f"  {tps:,.0f} tok/s" if tps else ""))
+        metrics.progress(step, loss=float(out["loss"]), tok_s=f"{tps:,.0f}" if tps else "-")
+        last_time, last_step = time.perf_counter(), step
+
+      if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == total) and \
+          data.num_docs("eval"):
+        t_eval = time.perf_counter()
+        eval_loss = evaluate(eval_fn, params, biases, data, stage.seq_len, cfg.train.eval_batches,
+                             batch_sharding)
+        metrics.write({"step": step, "eval_loss": eval_loss})
+        metrics.say(f"step {step:6d}  eval loss {eval_loss:.4f}")
+        last_time += time.perf_counter() - t_eval
+
+      if signals.received is not None:
+        name = signal.Signals(signals.received).name
+        save(step, wait=True)
+        metrics.say(f"{name}: {'saved checkpoint' if ckpt else 'stopped'} at step {step}; exiting")
+        raise SystemExit(128 + signals.received)
+      if step % cfg.checkpoint.every == 0 or step == total:
+        t_save = time.perf_counter()
+        save(step, wait=step == total)
+        last_time += time.perf_counter() - t_save
+  finally:
+    in_mesh.__exit__(None, None, None)
+    signals.restore()
+    if ckpt is not None:
+      ckpt.close()
+    metrics.close()
+  return record
+
+
+def main(argv=None) -> int:
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  try:
+    cfg = config_lib.load(args.config, args.overrides)
+    run_dir = Path(args.run_dir or f"runs/{cfg.model.name}")
+    train(cfg, run_dir, progress=not args.no_progress)
+  except (config_lib.ConfigError, data_lib.DataError, TrainError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
