@@ -11,3 +11,20 @@ import jax
 def default_backend() -> str:
   """'gpu', 'tpu' or 'cpu': the platform of the default device."""
   return jax.default_backend()
+
+
+def resolve_implementation(op: str, implementation: str | None, known: tuple[str, ...],
+                           defaults: dict[str, str]) -> str:
+  """The concrete implementation of ``op`` on the current backend.
+
+  ``None`` takes ``defaults[backend]``; ``"pallas"`` becomes ``"pallas_tpu"`` on TPU and
+  ``"pallas_gpu"`` elsewhere; a name outside ``known`` is an error naming the op.
+  """
+  backend = default_backend()
+  if implementation is None:
+    implementation = defaults[backend if backend in defaults else "cpu"]
+  if implementation == "pallas":
+    implementation = "pallas_tpu" if backend == "tpu" else "pallas_gpu"
+  if implementation not in known:
+    raise ValueError(f"{op}: unknown implementation {implementation!r}; expected one of {known}")
+  return implementation

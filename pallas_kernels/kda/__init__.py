@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import default_backend
+from pallas_kernels import resolve_implementation
 from pallas_kernels.kda import reference
 from pallas_kernels.kda.reference import kda_gate, l2norm
 
@@ -22,14 +22,8 @@ IMPLEMENTATIONS = ("naive", "chunked", "pallas_gpu", "pallas_tpu", "pallas")
 
 def resolve(implementation: str | None) -> str:
   """The concrete implementation name for ``implementation`` on the current backend."""
-  backend = default_backend()
-  if implementation is None:
-    implementation = "pallas" if backend in ("gpu", "tpu") else "chunked"
-  if implementation == "pallas":
-    implementation = "pallas_tpu" if backend == "tpu" else "pallas_gpu"
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"kda: unknown implementation {implementation!r}; expected one of {IMPLEMENTATIONS}")
-  return implementation
+  return resolve_implementation("kda", implementation, IMPLEMENTATIONS,
+                                {"gpu": "pallas", "tpu": "pallas", "cpu": "chunked"})
 
 
 def _prepare(q, k, g, beta, *, use_qk_l2norm, A_log, dt_bias, gate, lower_bound, beta_is_logit):

@@ -19,21 +19,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import default_backend
+from pallas_kernels import resolve_implementation
 from pallas_kernels.mla import reference
 
 IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas_tpu", "pallas", "cudnn", "cudnn_fwd")
 
 
 def resolve(implementation: str | None) -> str:
-  backend = default_backend()
-  if implementation is None:
-    implementation = {"gpu": "cudnn_fwd", "tpu": "pallas"}.get(backend, "xla")
-  if implementation == "pallas":
-    implementation = "pallas_tpu" if backend == "tpu" else "pallas_gpu"
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"mla: unknown implementation {implementation!r}; expected one of {IMPLEMENTATIONS}")
-  return implementation
+  """The concrete implementation name for ``implementation`` on the current backend."""
+  return resolve_implementation("mla", implementation, IMPLEMENTATIONS,
+                                {"gpu": "cudnn_fwd", "tpu": "pallas", "cpu": "xla"})
 
 
 def mla_attention(q, k, v, *, segment_ids=None, causal=True, scale=None, implementation=None):

@@ -10,7 +10,7 @@ Pallas kernels run in interpret mode.
 
 from __future__ import annotations
 
-from pallas_kernels import default_backend
+from pallas_kernels import resolve_implementation
 from pallas_kernels.moe import reference
 from pallas_kernels.moe.reference import permute, unpermute
 
@@ -18,14 +18,9 @@ IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas_tpu", "pallas")
 
 
 def resolve(implementation: str | None) -> str:
-  backend = default_backend()
-  if implementation is None:
-    implementation = "pallas" if backend in ("gpu", "tpu") else "xla"
-  if implementation == "pallas":
-    implementation = "pallas_tpu" if backend == "tpu" else "pallas_gpu"
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"moe: unknown implementation {implementation!r}; expected one of {IMPLEMENTATIONS}")
-  return implementation
+  """The concrete implementation name for ``implementation`` on the current backend."""
+  return resolve_implementation("moe", implementation, IMPLEMENTATIONS,
+                                {"gpu": "pallas", "tpu": "pallas", "cpu": "xla"})
 
 
 def gmm(lhs, rhs, group_sizes, *, implementation=None, preferred_element_type=None):
