@@ -1,0 +1,153 @@
+"""Pallas GPU chunked KDA (interpret mode on CPU) against an independent float64 NumPy loop and
+reference.kda_naive: outputs, final state and gradients of every input."""
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda import kda
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def np_kda(q, k, v, g, beta, s0, seg, *, scale, l2, gate, A_log, dt_bias, lb, beta_logit):
+  """float64 token loop of SPEC section 2 with the optional pre-processing."""
+  q, k, v, g, beta, s0 = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, s0))
+  b, t, h, kd = q.shape
+  hv = v.shape[2]
+  if l2:
+    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
+    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+  if gate is not None:
+    x = g + np.asarray(dt_bias, np.float64).reshape(hv, kd)
+    a = np.exp(np.asarray(A_log, np.float64))[:, None]
+    g = lb / (1 + np.exp(-a * x)) if gate == "bounded" else -a * np.log1p(np.exp(a * 0 + x))
+  if beta_logit:
+    beta = 1 / (1 + np.exp(-beta))
+  o = np.zeros(v.shape)
+  st = s0.copy()
+  for bi in range(b):
+    for j in range(hv):
+      s = st[bi, j]
+      for ti in range(t):
+        if ti > 0 and seg[bi, ti] != seg[bi, ti - 1]:
+          s = np.zeros_like(s)
+        kt, qt = k[bi, ti, j // (hv // h)], q[bi, ti, j // (hv // h)]
+        s = s * np.exp(g[bi, ti, j])[:, None]
+        s = s + beta[bi, ti, j] * np.outer(kt, v[bi, ti, j] - kt @ s)
+        o[bi, ti, j] = scale * (qt @ s)
+      st[bi, j] = s
+  return o, st
+
+
+def make(seed, b, t, h, hv, kd, vd):
+  r = np.random.default_rng(seed)
+  n = lambda *s: r.standard_normal(s).astype(np.float32)
+  return dict(q=n(b, t, h, kd), k=n(b, t, h, kd), v=n(b, t, hv, vd), g=n(b, t, hv, kd),
+              beta=n(b, t, hv), s0=n(b, hv, kd, vd), A_log=0.5 * n(hv), dt_bias=0.5 * n(hv * kd))
+
+
+# (name, T, H, HV, K, V, chunk, gate, l2/beta-logit fused, segment boundaries)
+CASES = [
+    ("bounded_fused_segments_grouped", 40, 1, 2, 16, 32, 32, "bounded", True, (7, 27)),
+    ("softplus_fused_short", 5, 1, 1, 32, 16, 16, "softplus", True, ()),
+    ("unfused_segments_T37", 37, 2, 2, 16, 16, 16, None, False, (3, 16, 17)),
+    # the dense (bounded-gate) path at the production chunk: 4 row blocks, two K slices
+    ("bounded_chunk64_K128_T100", 100, 1, 2, 128, 32, 64, "bounded", True, (30, 64, 65)),
+    ("bounded_chunk64_K64_T1", 1, 1, 1, 64, 16, 64, "bounded", True, ()),
+]
+
+
+def _setup(case):
+  name, t, h, hv, kd, vd, chunk, gate, fused, cuts = case
+  x = make(len(name), 1, t, h, hv, kd, vd)
+  if gate is None:  # unfused: g is the log decay, beta in (0, 1), q/k pre-normalised
+    x["g"] = -np.exp(x["g"] - 1.0)
+    x["beta"] = 1 / (1 + np.exp(-x["beta"]))
+    x["q"], x["k"] = (y / np.linalg.norm(y, axis=-1, keepdims=True) for y in (x["q"], x["k"]))
+  seg = np.zeros((1, t), np.int32)
+  for c in cuts:
+    seg[:, c:] += 1
+  opts = dict(scale=kd ** -0.5, use_qk_l2norm=fused, gate=gate, lower_bound=-5.0,
+              beta_is_logit=fused)
+  return x, jnp.asarray(seg), opts, chunk
+
+
+def _run(impl, chunk, seg, opts, q, k, v, g, beta, s0, A_log, dt_bias):
+  return kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, segment_ids=seg,
+             A_log=A_log, dt_bias=dt_bias, chunk_size=chunk, implementation=impl, **opts)
+
+
+ORDER = ("q", "k", "v", "g", "beta", "s0", "A_log", "dt_bias")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_kda_pallas_gpu(case):
+  x, seg, opts, chunk = _setup(case)
+  args = tuple(jnp.asarray(x[n]) for n in ORDER)
+  np_run = lambda y: np_kda(y["q"], y["k"], y["v"], y["g"], y["beta"], y["s0"], np.asarray(seg),
+                            l2=opts["use_qk_l2norm"], gate=opts["gate"], A_log=y["A_log"],
+                            dt_bias=y["dt_bias"], lb=-5.0, beta_logit=opts["beta_is_logit"],
+                            scale=opts["scale"])
+  o_np, s_np = np_run(x)
+  wo = np.random.default_rng(1).standard_normal(o_np.shape)
+  ws = np.random.default_rng(2).standard_normal(s_np.shape)
+
+  def loss(impl):
+    def f(*a):
+      o, s = _run(impl, chunk, seg, opts, *a)
+      return jnp.sum(o * wo.astype(np.float32)) + jnp.sum(s * ws.astype(np.float32)), (o, s)
+    return f
+
+  n_args = 8 if opts["gate"] else 6  # A_log / dt_bias only exist with a fused gate
+  (_, (o, s)), grads = jax.jit(jax.value_and_grad(loss("pallas_gpu"), argnums=tuple(range(n_args)),
+                                                  has_aux=True))(*args)
+  np.testing.assert_allclose(o, o_np, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(s, s_np, rtol=1e-4, atol=1e-4)
+
+  # gradients of every input against the naive recurrence (autodiff through a scan)
+  ref = jax.jit(jax.grad(loss("naive"), argnums=tuple(range(n_args)), has_aux=True))(*args)[0]
+  for name, a, r in zip(ORDER, grads, ref):
+    np.testing.assert_allclose(a, r, rtol=2e-4, atol=2e-4 * float(jnp.abs(r).max()),
+                               err_msg=f"d{name}")
+
+  # and a directional derivative against central differences of the float64 loop
+  rng = np.random.default_rng(3)
+  dirs = {n: rng.standard_normal(x[n].shape) for n in ORDER[:n_args]}
+  def np_loss(eps):
+    o_, s_ = np_run({n: x[n] + eps * dirs[n] if n in dirs else x[n] for n in ORDER})
+    return (o_ * wo).sum() + (s_ * ws).sum()
+  fd = (np_loss(1e-5) - np_loss(-1e-5)) / 2e-5
+  ad = sum(float(jnp.sum(grads[i] * dirs[n])) for i, n in enumerate(ORDER[:n_args]))
+  assert abs(ad - fd) <= 1e-3 * max(1.0, abs(fd)), (ad, fd)
+
+
+def test_bad_head_dim_is_rejected():
+  x = make(0, 1, 8, 1, 1, 24, 16)
+  with pytest.raises(ValueError, match="powers of two"):
+    kda(*(jnp.asarray(x[n]) for n in ORDER[:5]), implementation="pallas_gpu")
+
+
+def test_dense_path_lowers_for_cuda(monkeypatch):
+  """The bounded-gate kernels (forward and backward, bf16, K=128, two K slices) lower through
+  Pallas' Triton path for an H200 without a GPU (catches lowering errors on CPU)."""
+  from pallas_kernels.kda import gpu
+  gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+  monkeypatch.setattr(gpu_info, "get_gpu_info",
+                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+  monkeypatch.setattr(gpu, "_interpret", lambda: False)  # the real Triton lowering
+  x = make(5, 1, 100, 2, 2, 128, 128)
+  bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
+
+  def loss(q, k, v, g, beta):
+    o, _ = kda(q, k, v, g, beta, use_qk_l2norm=True, A_log=jnp.asarray(x["A_log"]),
+               dt_bias=jnp.asarray(x["dt_bias"]), gate="bounded", beta_is_logit=True,
+               implementation="pallas_gpu")
+    return jnp.sum(o.astype(jnp.float32))
+
+  args = tuple(bf(n) for n in ORDER[:5])
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
+  for name in ("kda_chunk_prep", "kda_chunk_prep_bwd", "kda_fwd_recurrence", "kda_bwd_recurrence"):
+    assert name in text, f"{name} is not a Triton call of the lowered module"
