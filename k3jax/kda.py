@@ -17,7 +17,7 @@ from flax import nnx
 import pallas_kernels.kda as kda_ops
 from k3jax.config import ModelConfig
 from k3jax.nn import Linear, RMSNorm, constant, param
-from sharding import shard
+from sharding import context_parallel, shard
 
 
 def short_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
@@ -136,10 +136,11 @@ class KDA(nnx.Module):
       o, state = kda_ops.kda_decode(q, kk, v, f, beta, cache["state"],
                                     implementation=k.implementation, **gate_kw)
     else:
-      o, state = kda_ops.kda(q, kk, v, f, beta, segment_ids=segment_ids,
-                             initial_state=None if cache is None else cache["state"],
-                             output_final_state=cache is not None, chunk_size=k.chunk_size,
-                             implementation=k.implementation, **gate_kw)
+      kda_fn = context_parallel.kda if context_parallel.active() else kda_ops.kda
+      o, state = kda_fn(q, kk, v, f, beta, segment_ids=segment_ids,
+                        initial_state=None if cache is None else cache["state"],
+                        output_final_state=cache is not None, chunk_size=k.chunk_size,
+                        implementation=k.implementation, **gate_kw)
     o = self.o_norm(o) * jax.nn.sigmoid(self._output_gate(x)).reshape(b, t, hv, vd).astype(o.dtype)
     y = self.o_proj(o.reshape(b, t, hv * vd))
     if cache is None:

@@ -14,7 +14,7 @@ from k3jax import router
 from k3jax.config import ModelConfig
 from k3jax.glu import GLU, glu_activation
 from k3jax.nn import Linear, RMSNorm, constant, normal, param
-from sharding import shard
+from sharding import balance, expert_parallel, shard
 
 
 class RouterBias(nnx.Variable):
@@ -74,15 +74,19 @@ class LatentMoE(nnx.Module):
     bias = self.gate.bias[...]
     ids, weights = router.route(scores, bias, m)
     xe = self.routed_expert_down_proj(xf) if m.latent_dim else xf
-    y = moe_ops.expert_mlp(xe, ids, weights, self.experts.w_gate_up[...].astype(x.dtype),
-                           self.experts.w_down[...].astype(x.dtype), self.act,
-                           implementation=m.implementation)
+    w1, w2 = self.experts.w_gate_up[...].astype(x.dtype), self.experts.w_down[...].astype(x.dtype)
+    if expert_parallel.active():
+      y = expert_parallel.moe_dispatch(xe, ids, weights, w1, w2, self.act,
+                                       capacity_factor=m.capacity_factor,
+                                       implementation=m.implementation)
+    else:
+      y = moe_ops.expert_mlp(xe, ids, weights, w1, w2, self.act, implementation=m.implementation)
     if m.latent_dim:
       y = self.routed_expert_up_proj(self.routed_expert_norm(y))
     if m.num_shared_experts:
       y = y + self.shared_experts(xf)
     stats = {
         "load": router.expert_load(ids, m.num_experts, vf),
-        "bias_stat": jax.lax.stop_gradient(router.bias_stat(scores, bias, ids, m, vf)),
+        "bias_stat": jax.lax.stop_gradient(balance.bias_stat(scores, bias, ids, m, vf)),
     }
     return shard(y.reshape(b, t, d), ("batch", "length", "embed")), stats

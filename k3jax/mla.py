@@ -20,7 +20,7 @@ from flax import nnx
 import pallas_kernels.mla as mla_ops
 from k3jax.config import ModelConfig
 from k3jax.nn import Linear, RMSNorm
-from sharding import shard
+from sharding import context_parallel, shard
 
 PAGE_SIZE = 64
 
@@ -95,6 +95,10 @@ class MLA(nnx.Module):
     lat = self._latent(x)  # [B, T, R + Dr]
     w_kv = self.kv_b_proj.kernel[...].astype(x.dtype).reshape(r, h, a.qk_nope_head_dim + a.v_head_dim)
     w_uk, w_uv = w_kv[..., :a.qk_nope_head_dim], w_kv[..., a.qk_nope_head_dim:]
+    if not decode and cache is None and context_parallel.active():
+      o = context_parallel.mla_attention(q, lat, w_kv, segment_ids=segment_ids, scale=self.scale,
+                                         nope_dim=a.qk_nope_head_dim)
+      return self._output(x, o), None
     if not decode:
       kv = jnp.einsum("btr,rhd->bthd", lat[..., :r], w_kv)
       k_nope, v = kv[..., :a.qk_nope_head_dim], kv[..., a.qk_nope_head_dim:]

@@ -22,15 +22,18 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp", "expert"),
     "length": ("context",),
-    "embed": ("fsdp",),
+    # Parameters are ZeRO-3 sharded over every axis that splits tokens except "data" (pure
+    # replication). Activations give those axes to "batch" / "length" first, so in an
+    # activation spec these names only ever get what is left ("tensor").
+    "embed": ("fsdp", "context", "expert"),
+    "kv": ("fsdp", "context", "expert"),
+    "heads": ("tensor", "fsdp", "context", "expert"),
     "vocab": ("tensor",),
-    "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),
     "expert": ("expert",),
-    "latent": (),
+    "latent": ("fsdp", "context"),  # routed expert weights: E on "expert", latent like "embed"
     "head_dim": (),
-    "kv": (),
     "conv": (),
     "blocks": (),
     "state_k": (),

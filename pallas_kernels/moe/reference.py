@@ -33,7 +33,8 @@ def _expand_fwd(x, order, inverse, k):
 def _expand_bwd(k, res, g):
   order, inverse = res
   n = inverse.shape[0] // k
-  dx = jnp.take(g, inverse, axis=0).reshape(n, k, -1).sum(axis=1, dtype=jnp.float32)
+  acc = jnp.promote_types(g.dtype, jnp.float32)
+  dx = jnp.take(g, inverse, axis=0).reshape(n, k, -1).sum(axis=1, dtype=acc)
   return dx.astype(g.dtype), None, None
 
 
@@ -83,9 +84,9 @@ def _inverse(order):
 
 def unpermute(y, order, weights):
   """Inverse of :func:`permute`: ``y [N*k, D]`` in sorted order, weighted sum over each token's k
-  experts with ``weights [N, k]`` (float32 accumulation). Returns ``[N, D]`` in y's dtype."""
+  experts with ``weights [N, k]`` (float32 accumulation, or float64 for float64 inputs). Returns ``[N, D]`` in y's dtype."""
   n, k = weights.shape
   pairs = _gather_rows(y, _inverse(order), order)  # pair order
-  out = jnp.einsum("nkd,nk->nd", pairs.reshape(n, k, -1).astype(jnp.float32),
-                   weights.astype(jnp.float32))
+  acc = jnp.promote_types(y.dtype, jnp.float32)
+  out = jnp.einsum("nkd,nk->nd", pairs.reshape(n, k, -1).astype(acc), weights.astype(acc))
   return out.astype(y.dtype)

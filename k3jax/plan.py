@@ -1,0 +1,333 @@
+"""Memory and communication plan of a training layout, without devices and without allocating.
+
+``python -m k3jax.plan CONFIG --mesh data=A,fsdp=B,expert=C,context=D [--seq-len L] [--batch B]
+[--lower-layers N] [key=value ...]`` prints a JSON report:
+
+- ``params`` / ``grads`` / ``optimizer``: per-device bytes, exact: every leaf of the abstract
+  parameter tree (``nnx.eval_shape``) and of the optimizer state (``jax.eval_shape`` of
+  ``tx.init``) divided by the mesh axes its logical names shard it over (:mod:`sharding.rules`);
+- ``activations``: per-device peak estimate for ``model.remat`` (analytical, formulas in
+  ``activations.terms``; assumes flash-style attention kernels, i.e. no ``[T, T]`` scores);
+- ``collectives``: bytes each device sends per step for every collective (analytical): FSDP
+  all-gathers and reduce-scatters, data-parallel gradient all-reduces, the expert all-to-alls
+  (and MoonEP's weight fetch), the KDA ``(M, N)`` and MLA latent all-gathers of context
+  parallelism, the Quantile Balancing histogram all-reduce;
+- ``lowering`` (``--lower-layers N``, N > 0: that many layers, -1: all): the full training step
+  (forward, backward, optimizer, bias update) of the model cut to N layers is lowered with
+  ``jax.jit(...).trace(...).lower()`` on a ``jax.sharding.AbstractMesh`` of the requested shape
+  (nothing is compiled or run); reports the time taken and the collectives found in the lowered
+  program (only the ``shard_map`` ones: GSPMD adds the others when compiling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax import config as config_lib
+from k3jax.config import Config, MeshConfig
+from sharding import mesh as mesh_lib
+from sharding.expert_parallel import capacity
+from sharding.rules import logical_spec
+
+AXES = mesh_lib.AXES
+TOKEN_AXES = mesh_lib.TOKEN_AXES
+GB = 1e9
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """``"data=2,expert=4"`` -> ``{"data": 2, "expert": 4, ...}`` (missing axes: 1)."""
+  sizes = {a: 1 for a in AXES}
+  for item in filter(None, text.split(",")):
+    if "=" not in item:
+      raise config_lib.ConfigError(f"--mesh: expected axis=size, got {item!r}")
+    k, v = item.split("=", 1)
+    if k.strip() not in AXES:
+      raise config_lib.ConfigError(f"--mesh: unknown axis {k!r} (axes: {', '.join(AXES)})")
+    sizes[k.strip()] = int(v)
+    if sizes[k.strip()] < 1:
+      raise config_lib.ConfigError(f"--mesh: axis {k!r} must be >= 1")
+  return sizes
+
+
+def _spec_axes(names, shape, sizes):
+  """Mesh axes (size > 1) that split a leaf with logical ``names`` and ``shape``."""
+  if not names:
+    return ()
+  spec = mesh_lib.fit_spec(logical_spec(names, None, [a for a in AXES if sizes[a] > 1]), shape, sizes)
+  out = []
+  for entry in spec:
+    out += [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
+  return tuple(out)
+
+
+def _nbytes(x) -> int:
+  return int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+
+
+def _leaves(tree):
+  return jax.tree_util.tree_flatten_with_path(tree)[0]
+
+
+def _key(path) -> tuple:
+  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def abstract_state(cfg: Config):
+  """(graphdef, abstract params, abstract biases, params names) of the model, no allocation."""
+  from k3jax.latent_moe import RouterBias
+  from k3jax.model import K3Model
+  model = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0)))
+  graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
+  names = mesh_lib.names_tree(cfg.model)
+  return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(biases), names
+
+
+def state_bytes(cfg: Config, sizes: dict[str, int]) -> dict:
+  """Exact per-device bytes of parameters, gradients and optimizer state, and the per-leaf
+  layout the collective accounting needs."""
+  from k3jax.optim import make_optimizer
+  _, params, _, names = abstract_state(cfg)
+  flat_names = {_key(p): n for p, n in _leaves(mesh_lib._wrap(names))}
+  per_leaf = []
+  for path, x in _leaves(params):
+    n = flat_names[_key(path)].names
+    axes = _spec_axes(n, x.shape, sizes)
+    split = math.prod(sizes[a] for a in axes)
+    per_leaf.append({"path": _key(path), "bytes": _nbytes(x), "local": _nbytes(x) / split,
+                     "axes": axes, "expert": bool(n and n[0] == "expert")})
+  tx, _ = make_optimizer(cfg, params)
+  opt = jax.eval_shape(tx.init, params)
+  by_path = {leaf["path"]: leaf for leaf in per_leaf}
+  opt_local = 0.0
+  for path, x in _leaves(opt):
+    key = _key(path)
+    match = next((by_path[key[i:]] for i in range(len(key)) if key[i:] in by_path), None)
+    split = 1 if match is None or not x.shape else math.prod(sizes[a] for a in match["axes"])
+    opt_local += _nbytes(x) / split
+  local = sum(leaf["local"] for leaf in per_leaf)
+  return {"per_leaf": per_leaf, "params": local, "grads": local, "optimizer": opt_local,
+          "total_params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))}
+
+
+def _ring(bytes_full: float, n: int) -> float:
+  """Bytes one device sends in a ring all-gather / reduce-scatter of ``bytes_full`` over n."""
+  return bytes_full * (n - 1) / n if n > 1 else 0.0
+
+
+def collectives(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, state: dict) -> dict:
+  """Bytes sent per device per training step, by collective (analytical)."""
+  m = cfg.model
+  cb = jnp.dtype(m.cdtype).itemsize
+  passes = 3 if m.remat != "none" else 2  # forward, (recomputed forward), backward
+  tok_split = math.prod(sizes[a] for a in TOKEN_AXES)
+  n = batch * seq_len / tok_split  # tokens per device
+  out: dict[str, float] = {}
+  fsdp_ag = fsdp_rs = dp_ar = 0.0
+  for leaf in state["per_leaf"]:
+    gather_axes = [a for a in leaf["axes"] if a != "expert"]
+    g = math.prod(sizes[a] for a in gather_axes)
+    full_on_device = leaf["local"] * g  # what the compute sees after the gathers
+    if g > 1:
+      fsdp_ag += (passes - 1) * _ring(full_on_device, g)  # forward + recomputed forward
+      fsdp_rs += _ring(full_on_device, g)
+    # gradients are summed over the token axes the leaf is not split over
+    rep = math.prod(sizes[a] for a in TOKEN_AXES if a not in leaf["axes"])
+    dp_ar += 2 * _ring(leaf["local"], rep)
+  out["fsdp_all_gather_params"] = fsdp_ag
+  out["fsdp_reduce_scatter_grads"] = fsdp_rs
+  out["grad_all_reduce"] = dp_ar
+  moe_layers = [i for i in range(m.num_layers) if m.is_moe(i)]
+  r = sizes["expert"]
+  if r > 1:
+    e, k = m.moe.num_experts, m.moe.top_k
+    er = e // r
+    width = m.moe.latent_dim or m.hidden_size
+    moonep = cfg.mesh.moonep
+    cap = capacity(int(n), k, r, er, m.moe.capacity_factor, moonep)
+    buf = r * cap * width * cb
+    out["expert_all_to_all_tokens"] = len(moe_layers) * 2 * passes * _ring(buf, r)
+    out["expert_counts_all_gather"] = len(moe_layers) * passes * _ring(r * e * 4, r)
+    if moonep:
+      f = m.moe.expert_intermediate
+      wbuf = r * er * (3 * width * f) * jnp.dtype(m.pdtype).itemsize
+      out["moonep_weight_fetch_all_to_all"] = len(moe_layers) * passes * _ring(wbuf, r)
+  c = sizes["context"]
+  bl = batch / math.prod(sizes[a] for a in ("data", "fsdp", "expert"))
+  if c > 1:
+    kd = m.kda
+    kda_layers = sum(m.layer_kind(i) == "kda" for i in range(m.num_layers))
+    mn = bl * kd.value_heads * kd.head_dim * (kd.head_dim + kd.v_head_dim) * 4
+    out["kda_context_all_gather_MN"] = kda_layers * passes * _ring(c * mn, c)
+    a = m.mla
+    mla_layers = m.num_layers - kda_layers
+    lat = bl * seq_len * (a.kv_lora_rank + a.qk_rope_head_dim) * cb
+    out["mla_context_all_gather_latent"] = mla_layers * passes * _ring(lat, c)
+    q_out = bl * (seq_len / c) * a.num_heads * (a.qk_head_dim + a.v_head_dim) * cb
+    out["mla_context_zigzag_ppermute"] = mla_layers * passes * q_out
+  if m.moe.balancing == "quantile_hist" and tok_split > 1:
+    out["qb_histogram_all_reduce"] = len(moe_layers) * 2 * _ring(m.moe.num_experts * m.moe.balancing_bins * 4,
+                                                                 tok_split)
+  out["total"] = sum(out.values())
+  return out
+
+
+def activations(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int) -> dict:
+  """Peak activation bytes per device (analytical estimate, see the module docstring)."""
+  m = cfg.model
+  cb = jnp.dtype(m.cdtype).itemsize
+  tok_split = math.prod(sizes[a] for a in TOKEN_AXES)
+  n = batch * seq_len / tok_split
+  d = m.hidden_size
+  tp = sizes["tensor"]
+  blocks = -(-m.num_layers // m.attn_res.block_size) + 1 if m.attn_res.enabled else 0
+  terms = {}
+  if m.remat != "none":
+    terms["saved_layer_inputs"] = m.num_layers * n * d * cb
+    terms["attn_res_blocks"] = blocks * n * d * cb
+    live_layers = 1
+  else:
+    live_layers = m.num_layers
+  kd = m.kda
+  kda_proj = n * (2 * kd.num_heads * kd.head_dim + 2 * kd.value_heads * kd.v_head_dim
+                  + kd.value_heads * kd.head_dim) / tp
+  # forward tensors of one KDA layer (projections, convs, gate: cdtype) plus the float32 chunk
+  # intermediates of the op (two passes when the context axis splits the sequence)
+  kda_op = n * kd.value_heads * (3 * kd.head_dim + kd.v_head_dim) * 4 / tp * (2 if sizes["context"] > 1 else 1)
+  kda_layer = 2 * kda_proj * cb + kda_op
+  a = m.mla
+  mla_layer = (n * a.num_heads * (2 * a.qk_head_dim + 2 * a.v_head_dim) * cb / tp
+               + (batch / math.prod(sizes[x] for x in ("data", "fsdp", "expert")))
+               * seq_len * (a.kv_lora_rank + a.qk_rope_head_dim) * cb)
+  mo = m.moe
+  width = mo.latent_dim or d
+  r = sizes["expert"]
+  slots = n * mo.top_k
+  if r > 1:
+    cap = capacity(int(n), mo.top_k, r, mo.num_experts // r, mo.capacity_factor, cfg.mesh.moonep)
+    rows = r * cap
+  else:
+    rows = slots
+  moe_layer = ((2 * rows + slots) * width * cb  # send / receive buffers, per-slot outputs
+               + rows * 3 * mo.expert_intermediate * cb / tp  # gate/up and the activation
+               + n * mo.num_shared_experts * mo.expert_intermediate * 3 * cb / tp)
+  if r > 1 and cfg.mesh.moonep:
+    moe_layer += 2 * mo.num_experts * 3 * width * mo.expert_intermediate * jnp.dtype(m.pdtype).itemsize
+  dense_layer = n * m.dense_intermediate * 3 * cb / tp
+  layer = max(kda_layer, mla_layer) + max(moe_layer, dense_layer)
+  terms["one_layer_forward"] = layer * live_layers
+  terms["one_layer_backward"] = 2 * layer  # cotangents of the same tensors
+  terms["head_and_loss"] = n * d * 4 * 2 + 1024 * m.vocab_size * 4 * 2
+  return {"peak": sum(terms.values()), "terms": terms, "tokens_per_device": n}
+
+
+def lower_step(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, layers: int,
+               platform: str = "cuda") -> dict:
+  """Lowers (never compiles or runs) the training step of the model cut to ``layers`` layers on
+  an abstract mesh of ``sizes``."""
+  from k3jax import train_step as ts
+  from k3jax.optim import make_optimizer
+  from sharding import expert_parallel
+  m = cfg.model
+  if 0 < layers < m.num_layers:
+    keep = lambda idx: tuple(i for i in idx if i < layers)
+    mla = keep(m.mla_layers) or ((layers - 1,) if m.mla_layers else ())
+    cfg = config_lib.replace(cfg, [f"model.num_layers={layers}", f"model.mla_layers={list(mla)}",
+                                   f"model.dense_layers={list(keep(m.dense_layers))}"])
+  expert_parallel.configure(moonep=cfg.mesh.moonep)
+  amesh = mesh_lib.abstract_mesh(MeshConfig(**sizes), math.prod(sizes.values()))
+  t0 = time.perf_counter()
+  graphdef, params, biases, names = abstract_state(cfg)  # outside the mesh: names are not axes
+  with jax.sharding.use_abstract_mesh(amesh):
+    tx, schedule = make_optimizer(cfg, params)
+    step_fn = ts.make_train_step(cfg, graphdef, tx, schedule)
+    psh = mesh_lib.pure_shardings(params, amesh, names)
+    rep = jax.sharding.NamedSharding(amesh, jax.sharding.PartitionSpec())
+    sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+    a_params = jax.tree.map(sds, params, psh)
+    a_biases = jax.tree.map(lambda x: sds(x, rep), biases)
+    a_opt = jax.eval_shape(tx.init, a_params)
+    a_opt = jax.tree.map(lambda x: sds(x, getattr(x, "sharding", None) or rep), a_opt)
+    bsh = mesh_lib.batch_sharding(amesh)
+    tok = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=bsh)
+    a_batch = {"input_ids": tok, "targets": tok, "segment_ids": tok, "positions": tok,
+               "weights": jax.ShapeDtypeStruct((batch, seq_len), jnp.float32, sharding=bsh)}
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    traced = jax.jit(step_fn).trace(a_params, a_opt, a_biases, step, key, a_batch)
+    t1 = time.perf_counter()
+    lowered = traced.lower(lowering_platforms=(platform,))
+    t2 = time.perf_counter()
+  text = lowered.as_text()
+  ops = {}
+  for op in ("all_gather", "all_to_all", "all_reduce", "reduce_scatter", "collective_permute"):
+    ops[op] = text.count(f"stablehlo.{op}")
+  return {"layers": cfg.model.num_layers, "platform": platform, "trace_s": round(t1 - t0, 1),
+          "lower_s": round(t2 - t1, 1),
+          "stablehlo_chars": len(text), "shard_map_collectives": ops}
+
+
+def plan(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lower_layers: int = 0,
+         platform: str = "cuda") -> dict:
+  devices = math.prod(sizes.values())
+  tok_axes = math.prod(sizes[a] for a in ("data", "fsdp", "expert"))
+  if batch % tok_axes:
+    raise config_lib.ConfigError(f"--batch {batch} must be divisible by data*fsdp*expert = {tok_axes}")
+  if seq_len % (2 * sizes["context"]):
+    raise config_lib.ConfigError(f"--seq-len {seq_len} must be divisible by 2*context = {2 * sizes['context']}")
+  t0 = time.perf_counter()
+  st = state_bytes(cfg, sizes)
+  act = activations(cfg, sizes, seq_len, batch)
+  coll = collectives(cfg, sizes, seq_len, batch, st)
+  total = st["params"] + st["grads"] + st["optimizer"] + act["peak"]
+  report = {
+      "config": cfg.model.name, "mesh": sizes, "devices": devices, "seq_len": seq_len,
+      "batch": batch, "tokens_per_step": seq_len * batch, "moonep": cfg.mesh.moonep,
+      "total_params": st["total_params"],
+      "per_device_bytes": {"params": st["params"], "grads": st["grads"],
+                           "optimizer": st["optimizer"], "activations_peak": act["peak"],
+                           "total": total},
+      "per_device_GB": {"params": st["params"] / GB, "grads": st["grads"] / GB,
+                        "optimizer": st["optimizer"] / GB, "activations_peak": act["peak"] / GB,
+                        "total": total / GB},
+      "activations": {"method": "analytical", "terms_GB": {k: v / GB for k, v in act["terms"].items()},
+                      "tokens_per_device": act["tokens_per_device"]},
+      "collectives_bytes_per_step": coll,
+      "collectives_GB_per_step": {k: v / GB for k, v in coll.items()},
+      "accounting_s": round(time.perf_counter() - t0, 1),
+  }
+  if lower_layers:
+    report["lowering"] = lower_step(cfg, sizes, seq_len, batch, lower_layers, platform)
+  return report
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m k3jax.plan", description=__doc__.split("\n\n")[0])
+  ap.add_argument("config")
+  ap.add_argument("--mesh", required=True, help="axis=size,... over data, fsdp, expert, context, tensor")
+  ap.add_argument("--seq-len", type=int, default=None, help="default: data.seq_len")
+  ap.add_argument("--batch", type=int, default=None, help="sequences per step; default: train.batch_size")
+  ap.add_argument("--lower-layers", type=int, default=0,
+                  help="lower the step of the model cut to N layers (-1: all layers; 0: skip)")
+  ap.add_argument("--platform", default="cuda", help="lowering platform (cuda, tpu, cpu)")
+  ap.add_argument("overrides", nargs="*", help="config overrides key=value")
+  args = ap.parse_intermixed_args(argv)
+  sizes = parse_mesh(args.mesh)
+  over = list(args.overrides) + [f"mesh.{a}={s}" for a, s in sizes.items()]
+  cfg = config_lib.load(args.config, over)
+  seq_len = args.seq_len or cfg.data.seq_len
+  batch = args.batch or cfg.train.batch_size
+  print(json.dumps(plan(cfg, sizes, seq_len, batch, args.lower_layers, args.platform), indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

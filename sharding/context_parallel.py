@@ -1,0 +1,210 @@
+"""Context parallelism: the sequence is split into contiguous pieces over the ``context`` axis.
+
+KDA (SPEC section 2): a piece maps its incoming state affinely, ``S_out = M S_in + N``. Each rank
+runs the KDA op twice on its piece: once from a zero state (its outputs ``o0`` and ``N``) and
+once on zero values from the identity state, which gives ``M`` as the final state and
+``P_t = scale * q_t^T M_t`` as the outputs. The ``(M, N)`` of all ranks are all-gathered (a fixed
+``[K, K + V]`` per head, independent of the sequence length), prefix-composed with a
+log-depth parallel scan (:func:`prefix_compose`) and each rank reads its exact incoming state ``S_in``; then
+``o = o0 + P S_in``. A document that starts inside a piece zeroes ``M`` from there on (the op
+restarts the state); one that starts exactly at a piece boundary zeroes ``M`` and ``S_in``.
+Gradients flow through the collectives by autodiff.
+
+MLA (SPEC section 3): the normalised latent ``[c, k_r]`` (kv_lora + rope values per token: 576
+for K3) is all-gathered along the context axis and expanded to keys and values locally. The
+queries are load-balanced for causal masking: the sequence is cut into ``2C`` halves and rank
+``r`` computes halves ``r`` and ``2C-1-r`` (one early, one late), exchanged with two
+``ppermute``s and sent back after the attention.
+
+Both are single calls from the model layers and run only when the current mesh has a
+``context`` axis larger than 1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import pallas_kernels.kda as kda_ops
+from sharding.rules import logical_spec
+
+AXIS = "context"
+
+
+def axis_size(name: str = AXIS) -> int:
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or name not in mesh.axis_names:
+    return 1
+  return dict(zip(mesh.axis_names, mesh.axis_sizes))[name]
+
+
+def active() -> bool:
+  """True when the current mesh splits the sequence (a ``context`` axis larger than 1)."""
+  return axis_size(AXIS) > 1
+
+
+def _compose(a, b):
+  """``b o a`` for affine maps ``S -> M S + N`` (a applied first); leading axes broadcast."""
+  ma, na = a
+  mb, nb = b
+  mm = jnp.einsum("...ij,...jk->...ik", mb, ma, precision=jax.lax.Precision.HIGHEST)
+  nn = jnp.einsum("...ij,...jv->...iv", mb, na, precision=jax.lax.Precision.HIGHEST) + nb
+  return mm, nn
+
+
+def prefix_compose(ms, ns):
+  """Inclusive prefix compositions of the affine maps ``(ms[i], ns[i])`` (``[C, ..., K, K]``,
+  ``[C, ..., K, V]``, i = 0 applied first): element i becomes map i o ... o map 0.
+
+  A log-depth (Hillis-Steele) parallel scan with static shifts. ``jax.lax.associative_scan``
+  computes the same thing, but the XLA CPU compiler of jax 0.11.2 crashes (segfault) on its
+  gradient inside ``shard_map``, so it is not used here.
+  """
+  c = ms.shape[0]
+  eye = jnp.broadcast_to(jnp.eye(ms.shape[-1], dtype=ms.dtype), ms.shape)
+  off = 1
+  while off < c:
+    prev = (jnp.concatenate([eye[:off], ms[:-off]]),
+            jnp.concatenate([jnp.zeros_like(ns[:off]), ns[:-off]]))
+    ms, ns = _compose(prev, (ms, ns))
+    off *= 2
+  return ms, ns
+
+
+def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+        segment_ids=None, use_qk_l2norm=False, A_log=None, dt_bias=None, gate=None,
+        lower_bound=-5.0, beta_is_logit=False, chunk_size=64, implementation=None):
+  """:func:`pallas_kernels.kda.kda` with the sequence split over the ``context`` axis (same
+  arguments and results; q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g ``[B, T, HV, K]``,
+  beta ``[B, T, HV]``). The final state is the state after the last token of the whole sequence,
+  replicated over the context axis."""
+  acc = jnp.promote_types(v.dtype, jnp.float32)
+  if gate is not None:  # gate and beta pre-processing are per token: done before the split
+    g = kda_ops.kda_gate(g, A_log, dt_bias, gate, lower_bound)
+  if beta_is_logit:
+    beta = jax.nn.sigmoid(beta.astype(jnp.promote_types(beta.dtype, jnp.float32)))
+  b, t, h, kd = q.shape
+  hv, vd = v.shape[2], v.shape[3]
+  scale = kd ** -0.5 if scale is None else scale
+  c = axis_size()
+  if t % c:
+    raise ValueError(f"context-parallel KDA: sequence length {t} is not divisible by the "
+                     f"context axis size {c}")
+  seq = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+  s0 = jnp.zeros((b, hv, kd, vd), acc) if initial_state is None else initial_state.astype(acc)
+  tok = logical_spec(("batch", "length", "heads", None))
+  row = logical_spec(("batch", "length"))
+  st = P(tok[0], tok[2], None, None)  # the state's heads split like the tokens' heads
+  op = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
+            implementation=implementation)
+
+  def body(q, k, v, g, beta, seg, s0):
+    idx = jax.lax.axis_index(AXIS)
+    bl, tl = seg.shape
+    # A document starting exactly at this piece's first token does not see the previous piece.
+    last = jax.lax.all_gather(seg[:, -1], AXIS)  # [C, B]
+    fresh = (idx > 0) & (seg[:, 0] != last[jnp.maximum(idx - 1, 0)])  # [B]
+    o0, n = kda_ops.kda(q, k, v, g, beta, output_final_state=True, segment_ids=seg, **op)
+    eye = jnp.broadcast_to(jnp.eye(kd, dtype=acc), (bl, v.shape[2], kd, kd))
+    pm, m = kda_ops.kda(q, k, jnp.zeros(v.shape[:3] + (kd,), acc), g, beta, initial_state=eye,
+                        output_final_state=True, segment_ids=seg, **op)
+    m = jnp.where(fresh[:, None, None, None], 0.0, m)
+    ms = jax.lax.all_gather(m[None], AXIS, axis=0, tiled=True)  # [C, B, HV, K, K]
+    ns = jax.lax.all_gather(n.astype(acc)[None], AXIS, axis=0, tiled=True)  # [C, B, HV, K, V]
+    mc, nc = prefix_compose(ms, ns)  # compositions of pieces 0..i
+    before = jnp.maximum(idx - 1, 0)
+    s_in = jnp.where(idx > 0, _compose((s0, s0), (mc[before], nc[before]))[1], s0)
+    s_in = jnp.where(fresh[:, None, None, None], 0.0, s_in)
+    o = o0.astype(acc) + jnp.einsum("bthk,bhkv->bthv", pm.astype(acc), s_in,
+                                    precision=jax.lax.Precision.HIGHEST)
+    final = _compose((s0, s0), (mc[-1], nc[-1]))[1]
+    return o.astype(v.dtype), final
+
+  fn = jax.shard_map(body, in_specs=(tok, tok, tok, tok, P(*tok[:3]), row, st),
+                     out_specs=(tok, st), check_vma=False)
+  wsc = jax.lax.with_sharding_constraint  # lay the inputs out as the shard_map takes them
+  o, final = fn(*(wsc(x, tok) for x in (q, k, v, g)), wsc(beta, P(*tok[:3])), wsc(seq, row),
+                wsc(s0, st))
+  return o, (final if output_final_state else None)
+
+
+def _half_tables(c: int):
+  """Zigzag: half ``h`` of ``2C`` goes to rank ``h`` (h < C) or ``2C-1-h``. Returns the two
+  ppermute permutations (first / second local half) and, per rank, the global half index of the
+  half it receives from each."""
+  dest = lambda hh: hh if hh < c else 2 * c - 1 - hh
+  perm_a = [(r, dest(2 * r)) for r in range(c)]
+  perm_b = [(r, dest(2 * r + 1)) for r in range(c)]
+  recv_a = np.zeros(c, np.int32)
+  recv_b = np.zeros(c, np.int32)
+  for r in range(c):
+    recv_a[dest(2 * r)] = 2 * r
+    recv_b[dest(2 * r + 1)] = 2 * r + 1
+  return perm_a, perm_b, recv_a, recv_b
+
+
+def _masked_attention(q, k, v, q_pos, q_seg, k_seg, scale):
+  """q ``[B, Tq, H, Dk]`` at positions ``q_pos [Tq]`` against all keys ``[B, S, H, Dk]`` (key j at
+  position j); causal and same-segment. Rows without a visible key give zeros."""
+  acc = jnp.promote_types(q.dtype, jnp.float32)
+  s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=acc) * scale
+  mask = (jnp.arange(k.shape[1])[None, :] <= q_pos[:, None])[None]
+  mask = (mask & (q_seg[:, :, None] == k_seg[:, None, :]))[:, None]
+  s = jnp.where(mask, s, -jnp.inf)
+  p = jnp.where(mask, jax.nn.softmax(s, axis=-1), 0.0)
+  return jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v, preferred_element_type=acc).astype(q.dtype)
+
+
+def mla_attention(q, latent, w_kv, *, segment_ids=None, scale, nope_dim: int, balanced=True):
+  """Causal MLA attention with the sequence split over the ``context`` axis.
+
+  q: ``[B, T, H, nope + rope]``; latent: ``[B, T, R + rope]`` (normalised ``c`` then the shared
+  ``k_r``); w_kv: ``[R, H, nope + v]`` (``kv_b_proj`` per head: nope then v); segment_ids
+  ``[B, T]`` or None. Only the latent crosses ranks. Returns ``[B, T, H, v]`` in q's dtype.
+  """
+  b, t, h, dq = q.shape
+  r = w_kv.shape[0]
+  c = axis_size()
+  if t % (2 * c):
+    raise ValueError(f"context-parallel MLA: sequence length {t} must be divisible by twice the "
+                     f"context axis size ({2 * c})")
+  seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+  perm_a, perm_b, recv_a, recv_b = _half_tables(c)
+  qs = logical_spec(("batch", "length", "heads", None))
+  ls = logical_spec(("batch", "length", None))
+  ws = P(None, qs[2], None)  # w_kv: whole latent dim, heads split like the queries' heads
+
+  def body(q, lat, w, seg):
+    idx = jax.lax.axis_index(AXIS)
+    half = q.shape[1] // 2
+    lat_all = jax.lax.all_gather(lat, AXIS, axis=1, tiled=True)  # [B, T, R + rope]
+    seg_all = jax.lax.all_gather(seg, AXIS, axis=1, tiled=True)  # [B, T]
+    kv = jnp.einsum("btr,rhd->bthd", lat_all[..., :r], w.astype(lat_all.dtype))
+    k_r = jnp.broadcast_to(lat_all[:, :, None, r:], kv.shape[:3] + (lat_all.shape[-1] - r,))
+    keys = jnp.concatenate([kv[..., :nope_dim], k_r], -1)
+    vals = kv[..., nope_dim:]
+    if balanced:
+      qa = jax.lax.ppermute(q[:, :half], AXIS, perm_a)
+      qb = jax.lax.ppermute(q[:, half:], AXIS, perm_b)
+      qq = jnp.concatenate([qa, qb], axis=1)
+      ha, hb = jnp.asarray(recv_a)[idx], jnp.asarray(recv_b)[idx]
+      q_pos = jnp.concatenate([ha * half + jnp.arange(half), hb * half + jnp.arange(half)])
+    else:
+      qq = q
+      q_pos = idx * q.shape[1] + jnp.arange(q.shape[1])
+    q_seg = jnp.take(seg_all, q_pos, axis=1)
+    o = _masked_attention(qq, keys, vals, q_pos, q_seg, seg_all, scale)
+    if balanced:
+      inv = lambda perm: [(d, s) for s, d in perm]
+      o = jnp.concatenate([jax.lax.ppermute(o[:, :half], AXIS, inv(perm_a)),
+                           jax.lax.ppermute(o[:, half:], AXIS, inv(perm_b))], axis=1)
+    return o
+
+  fn = jax.shard_map(body, in_specs=(qs, ls, ws, logical_spec(("batch", "length"))),
+                     out_specs=qs, check_vma=False)
+  return fn(q, latent, w_kv, seg)
+
+
+__all__ = ["active", "axis_size", "kda", "mla_attention"]

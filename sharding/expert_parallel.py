@@ -1,0 +1,163 @@
+"""Expert parallelism: routed experts split over the ``expert`` mesh axis, tokens exchanged with
+fixed-size ``all_to_all``s inside ``jax.shard_map``.
+
+Each device holds its tokens (the batch split over ``data, fsdp, expert, context``) and ``er =
+E / R`` experts (R = the expert axis size; expert weights are further split over ``fsdp`` on the
+latent dim like ``embed`` and ``tensor`` on the intermediate dim, gathered inside). Per MoE layer:
+
+1. every rank counts its token slots per expert; the counts ``[R, E]`` are all-gathered over the
+   expert axis (the only data-dependent metadata, E integers per rank);
+2. each slot gets a destination rank and expert group: its home rank (plain dispatch), or, with
+   MoonEP (:mod:`sharding.moonep`), a plan that gives every rank exactly ``N*k/R`` slots, some of
+   them on redundant copies of another rank's hot experts;
+3. slots are packed into a ``[R, C, L]`` send buffer (C slots per destination: the worst case
+   ``n * min(k, er)`` for dropless plain dispatch and ``n * k`` with MoonEP, or
+   ``ceil(capacity_factor * n * k / R)`` when ``model.moe.capacity_factor > 0``, beyond which
+   slots are dropped) and exchanged with ``all_to_all`` (works on every backend, CPU included);
+4. the receiver sorts its rows by expert group and runs the GLU with two grouped matmuls over
+   ``er`` home experts plus (MoonEP) ``er`` redundant slots whose weights were fetched from their
+   home rank with another ``all_to_all``; with MoonEP the compute buffer is exactly the
+   balanced ``n * k`` rows;
+5. results return with the reverse ``all_to_all`` and are combined with the routing weights.
+
+Everything is differentiable: the weight fetch is a collective whose transpose sends the copies'
+gradients back to their home rank, where they add to the home expert's gradient.
+
+``configure(moonep=...)`` (called by :func:`sharding.setup` from ``mesh.moonep``) switches MoonEP.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels.moe as moe_ops
+from sharding import moonep as moonep_lib
+from sharding.context_parallel import axis_size
+from sharding.rules import logical_spec
+
+AXIS = "expert"
+TOKEN_AXES = ("data", "fsdp", "expert", "context")
+_OPTIONS = {"moonep": True}
+
+
+def configure(*, moonep: bool) -> None:
+  """Turns MoonEP on (balanced, with redundant experts) or off (plain capacity-based dispatch)."""
+  _OPTIONS["moonep"] = bool(moonep)
+
+
+def active() -> bool:
+  """True when the current mesh has an ``expert`` axis larger than 1."""
+  return axis_size(AXIS) > 1
+
+
+def token_spec():
+  """PartitionSpec of a flat ``[N, ...]`` token array: N over every token axis of the mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  axes = tuple(a for a in TOKEN_AXES if sizes.get(a, 1) > 1)
+  return jax.sharding.PartitionSpec(axes if axes else None, None)
+
+
+def capacity(n: int, k: int, r: int, er: int, capacity_factor: float, moonep: bool) -> int:
+  """Slots per (source, destination) pair in the send buffer."""
+  if capacity_factor > 0:
+    return max(1, math.ceil(capacity_factor * n * k / r))
+  return n * k if moonep else n * min(k, er)
+
+
+def _gather_weight(w, spec):
+  """All-gathers the dims after the expert dim that ``spec`` splits (fsdp, context, tensor)."""
+  for dim, entry in enumerate(tuple(spec)[1:], start=1):
+    if entry is not None:
+      w = jax.lax.all_gather(w, entry, axis=dim, tiled=True)
+  return w
+
+
+def _rank_within(keys, num_keys):
+  """Position of each element among the equal keys before it (stable). keys: ``[M]`` int."""
+  m = keys.shape[0]
+  iota = jnp.arange(m, dtype=jnp.int32)
+  sk, order = jax.lax.sort((keys.astype(jnp.int32), iota), num_keys=1, is_stable=True)
+  counts = jnp.zeros((num_keys,), jnp.int32).at[sk].add(1, mode="drop")
+  first = jnp.cumsum(counts) - counts
+  rank_sorted = iota - first[jnp.clip(sk, 0, num_keys - 1)]
+  return jnp.zeros((m,), jnp.int32).at[order].set(rank_sorted)
+
+
+def moe_dispatch(x, expert_ids, weights, w_gate_up, w_down, activation, *, capacity_factor=0.0,
+                 implementation=None, moonep: bool | None = None):
+  """Routed experts over the expert axis: same contract as :func:`pallas_kernels.moe.expert_mlp`.
+
+  x: ``[N, L]`` tokens; expert_ids, weights: ``[N, k]``; w_gate_up ``[E, L, 2F]``; w_down
+  ``[E, F, L]``; activation ``(gate, up) -> h``. Returns ``[N, L]``.
+  """
+  moonep = _OPTIONS["moonep"] if moonep is None else moonep
+  r = axis_size(AXIS)
+  e = w_gate_up.shape[0]
+  if e % r:
+    raise ValueError(f"expert parallelism: {e} experts do not split over expert axis size {r}")
+  er = e // r
+  k = expert_ids.shape[1]
+  tok = token_spec()
+  w1_spec = logical_spec(("expert", "latent", "mlp"))
+  w2_spec = logical_spec(("expert", "mlp", "latent"))
+  slots = er if moonep else 0
+
+  def body(x, ids, wts, w1, w2):
+    w1 = _gather_weight(w1, w1_spec)  # [er, L, 2F]
+    w2 = _gather_weight(w2, w2_spec)  # [er, F, L]
+    n, width = x.shape
+    me = jax.lax.axis_index(AXIS)
+    flat = ids.reshape(-1).astype(jnp.int32)  # [n*k]
+    counts = jnp.zeros((e,), jnp.int32).at[flat].add(1)
+    all_counts = jax.lax.all_gather(counts, AXIS)  # [R, E]
+    index = (jnp.cumsum(all_counts, 0) - all_counts)[me][flat] + _rank_within(flat, e)
+    if moonep:
+      p = moonep_lib.plan(all_counts, slots)
+      dest, group = moonep_lib.assign(p, flat, index, r)
+    else:
+      dest, group = flat // er, flat % er
+    cap = capacity(n, k, r, er, capacity_factor, moonep)
+    pos = _rank_within(dest, r)
+    keep = pos < cap
+    pos = jnp.where(keep, pos, cap)  # out of bounds: dropped by the scatters below
+    rows = jnp.take(x, jnp.arange(n * k) // k, axis=0)
+    send = jnp.zeros((r, cap, width), x.dtype).at[dest, pos].set(rows, mode="drop")
+    groups = er + slots
+    send_g = jnp.full((r, cap), groups, jnp.int32).at[dest, pos].set(group, mode="drop")
+    recv = jax.lax.all_to_all(send, AXIS, 0, 0)  # [R, C, L]: row block s from source s
+    recv_g = jax.lax.all_to_all(send_g, AXIS, 0, 0).reshape(-1)
+    if moonep:  # fetch the redundant experts' weights from their home ranks
+      se = p.slot_expert  # [R, S]
+      mine = (se >= 0) & (se // er == me)
+      local = jnp.clip(se - me * er, 0, er - 1)
+      fetch = lambda w: jnp.sum(jax.lax.all_to_all(
+          jnp.where(mine[..., None, None], w[local], 0).astype(w.dtype), AXIS, 0, 0), axis=0)
+      w1 = jnp.concatenate([w1, fetch(w1)], axis=0)
+      w2 = jnp.concatenate([w2, fetch(w2)], axis=0)
+    m = r * cap
+    budget = min(m, n * k) if moonep else m  # MoonEP: exactly the balanced share
+    iota = jnp.arange(m, dtype=jnp.int32)
+    sg, order = jax.lax.sort((recv_g, iota), num_keys=1, is_stable=True)
+    order = order[:budget]
+    xs = jnp.take(recv.reshape(m, width), order, axis=0)
+    sizes = jnp.zeros((groups + 1,), jnp.int32).at[sg].add(1)[:groups]
+    h = moe_ops.gmm(xs, w1.astype(x.dtype), sizes, implementation=implementation)
+    f = w2.shape[1]
+    h = activation(h[:, :f], h[:, f:]).astype(x.dtype)
+    y = moe_ops.gmm(h, w2.astype(x.dtype), sizes, implementation=implementation)
+    back = jnp.zeros((m, width), y.dtype).at[order].set(y).reshape(r, cap, width)
+    back = jax.lax.all_to_all(back, AXIS, 0, 0)
+    out = back.at[dest, pos].get(mode="fill", fill_value=0)  # [n*k, L], dropped slots 0
+    return jnp.einsum("nkd,nk->nd", out.reshape(n, k, width).astype(jnp.float32),
+                      wts.astype(jnp.float32)).astype(x.dtype)
+
+  fn = jax.shard_map(body, in_specs=(tok, tok, tok, w1_spec, w2_spec), out_specs=tok,
+                     check_vma=False)
+  return fn(x, expert_ids, weights, w_gate_up, w_down)
+
+
+__all__ = ["configure", "active", "moe_dispatch", "capacity", "token_spec"]

@@ -1,0 +1,213 @@
+"""The device mesh from ``MeshConfig``, multi-host start-up and parameter shardings.
+
+Mesh axes, outermost first: ``data, fsdp, expert, context, tensor`` (tensor innermost: the axis
+with the most traffic gets the closest devices). All axes are ``Auto``: the model places
+activations with ``with_sharding_constraint`` (:func:`sharding.rules.shard`) and GSPMD inserts the
+collectives; expert and context parallelism run inside ``jax.shard_map``. The same code path
+serves one device (every axis of size 1) and N.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from k3jax.config import Config, ConfigError, MeshConfig
+from sharding.rules import DEFAULT_RULES, logical_spec
+
+AXES = ("data", "fsdp", "expert", "context", "tensor")
+TOKEN_AXES = ("data", "fsdp", "expert", "context")  # axes the tokens of a batch are split over
+
+
+def axis_sizes(mc: MeshConfig, num_devices: int) -> dict[str, int]:
+  """``{axis: size}`` for ``num_devices`` devices; the one ``-1`` axis takes the rest."""
+  sizes = {a: getattr(mc, a) for a in AXES}
+  known = math.prod(s for s in sizes.values() if s != -1)
+  free = [a for a, s in sizes.items() if s == -1]
+  if free:
+    if num_devices % known:
+      raise ConfigError(f"mesh: {num_devices} devices are not divisible by the fixed axes "
+                        f"{ {a: s for a, s in sizes.items() if s != -1} } (product {known})")
+    sizes[free[0]] = num_devices // known
+  if math.prod(sizes.values()) != num_devices:
+    raise ConfigError(f"mesh: axis sizes {sizes} multiply to {math.prod(sizes.values())}, but "
+                      f"there are {num_devices} devices (set one axis to -1 for the rest)")
+  return sizes
+
+
+def make_mesh(mc: MeshConfig, devices=None) -> jax.sharding.Mesh:
+  """A mesh of ``devices`` (default: all) with the five named axes, all ``AxisType.Auto``."""
+  devices = jax.devices() if devices is None else list(devices)
+  sizes = axis_sizes(mc, len(devices))
+  return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES),
+                       devices=devices)
+
+
+def abstract_mesh(mc: MeshConfig, num_devices: int) -> jax.sharding.AbstractMesh:
+  """The same mesh without devices, for lowering a program that is never run."""
+  sizes = axis_sizes(mc, num_devices)
+  return jax.sharding.AbstractMesh(tuple(sizes[a] for a in AXES), AXES,
+                                   axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def initialize_distributed() -> bool:
+  """Calls ``jax.distributed.initialize()`` once when the environment describes several processes.
+
+  Recognised: ``JAX_COORDINATOR_ADDRESS`` (with ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``),
+  SLURM (``SLURM_NTASKS`` > 1), Open MPI (``OMPI_COMM_WORLD_SIZE`` > 1) and Cloud TPU pods
+  (``TPU_WORKER_HOSTNAMES`` with several hosts), for which JAX auto-detects the rest. Returns
+  whether it initialised.
+  """
+  env = os.environ
+  if jax.distributed.is_initialized():
+    return False
+  kwargs: dict[str, Any] = {}
+  if env.get("JAX_COORDINATOR_ADDRESS"):
+    kwargs = {"coordinator_address": env["JAX_COORDINATOR_ADDRESS"]}
+    if "JAX_NUM_PROCESSES" in env:
+      kwargs["num_processes"] = int(env["JAX_NUM_PROCESSES"])
+    if "JAX_PROCESS_ID" in env:
+      kwargs["process_id"] = int(env["JAX_PROCESS_ID"])
+  elif not (int(env.get("SLURM_NTASKS", "1")) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+            or len(env.get("TPU_WORKER_HOSTNAMES", "").split(",")) > 1):
+    return False
+  jax.distributed.initialize(**kwargs)
+  return True
+
+
+def setup(cfg: Config) -> jax.sharding.Mesh:
+  """Multi-host start-up (when the environment says so), the mesh of ``cfg.mesh`` over all
+  devices, installed with ``jax.set_mesh``. Returns the mesh."""
+  initialize_distributed()
+  mesh = make_mesh(cfg.mesh)
+  jax.set_mesh(mesh)
+  return mesh
+
+
+def var_names(var) -> tuple | None:
+  """The logical axis names of an ``nnx.Variable`` (``sharding_names`` metadata), or None."""
+  md = var.get_metadata() if hasattr(var, "get_metadata") else {}
+  return md.get("sharding_names") or md.get("out_sharding") or getattr(var, "sharding_names", None)
+
+
+def _is_var(x) -> bool:
+  return hasattr(x, "get_metadata")
+
+
+def spec_tree(state, mesh, rules=None):
+  """PartitionSpecs for a tree of ``nnx.Variable`` (or a ``nnx.State``) from their names; leaves
+  without names are replicated. Returns a tree of the same structure with PartitionSpec leaves
+  (variables are replaced by their spec)."""
+  axes = mesh.axis_names
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+  def one(x):
+    names = var_names(x) if _is_var(x) else None
+    ndim = len(getattr(x, "shape", ()) if not _is_var(x) else x.shape)
+    if not names:
+      return P(*([None] * ndim))
+    return fit_spec(logical_spec(names, rules, [a for a in axes if sizes[a] > 1]), x.shape, sizes)
+
+  return jax.tree.map(one, state, is_leaf=_is_var)
+
+
+def fit_spec(spec: P, shape, sizes) -> P:
+  """Makes ``spec`` valid for ``shape``: a mesh axis that does not divide its dimension moves to
+  the first other dimension it divides (K3's d = 7168 takes 64 ways but not 2048), else it is
+  dropped (small configs on big meshes)."""
+  dims = [[] for _ in shape]
+  left = []
+  for i, entry in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec))):
+    for a in () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry):
+      if shape[i] % (math.prod(sizes[x] for x in dims[i]) * sizes[a]) == 0:
+        dims[i].append(a)
+      else:
+        left.append(a)
+  for a in left:
+    for i in range(len(shape)):
+      if shape[i] % (math.prod(sizes[x] for x in dims[i]) * sizes[a]) == 0:
+        dims[i].append(a)
+        break
+  return P(*(None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims))
+
+
+def param_shardings(state, mesh, rules=None):
+  """``NamedSharding`` for every variable of ``state`` (same tree, sharding leaves)."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree(state, mesh, rules),
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def names_tree(model_cfg, *filters):
+  """Logical axis names of the model's variables as a pure dict (the structure of
+  ``nnx.to_pure_dict`` of ``nnx.split(model, *filters)``), without allocating. With several
+  filters, one tree per filter."""
+  from flax import nnx
+  from k3jax.model import K3Model
+  model = nnx.eval_shape(lambda: K3Model(model_cfg, rngs=nnx.Rngs(0)))
+  filters = filters or (nnx.Param,)
+  states = nnx.split(model, *filters, ...)[1:1 + len(filters)]
+  trees = [nnx.to_pure_dict(jax.tree.map(lambda v: v.replace(_Names(var_names(v))), st,
+                                         is_leaf=_is_var)) for st in states]
+  trees = [jax.tree.map(lambda n: n.names, t, is_leaf=lambda x: isinstance(x, _Names))
+           for t in trees]
+  return trees[0] if len(trees) == 1 else tuple(trees)
+
+
+class _Names:
+  """A leaf holding a names tuple (tuples would otherwise be taken apart by tree maps)."""
+
+  def __init__(self, names):
+    self.names = tuple(names) if names else None
+
+
+def _from_names(names, x, mesh, rules):
+  names = names.names if isinstance(names, _Names) else names
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  axes = [a for a in mesh.axis_names if sizes[a] > 1]
+  if not names:
+    return NamedSharding(mesh, P(*([None] * x.ndim)))
+  spec = fit_spec(logical_spec(names, rules, axes), x.shape, sizes)
+  return NamedSharding(mesh, spec)
+
+
+def shard_params(state, mesh, names=None, rules=None):
+  """Places every leaf of ``state`` on ``mesh`` by its logical axis names.
+
+  state: an ``nnx.State`` / tree of ``nnx.Variable`` (names from their metadata), or a pure dict
+  (``nnx.to_pure_dict``) with ``names`` the matching tree from :func:`names_tree`. Returns the
+  same tree, placed.
+  """
+  if names is None:
+    shardings = param_shardings(state, mesh, rules)
+    return jax.tree.map(lambda x, s: jax.device_put(x, s), state, shardings, is_leaf=_is_var)
+  return jax.tree.map(lambda x, n: jax.device_put(x, _from_names(n, x, mesh, rules)), state,
+                      _wrap(names))
+
+
+def pure_shardings(state, mesh, names, rules=None):
+  """``NamedSharding`` tree for a pure-dict ``state`` (arrays or ShapeDtypeStructs) and the
+  matching ``names`` tree from :func:`names_tree`."""
+  return jax.tree.map(lambda x, n: _from_names(n, x, mesh, rules), state, _wrap(names))
+
+
+def _wrap(names):
+  """Names tree with each tuple as one leaf, structured like the state it describes."""
+  return jax.tree.map(lambda n: _Names(n), names,
+                      is_leaf=lambda x: x is None or (isinstance(x, tuple)
+                                                      and all(isinstance(a, (str, type(None))) for a in x)))
+
+
+def batch_sharding(mesh, ndim: int = 2) -> NamedSharding:
+  """Sharding of a ``[B, T, ...]`` batch array: B over the batch axes, T over ``context``."""
+  return NamedSharding(mesh, logical_spec(("batch", "length") + (None,) * (ndim - 2), None,
+                                          [a for a, s in zip(mesh.axis_names, mesh.axis_sizes) if s > 1]))
+
+
+__all__ = ["AXES", "TOKEN_AXES", "axis_sizes", "make_mesh", "abstract_mesh", "initialize_distributed",
+           "setup", "spec_tree", "fit_spec", "param_shardings", "shard_params", "names_tree",
+           "pure_shardings", "batch_sharding", "var_names",
+           "DEFAULT_RULES"]

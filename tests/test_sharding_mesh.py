@@ -1,0 +1,89 @@
+"""Mesh construction, parameter placement rules and the plan report (single device)."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from k3jax import config as config_lib
+from k3jax.config import ConfigError, MeshConfig
+from sharding import mesh as mesh_lib
+from sharding.rules import logical_spec
+
+
+def test_axis_sizes_fill_and_errors():
+  assert mesh_lib.axis_sizes(MeshConfig(data=-1, expert=4, context=2), 64) == {
+      "data": 8, "fsdp": 1, "expert": 4, "context": 2, "tensor": 1}
+  with pytest.raises(ConfigError, match="not divisible"):
+    mesh_lib.axis_sizes(MeshConfig(data=-1, expert=3), 8)
+  with pytest.raises(ConfigError, match="multiply to 4"):
+    mesh_lib.axis_sizes(MeshConfig(data=2, expert=2), 8)
+
+
+def test_one_device_mesh_same_path():
+  mesh = mesh_lib.make_mesh(MeshConfig())
+  assert mesh.axis_names == mesh_lib.AXES and math.prod(mesh.axis_sizes) == len(jax.devices())
+  assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+
+
+def test_logical_specs_for_k3_layout():
+  sizes = {"data": 1, "fsdp": 2, "expert": 32, "context": 32, "tensor": 1}
+  axes = [a for a, s in sizes.items() if s > 1]
+  # activations: tokens over batch axes and context, nothing else
+  assert logical_spec(("batch", "length", "embed"), None, axes) == P(("fsdp", "expert"), "context", None)
+  # parameters: ZeRO over fsdp x context x expert; K3's d=7168 is not divisible by 2048, so the
+  # axis that does not fit moves to the other dimension
+  spec = mesh_lib.fit_spec(logical_spec(("embed", "heads"), None, axes), (7168, 12288), sizes)
+  assert spec == P(("fsdp", "context"), "expert")
+  assert logical_spec(("expert", "latent", "mlp"), None, axes) == P("expert", ("fsdp", "context"), None)
+
+
+def test_names_tree_and_pure_shardings():
+  cfg = config_lib.load("configs/k3_tiny.yaml")
+  names = mesh_lib.names_tree(cfg.model)
+  assert names["layers"][1]["mlp"]["experts"]["w_gate_up"] == ("expert", "latent", "mlp")
+  assert names["embed_tokens"]["embedding"] == ("vocab", "embed")
+  amesh = mesh_lib.abstract_mesh(MeshConfig(data=2, expert=2, context=2), 8)
+  struct = {"embed_tokens": {"embedding": jax.ShapeDtypeStruct((320, 256), np.float32)}}
+  sh = mesh_lib.pure_shardings(struct, amesh, {"embed_tokens": {"embedding": ("vocab", "embed")}})
+  assert sh["embed_tokens"]["embedding"].spec == P(None, ("context", "expert"))
+
+
+def test_plan_report_tiny():
+  from k3jax import plan
+  cfg = config_lib.load("configs/k3_tiny.yaml", ["mesh.data=2", "mesh.expert=2", "mesh.context=2"])
+  sizes = plan.parse_mesh("data=2,expert=2,context=2")
+  rep = plan.plan(cfg, sizes, 64, 8)
+  b = rep["per_device_bytes"]
+  assert rep["devices"] == 8 and b["params"] > 0 and b["optimizer"] > 0 and b["activations_peak"] > 0
+  coll = rep["collectives_bytes_per_step"]
+  for key in ("expert_all_to_all_tokens", "moonep_weight_fetch_all_to_all",
+              "kda_context_all_gather_MN", "mla_context_all_gather_latent", "grad_all_reduce"):
+    assert coll[key] > 0, key
+  # replicated on one device: the parameter bytes are the whole model
+  one = plan.plan(config_lib.load("configs/k3_tiny.yaml"), plan.parse_mesh("data=1"), 64, 8)
+  total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(plan.abstract_state(cfg)[1]))
+  assert one["per_device_bytes"]["params"] == total > b["params"]
+  with pytest.raises(ConfigError, match="unknown axis"):
+    plan.parse_mesh("pipeline=2")
+
+
+def test_prefix_compose_equals_associative_scan():
+  """The context-parallel KDA prefix of affine maps (log-depth scan with static shifts) equals
+  ``jax.lax.associative_scan`` and the sequential composition."""
+  import jax.numpy as jnp
+  from sharding.context_parallel import _compose, prefix_compose
+  rng = np.random.default_rng(0)
+  for c in (1, 2, 3, 5, 8):
+    ms = jnp.asarray(rng.normal(size=(c, 2, 4, 4)) * 0.5)
+    ns = jnp.asarray(rng.normal(size=(c, 2, 4, 3)))
+    got = prefix_compose(ms, ns)
+    want = jax.lax.associative_scan(_compose, (ms, ns))
+    seq = [(ms[0], ns[0])]
+    for i in range(1, c):
+      seq.append(_compose(seq[-1], (ms[i], ns[i])))
+    for a, b, s in zip(got, want, zip(*seq)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(a, jnp.stack(s), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,79 @@
+"""Sharded execution on 8 simulated CPU devices vs one device.
+
+Each test runs one body of ``tests/test_sharding_workers.py`` in a subprocess (``XLA_FLAGS``
+with 8 host devices must be set before jax is imported; the main suite keeps its single device)
+and asserts on the errors it reports. Everything runs in float64. Losses and every op agree to
+~1e-15; model gradients to ~1e-7 because the MoE reference (``pallas_kernels/moe/reference.py``)
+accumulates the routing combine and its gradient in float32 even for float64 inputs, so
+1e-15-level differences upstream can flip a float32 rounding.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 1e-9
+
+
+def _run(name: str, *args: str) -> dict:
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/k3jax-jax"))
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run([sys.executable, str(ROOT / "tests" / "test_sharding_workers.py"), name, *args],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+GRAD_TOL = 1e-6  # float32 rounding inside the MoE reference, see the module docstring
+
+
+@pytest.mark.parametrize("layouts", ["data,fsdp,expert", "context,mix,mix_plain"])
+def test_model_layouts_match_one_device(layouts):
+  """Loss, every gradient and the router statistics of the tiny preset (KDA, MLA, dense and
+  LatentMoE layers, Block AttnRes, packed documents) under data=8, fsdp=8, data=2,expert=4
+  (MoonEP), data=2,context=4 and data=2,expert=2,context=2 (MoonEP on and off)."""
+  out = _run("model_layouts", layouts)
+  assert set(out) == set(layouts.split(","))
+  for layout, err in out.items():
+    assert err["loss"] < TOL, (layout, err)
+    assert err["grad"] < GRAD_TOL, (layout, err)
+    assert err["stats"] < 1e-8, (layout, err)
+
+
+def test_kda_context_parallel():
+  """Outputs, final state and gradients (q, v, initial state) for segment splits inside pieces,
+  across piece boundaries and exactly at them, on context=8 and data=2,context=4."""
+  out = _run("kda_context")
+  assert len(out) == 8
+  for case, err in out.items():
+    assert max(err.values()) < TOL, (case, err)
+
+
+def test_mla_context_parallel():
+  out = _run("mla_context")
+  assert len(out) == 4
+  for case, err in out.items():
+    assert max(err.values()) < TOL, (case, err)
+
+
+def test_expert_parallel_dispatch():
+  """Skewed routing (three hot experts) so MoonEP must place redundant copies; the gradients of
+  the expert weights include the copies' gradients reduced back to their home rank."""
+  out = _run("expert_dispatch")
+  assert len(out) == 4
+  for case, err in out.items():
+    assert err["y"] < TOL and err["grad"] < GRAD_TOL, (case, err)
+
+
+def test_quantile_balancing_histogram_across_ranks():
+  out = _run("qb_histogram")
+  assert out["hist_equal"], out  # the all-reduced histogram is the global one
+  assert out["count"] == out["valid"]
+  assert out["max_err_in_bins"] <= 1.0, out

@@ -1,0 +1,240 @@
+"""Subprocess bodies of the sharding tests (8 simulated CPU devices); no tests are collected
+from this file.
+
+``python tests/test_sharding_workers.py NAME [LAYOUTS]`` sets ``XLA_FLAGS`` before importing jax,
+enables float64, runs the check NAME and prints one JSON line of measured errors; the pytest
+files (``test_sharding_parallel.py``) assert on them.
+"""
+
+import json
+import os
+import sys
+
+
+def _setup():
+  """8 host devices and float64, before jax is imported (only in the subprocess)."""
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  import jax
+  jax.config.update("jax_enable_x64", True)
+  import jax.numpy as jnp
+  import numpy as np
+  from k3jax.config import MeshConfig
+  from sharding import mesh as mesh_lib
+  globals().update(jax=jax, jnp=jnp, np=np, MeshConfig=MeshConfig, mesh_lib=mesh_lib)
+
+
+def _max_rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-30))
+
+
+def _packed_segments(rng, b, t):
+  """Documents of random lengths packed in rows, some padding (id 0) at the end of row 0."""
+  seg = np.zeros((b, t), np.int32)
+  for i in range(b):
+    pos, doc = 0, 1
+    while pos < t:
+      n = int(rng.integers(3, t // 2))
+      seg[i, pos:pos + n] = doc
+      pos, doc = pos + n, doc + 1
+  seg[0, -5:] = 0
+  return seg
+
+
+def model_layouts(only: str = ""):
+  """Loss and gradients of the tiny preset under the layouts named in ``only`` (comma separated;
+  all when empty) vs one device."""
+  from flax import nnx
+  from k3jax.config import load
+  from k3jax.latent_moe import RouterBias
+  from k3jax.model import K3Model
+  from k3jax.train_step import _loss
+  from sharding import expert_parallel
+
+  cfg = load("configs/k3_tiny.yaml", ["model.param_dtype=float64", "model.compute_dtype=float64",
+                                       "model.kda.chunk_size=16", "model.num_layers=3", "model.mla_layers=[2]"])
+  b, t = 8, 32
+  rng = np.random.default_rng(0)
+  model = K3Model(cfg.model, rngs=nnx.Rngs(0))
+  graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
+  params, biases = nnx.to_pure_dict(params), nnx.to_pure_dict(biases)
+  biases = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.05, x.dtype), biases)
+  seg = _packed_segments(rng, b, t)
+  batch = {"input_ids": jnp.asarray(rng.integers(0, 256, (b, t)), jnp.int32),
+           "targets": jnp.asarray(rng.integers(0, 256, (b, t)), jnp.int32),
+           "segment_ids": jnp.asarray(seg),
+           "weights": jnp.asarray((seg > 0).astype(np.float64))}
+
+  def loss_and_grad(p, bs, bt):
+    (l, (w, stats)), g = jax.value_and_grad(_loss, argnums=1, has_aux=True)(graphdef, p, bs, bt)
+    return l / w, jax.tree.map(lambda x: x / w, g), stats
+
+  ref_l, ref_g, ref_stats = jax.jit(loss_and_grad)(params, biases, batch)
+  names = mesh_lib.names_tree(cfg.model)
+  layouts = [("data", dict(data=8), True), ("fsdp", dict(data=1, fsdp=8), True),
+             ("expert", dict(data=2, expert=4), True), ("expert_plain", dict(data=2, expert=4), False),
+             ("context", dict(data=2, context=4), True),
+             ("mix", dict(data=2, expert=2, context=2), True),
+             ("mix_plain", dict(data=2, expert=2, context=2), False)]
+  out = {}
+  for name, sizes, moonep in layouts:
+    if only and name not in only.split(","):
+      continue
+    print(name, file=sys.stderr, flush=True)
+    mesh = mesh_lib.make_mesh(MeshConfig(**{"data": 1, **sizes}))
+    expert_parallel.configure(moonep=moonep)
+    with jax.set_mesh(mesh):
+      p = mesh_lib.shard_params(params, mesh, names)
+      bt = jax.tree.map(lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh)), batch)
+      l, g, stats = jax.jit(loss_and_grad)(p, biases, bt)
+    errs = jax.tree.leaves(jax.tree.map(_max_rel, ref_g, g))
+    stat_err = max(_max_rel(a, b) for a, b in zip(jax.tree.leaves(ref_stats), jax.tree.leaves(stats)))
+    out[name] = {"loss": abs(float(l) - float(ref_l)), "grad": max(errs), "stats": stat_err}
+  expert_parallel.configure(moonep=True)
+  return out
+
+
+
+def _mesh(**sizes):
+  return mesh_lib.make_mesh(MeshConfig(**{"data": 1, **sizes}))
+
+
+def kda_context():
+  """Context-parallel KDA vs the single-device op: outputs, final state, gradients."""
+  import pallas_kernels.kda as kda_ops
+  from sharding import context_parallel as cp
+  rng = np.random.default_rng(1)
+  b, t, h, hv, kd = 2, 64, 2, 4, 64
+  q, k = (jnp.asarray(rng.normal(size=(b, t, h, kd))) for _ in range(2))
+  v = jnp.asarray(rng.normal(size=(b, t, hv, kd)))
+  g = jnp.asarray(rng.normal(size=(b, t, hv, kd)))
+  beta = jnp.asarray(rng.normal(size=(b, t, hv)))
+  s0 = jnp.asarray(rng.normal(size=(b, hv, kd, kd)) * 0.1)
+  gate = dict(use_qk_l2norm=True, A_log=jnp.asarray(rng.normal(size=(hv,)) * 0.3),
+              dt_bias=jnp.asarray(rng.normal(size=(hv * kd,)) * 0.1), gate="bounded",
+              beta_is_logit=True, chunk_size=16, output_final_state=True)
+  splits = {  # rank pieces are 8 (context=8) or 16 (context=4) tokens long
+      "one_segment": np.ones((b, t), np.int32),
+      "crossing": np.array([[1] * 5 + [2] * 30 + [3] * 29, [1] * 50 + [2] * 14], np.int32),
+      "at_boundaries": np.array([[1] * 16 + [2] * 16 + [3] * 8 + [4] * 24,
+                                 [1] * 8 + [2] * 40 + [3] * 3 + [4] * 13], np.int32),
+      "short_docs": np.repeat(np.arange(1, 23, dtype=np.int32), 3)[None, :t].repeat(b, 0),
+  }
+
+  def loss(fn, q, v, s0, seg):
+    o, s = fn(q, k, v, g, beta, initial_state=s0, segment_ids=seg, **gate)
+    return jnp.sum(o * o) + jnp.sum(s * s), (o, s)
+
+  ref = jax.jit(jax.value_and_grad(lambda *a: loss(kda_ops.kda, *a), argnums=(0, 1, 2), has_aux=True))
+  par = jax.jit(jax.value_and_grad(lambda *a: loss(cp.kda, *a), argnums=(0, 1, 2), has_aux=True))
+  out = {}
+  for mname, sizes in (("context8", dict(context=8)), ("data2_context4", dict(data=2, context=4))):
+    mesh = _mesh(**sizes)
+    for sname, seg in splits.items():
+      (_, (o1, s1)), g1 = ref(q, v, s0, jnp.asarray(seg))
+      with jax.set_mesh(mesh):
+        (_, (o2, s2)), g2 = par(q, v, s0, jnp.asarray(seg))
+      out[f"{mname}/{sname}"] = {"o": _max_rel(o1, o2), "state": _max_rel(s1, s2),
+                                 "grad": max(_max_rel(a, c) for a, c in zip(g1, g2))}
+  return out
+
+
+def mla_context():
+  """Context-parallel MLA (latent all-gather, zigzag queries) vs dense causal attention."""
+  from pallas_kernels.mla import reference
+  from sharding import context_parallel as cp
+  rng = np.random.default_rng(2)
+  b, t, h, r, nope, rope, vd = 2, 32, 4, 16, 8, 8, 8
+  q = jnp.asarray(rng.normal(size=(b, t, h, nope + rope)))
+  lat = jnp.asarray(rng.normal(size=(b, t, r + rope)))
+  w = jnp.asarray(rng.normal(size=(r, h, nope + vd)) * 0.3)
+  seg = jnp.asarray(np.array([[1] * 7 + [2] * 20 + [3] * 5, [1] * 32], np.int32))
+  scale = (nope + rope) ** -0.5
+
+  def dense(q, lat, w):
+    kv = jnp.einsum("btr,rhd->bthd", lat[..., :r], w)
+    k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(lat[:, :, None, r:], (b, t, h, rope))], -1)
+    return reference.attention(q, k, kv[..., nope:], segment_ids=seg, causal=True, scale=scale)
+
+  def loss(fn, *a):
+    o = fn(*a)
+    return jnp.sum(o * jnp.cos(o)), o
+
+  ref = jax.jit(jax.value_and_grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2), has_aux=True))
+  (_, o1), g1 = ref(q, lat, w)
+  out = {}
+  for mname, sizes in (("context4", dict(data=2, context=4)), ("context8", dict(context=8))):
+    for balanced in (True, False):
+      fn = lambda q, lat, w: cp.mla_attention(q, lat, w, segment_ids=seg, scale=scale,
+                                              nope_dim=nope, balanced=balanced)
+      with jax.set_mesh(_mesh(**sizes)):
+        (_, o2), g2 = jax.jit(jax.value_and_grad(lambda *a: loss(fn, *a), argnums=(0, 1, 2),
+                                                 has_aux=True))(q, lat, w)
+      out[f"{mname}/balanced={balanced}"] = {"o": _max_rel(o1, o2),
+                                             "grad": max(_max_rel(a, c) for a, c in zip(g1, g2))}
+  return out
+
+
+def expert_dispatch():
+  """Expert-parallel dispatch (plain and MoonEP) vs the single-device expert MLP, on skewed
+  routing that needs redundant experts."""
+  import pallas_kernels.moe as moe_ops
+  from k3jax.glu import situ_glu
+  from sharding import expert_parallel as ep
+  rng = np.random.default_rng(3)
+  n, width, f, e, k = 64, 16, 8, 16, 4
+  x = jnp.asarray(rng.normal(size=(n, width)))
+  logits = rng.normal(size=(n, e)) + np.where(np.arange(e) < 3, 3.0, 0.0)  # experts 0-2 hot
+  ids = jnp.asarray(np.argsort(-logits, axis=1)[:, :k].astype(np.int32))
+  wts = jnp.asarray(rng.uniform(0.1, 1.0, size=(n, k)))
+  w1 = jnp.asarray(rng.normal(size=(e, width, 2 * f)) * 0.3)
+  w2 = jnp.asarray(rng.normal(size=(e, f, width)) * 0.3)
+
+  def loss(fn, x, wts, w1, w2):
+    y = fn(x, ids, wts, w1, w2, situ_glu)
+    return jnp.sum(y * jnp.sin(y)), y
+
+  ref = jax.jit(jax.value_and_grad(lambda *a: loss(moe_ops.expert_mlp, *a), argnums=(0, 1, 2, 3),
+                                   has_aux=True))
+  (_, y1), g1 = ref(x, wts, w1, w2)
+  out = {}
+  for mname, sizes in (("expert8", dict(expert=8)), ("data2_expert4", dict(data=2, expert=4))):
+    for moonep in (True, False):
+      fn = lambda *a: ep.moe_dispatch(*a, moonep=moonep)
+      with jax.set_mesh(_mesh(**sizes)):
+        (_, y2), g2 = jax.jit(jax.value_and_grad(lambda *a: loss(fn, *a), argnums=(0, 1, 2, 3),
+                                                 has_aux=True))(x, wts, w1, w2)
+      out[f"{mname}/moonep={moonep}"] = {"y": _max_rel(y1, y2),
+                                         "grad": max(_max_rel(a, c) for a, c in zip(g1, g2))}
+  return out
+
+
+def qb_histogram():
+  """Histogram QB summed over ranks vs exact sort-based QB on the global batch."""
+  from k3jax import router
+  from k3jax.config import MoEConfig
+  from sharding import balance
+  rng = np.random.default_rng(4)
+  n, e = 512, 16
+  cfg = MoEConfig(num_experts=e, top_k=4, balancing="quantile_hist", balancing_bins=200,
+                  balancing_iters=1)  # one exact QB step: what one histogram gives
+  scores = jax.nn.sigmoid(jnp.asarray(rng.normal(size=(n, e)) + np.linspace(-1, 1, e)))
+  bias = jnp.asarray(rng.normal(size=(e,)) * 0.3)
+  valid = jnp.asarray(rng.uniform(size=n) > 0.1)
+  ids, _ = router.route(scores, bias, cfg)
+  exact = router.quantile_bias(scores, bias, cfg, valid)
+  lo, width = router.hist_edges(bias, cfg.balancing_bins)
+  with jax.set_mesh(_mesh(data=2, expert=2, context=2)):
+    hist = jax.jit(lambda s, b, i, v: balance.bias_stat(s, b, i, cfg, v))(scores, bias, ids, valid)
+  approx = router.bias_from_histogram(hist, bias, cfg)
+  local = router.quantile_histogram(scores, bias, cfg, valid)
+  return {"max_err_in_bins": float(jnp.max(jnp.abs(approx - exact)) / width),
+          "hist_equal": bool(jnp.all(hist == local)), "count": int(hist[0].sum()),
+          "valid": int(valid.sum())}
+
+
+if __name__ == "__main__":
+  _setup()
+  print(json.dumps(globals()[sys.argv[1]](*sys.argv[2:])))
