@@ -22,7 +22,6 @@ JAX times: median over repeats of 5 back-to-back calls; fla times: triton's do_b
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -33,37 +32,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels.kda import kda, kda_decode, reference  # noqa: E402
+from pallas_kernels.kda import kda, kda_decode  # noqa: E402
 from pallas_kernels.kda import gpu as kda_gpu  # noqa: E402
+from timing import Rows, median_ms as jtime  # noqa: E402
 
 SHAPES = [(1, 16384, 32, 128), (4, 4096, 32, 128), (1, 65536, 16, 128)]
 DECODE_N = (64, 256)
 LB = -5.0
-ROWS: list[dict] = []
+_ROWS = Rows("kda_bench.json")
+ROWS = _ROWS.rows
 
 
 def emit(**r):
   """Prints one result row and rewrites $OUT/kda_bench.json (a run cut short keeps its rows)."""
-  ROWS.append(r)
-  print(json.dumps(r), flush=True)
-  out = os.environ.get("OUT")
-  if out:
-    with open(os.path.join(out, "kda_bench.json"), "w") as fh:
-      json.dump(ROWS, fh, indent=1)
-
-
-def jtime(fn, *args, reps=15, inner=5):
-  """Median ms per call: ``inner`` back-to-back calls per sample (launch overhead hidden)."""
-  jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    for _ in range(inner):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    ts.append((time.perf_counter() - t) / inner)
-  ts.sort()
-  return ts[len(ts) // 2] * 1e3
+  _ROWS.emit(r)
 
 
 def inputs(b, t, h, kd, seed=0, dtype=jnp.bfloat16):

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import datetime
-import json
 import os
-import statistics
 import time
 
 import jax
@@ -26,32 +25,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.mla import decode, mla_attention, prefill, reference
+from timing import Rows, median_ms
 
 DK, DV, R, DR = 192, 128, 512, 64
 SCALE = DK ** -0.5
 START = time.perf_counter()
-ROWS: list[dict] = []
+_ROWS = Rows("mla.json")
+ROWS = _ROWS.rows
 
 
-def emit(row):
-  ROWS.append(row)
-  print(json.dumps(row), flush=True)
-  if os.environ.get("OUT"):
-    with open(os.path.join(os.environ["OUT"], "mla.json"), "w") as f:
-      json.dump(ROWS, f, indent=1)
-
-
-def timeit(fn, *args, inner=3, reps=5):
-  """Median milliseconds per call (batches of ``inner`` calls, ``reps`` batches, after warm-up)."""
-  jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    for _ in range(inner):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    ts.append((time.perf_counter() - t) / inner)
-  return statistics.median(ts) * 1e3
+emit = _ROWS.emit
+timeit = functools.partial(median_ms, inner=3, reps=5)
 
 
 def rel_err(a, b):

@@ -18,9 +18,6 @@ Run: ``python benchmarks/moe.py [--quick] [--no-xla] [--skip checks,gmm,layer]``
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,25 +26,20 @@ import numpy as np
 from k3jax.glu import situ_glu
 from pallas_kernels import moe
 from pallas_kernels.moe import gpu, pallas
+from timing import Rows, median_ms
 
 SHAPES = [(64, 32768, 2048, 1024), (32, 65536, 3584, 6144), (8, 32768, 1024, 512)]  # E, M, K, N
 CONFIGS = [(128, 128, 64, 4), (128, 128, 64, 6), (64, 256, 64, 4), (128, 128, 128, 3)]
-ROWS = []
+_ROWS = Rows("moe.json")
 
 
 def emit(**row):
-  ROWS.append(row)
-  print(json.dumps(row), flush=True)
+  _ROWS.emit(row)
 
 
 def bench(fn, *args, n=10):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(n):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t)
-  return float(np.median(times)) * 1e3
+  """Median milliseconds of ``n`` synchronised calls."""
+  return median_ms(fn, *args, reps=n, inner=1)
 
 
 def rel(a, b):
@@ -206,20 +198,15 @@ def main():
   args = parser.parse_args()
   print(jax.devices()[0].device_kind, jax.__version__, flush=True)
   skip = set(args.skip.split(","))
-  try:
-    if "checks" not in skip:
-      try:
-        checks()
-      except Exception as err:  # noqa: BLE001 - still time the rest
-        emit(check="failed", error=repr(err)[:500])
-    if "gmm" not in skip:
-      gmm_table(args.quick, args.no_xla)
-    if "layer" not in skip:
-      layer_table(args.no_xla)
-  finally:
-    if os.environ.get("OUT"):
-      with open(os.path.join(os.environ["OUT"], "moe.json"), "w") as fh:
-        json.dump(ROWS, fh, indent=1)
+  if "checks" not in skip:
+    try:
+      checks()
+    except Exception as err:  # noqa: BLE001 - still time the rest
+      emit(check="failed", error=repr(err)[:500])
+  if "gmm" not in skip:
+    gmm_table(args.quick, args.no_xla)
+  if "layer" not in skip:
+    layer_table(args.no_xla)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import grain
 import numpy as np
 
-from k3jax.config import Config, ConfigError
+from k3jax.config import Config
 
 # Kimi's pre-tokenisation pattern (tokenization_kimi.py of the K2/K3 releases).
 KIMI_PATTERN = "|".join([

@@ -13,7 +13,7 @@ import pallas_kernels.moe as moe_ops
 from k3jax import router
 from k3jax.config import ModelConfig
 from k3jax.glu import GLU, glu_activation
-from k3jax.nn import Linear, RMSNorm, constant, normal, param
+from k3jax.nn import Linear, RMSNorm, normal, param
 from sharding import balance, expert_parallel, shard
 
 

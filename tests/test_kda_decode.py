@@ -6,34 +6,17 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from kda_numpy import numpy_kda, preprocess
 from pallas_kernels.kda import decode, kda_decode
 
 
 def np_decode(q, k, v, g, beta, pool, slots, *, scale, l2, gate, A_log, dt_bias, lb, logit):
   """float64 reference: per request, Tn recurrent steps on its pool row."""
-  q, k, v, g, beta, pool = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, pool))
-  n, tn, h, kd = q.shape
-  hv = v.shape[2]
-  if l2:
-    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
-    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
-  if gate is not None:
-    x = g + np.asarray(dt_bias, np.float64).reshape(hv, kd)
-    a = np.exp(np.asarray(A_log, np.float64))[:, None]
-    g = lb / (1 + np.exp(-a * x)) if gate == "bounded" else -a * np.log1p(np.exp(x))
-  if logit:
-    beta = 1 / (1 + np.exp(-beta))
-  pool = pool.copy()
-  o = np.zeros(v.shape)
-  for i, slot in enumerate(np.asarray(slots)):
-    for j in range(hv):
-      s = pool[slot, j]
-      for t in range(tn):
-        kt, qt = k[i, t, j // (hv // h)], q[i, t, j // (hv // h)]
-        s = s * np.exp(g[i, t, j])[:, None]
-        s = s + beta[i, t, j] * np.outer(kt, v[i, t, j] - kt @ s)
-        o[i, t, j] = scale * (qt @ s)
-      pool[slot, j] = s
+  q, k, g, beta = preprocess(q, k, g, beta, hv=v.shape[2], l2=l2, gate=gate, A_log=A_log,
+                             dt_bias=dt_bias, lb=lb, beta_logit=logit)
+  pool = np.asarray(pool, np.float64).copy()
+  slots = np.asarray(slots)
+  o, pool[slots] = numpy_kda(q, k, v, g, beta, scale, pool[slots], np.zeros(q.shape[:2], int))
   return o, pool
 
 

@@ -6,6 +6,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from kda_numpy import numpy_kda, preprocess
 from pallas_kernels.kda import kda
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -13,32 +14,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 def np_kda(q, k, v, g, beta, s0, seg, *, scale, l2, gate, A_log, dt_bias, lb, beta_logit):
   """float64 token loop of SPEC section 2 with the optional pre-processing."""
-  q, k, v, g, beta, s0 = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, s0))
-  b, t, h, kd = q.shape
-  hv = v.shape[2]
-  if l2:
-    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
-    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
-  if gate is not None:
-    x = g + np.asarray(dt_bias, np.float64).reshape(hv, kd)
-    a = np.exp(np.asarray(A_log, np.float64))[:, None]
-    g = lb / (1 + np.exp(-a * x)) if gate == "bounded" else -a * np.log1p(np.exp(a * 0 + x))
-  if beta_logit:
-    beta = 1 / (1 + np.exp(-beta))
-  o = np.zeros(v.shape)
-  st = s0.copy()
-  for bi in range(b):
-    for j in range(hv):
-      s = st[bi, j]
-      for ti in range(t):
-        if ti > 0 and seg[bi, ti] != seg[bi, ti - 1]:
-          s = np.zeros_like(s)
-        kt, qt = k[bi, ti, j // (hv // h)], q[bi, ti, j // (hv // h)]
-        s = s * np.exp(g[bi, ti, j])[:, None]
-        s = s + beta[bi, ti, j] * np.outer(kt, v[bi, ti, j] - kt @ s)
-        o[bi, ti, j] = scale * (qt @ s)
-      st[bi, j] = s
-  return o, st
+  q, k, g, beta = preprocess(q, k, g, beta, hv=v.shape[2], l2=l2, gate=gate, A_log=A_log,
+                             dt_bias=dt_bias, lb=lb, beta_logit=beta_logit)
+  return numpy_kda(q, k, v, g, beta, scale, s0, seg)
 
 
 def make(seed, b, t, h, hv, kd, vd):

@@ -8,30 +8,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels import kda as kda_ops
-from pallas_kernels.kda import reference
+from kda_numpy import numpy_kda
 
 B, H, HV, K, V = 2, 1, 2, 32, 16  # grouped values: HV = 2 H
-
-
-def numpy_kda(q, k, v, g, beta, scale, s0, segment_ids):
-  """Independent float64 loop of SPEC section 2 on already pre-processed inputs."""
-  q, k, v, g, beta, s0 = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, s0))
-  b, t, h = q.shape[:3]
-  hv = v.shape[2]
-  o = np.zeros(v.shape)
-  s = s0.copy()
-  for bi in range(b):
-    for j in range(hv):
-      st = s[bi, j]
-      for ti in range(t):
-        if ti > 0 and segment_ids[bi, ti] != segment_ids[bi, ti - 1]:
-          st = np.zeros_like(st)
-        kt, qt = k[bi, ti, j * h // hv], q[bi, ti, j * h // hv]
-        st = st * np.exp(g[bi, ti, j])[:, None]
-        st = st + beta[bi, ti, j] * np.outer(kt, v[bi, ti, j] - kt @ st)
-        o[bi, ti, j] = scale * (qt @ st)
-      s[bi, j] = st
-  return o, s
 
 
 def segments(t, cuts):

@@ -9,7 +9,7 @@ import pytest
 
 from pallas_kernels import kda as kda_ops
 from pallas_kernels.kda import tpu
-from test_kda_reference import numpy_kda
+from kda_numpy import numpy_kda
 
 B, H, HV, K, V = 1, 1, 2, 64, 64  # grouped values: HV = 2 H
 

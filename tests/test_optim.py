@@ -4,7 +4,6 @@ gradient accumulation / non-finite guard on a toy model."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
