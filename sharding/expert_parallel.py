@@ -152,8 +152,9 @@ def moe_dispatch(x, expert_ids, weights, w_gate_up, w_down, activation, *, capac
     back = jnp.zeros((m, width), y.dtype).at[order].set(y).reshape(r, cap, width)
     back = jax.lax.all_to_all(back, AXIS, 0, 0)
     out = back.at[dest, pos].get(mode="fill", fill_value=0)  # [n*k, L], dropped slots 0
-    return jnp.einsum("nkd,nk->nd", out.reshape(n, k, width).astype(jnp.float32),
-                      wts.astype(jnp.float32)).astype(x.dtype)
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    return jnp.einsum("nkd,nk->nd", out.reshape(n, k, width).astype(acc),
+                      wts.astype(acc)).astype(x.dtype)
 
   fn = jax.shard_map(body, in_specs=(tok, tok, tok, w1_spec, w2_spec), out_specs=tok,
                      check_vma=False)
