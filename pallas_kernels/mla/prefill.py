@@ -422,12 +422,22 @@ def _tpu_when_visible(tab_ref, base, j, compute):
   pl.when(visit & jnp.logical_not(full))(lambda: compute(True))
 
 
+def _tpu_block_mask(i, j, bq, bk, st: _Static, qseg_ref, kseg_ref):
+  """``[bq, bk]`` bool mask of query block i against key block j (causal, key padding, and
+  segments when the segment refs are given)."""
+  qpos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+  kpos = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+  qseg, kseg = (qseg_ref[...], kseg_ref[...]) if qseg_ref is not None else (None, None)
+  return _mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s, off=st.s - st.t)
+
+
 def _tpu_fwd_kernel(tab_ref, q_ref, k_ref, v_ref, *rest, st: _Static, nq: int, nk: int,
                     segmented: bool):
   if segmented:
     qseg_ref, kseg_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
   else:
     o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
+    qseg_ref = kseg_ref = None
   bq, bk = st.blocks.fwd_q, st.blocks.fwd_k
   b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   base = ((b if segmented else 0) * nq + i) * 4
@@ -441,11 +451,7 @@ def _tpu_fwd_kernel(tab_ref, q_ref, k_ref, v_ref, *rest, st: _Static, nq: int, n
   def compute(masked):
     s = _scores([q_ref[...]], [k_ref[...]], st.scale * LOG2E)
     if masked:
-      qpos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-      kpos = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-      qseg, kseg = (qseg_ref[...], kseg_ref[...]) if segmented else (None, None)
-      s = jnp.where(_mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s, off=st.s - st.t),
-                    s, -jnp.inf)
+      s = jnp.where(_tpu_block_mask(i, j, bq, bk, st, qseg_ref, kseg_ref), s, -jnp.inf)
     m, l, (acc,) = _softmax_step(s, m_ref[...], l_ref[...], (acc_ref[...],), [v_ref[...]])
     m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
 
@@ -464,6 +470,7 @@ def _tpu_dkv_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *r
     qseg_ref, kseg_ref, dk_ref, dv_ref, dk_acc, dv_acc = rest
   else:
     dk_ref, dv_ref, dk_acc, dv_acc = rest
+    qseg_ref = kseg_ref = None
   bq, bk = st.blocks.dkv_q, st.blocks.dkv_k
   b, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   base = ((b if segmented else 0) * nk + j) * 4
@@ -474,12 +481,7 @@ def _tpu_dkv_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *r
     dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
   def compute(masked):
-    mask = None
-    if masked:
-      qpos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-      kpos = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-      qseg, kseg = (qseg_ref[...], kseg_ref[...]) if segmented else (None, None)
-      mask = _mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s, off=st.s - st.t)
+    mask = _tpu_block_mask(i, j, bq, bk, st, qseg_ref, kseg_ref) if masked else None
     q, do = q_ref[...], do_ref[...]
     p, ds = _grad_step([q], [k_ref[...]], [v_ref[...]], [do], lse_ref[...], delta_ref[...], mask,
                        st.scale * LOG2E)
@@ -500,6 +502,7 @@ def _tpu_dq_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *re
     qseg_ref, kseg_ref, dq_ref, dq_acc = rest
   else:
     dq_ref, dq_acc = rest
+    qseg_ref = kseg_ref = None
   bq, bk = st.blocks.dq_q, st.blocks.dq_k
   b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   base = ((b if segmented else 0) * nq + i) * 4
@@ -509,12 +512,7 @@ def _tpu_dq_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *re
     dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
   def compute(masked):
-    mask = None
-    if masked:
-      qpos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-      kpos = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-      qseg, kseg = (qseg_ref[...], kseg_ref[...]) if segmented else (None, None)
-      mask = _mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s, off=st.s - st.t)
+    mask = _tpu_block_mask(i, j, bq, bk, st, qseg_ref, kseg_ref) if masked else None
     k = k_ref[...]
     _, ds = _grad_step([q_ref[...]], [k], [v_ref[...]], [do_ref[...]], lse_ref[...],
                        delta_ref[...], mask, st.scale * LOG2E)
