@@ -102,7 +102,8 @@ def _mesh(**sizes):
 
 
 def kda_context():
-  """Context-parallel KDA vs the single-device op: outputs, final state, gradients."""
+  """Context-parallel KDA vs the single-device op: outputs, final state, gradients of q, k, v,
+  the raw gate input, the beta logits and the initial state."""
   import pallas_kernels.kda as kda_ops
   from sharding import context_parallel as cp
   rng = np.random.default_rng(1)
@@ -123,19 +124,20 @@ def kda_context():
       "short_docs": np.repeat(np.arange(1, 23, dtype=np.int32), 3)[None, :t].repeat(b, 0),
   }
 
-  def loss(fn, q, v, s0, seg):
+  def loss(fn, q, k, v, g, beta, s0, seg):
     o, s = fn(q, k, v, g, beta, initial_state=s0, segment_ids=seg, **gate)
     return jnp.sum(o * o) + jnp.sum(s * s), (o, s)
 
-  ref = jax.jit(jax.value_and_grad(lambda *a: loss(kda_ops.kda, *a), argnums=(0, 1, 2), has_aux=True))
-  par = jax.jit(jax.value_and_grad(lambda *a: loss(cp.kda, *a), argnums=(0, 1, 2), has_aux=True))
+  grads = tuple(range(6))  # q, k, v, g, beta, initial state
+  ref = jax.jit(jax.value_and_grad(lambda *a: loss(kda_ops.kda, *a), argnums=grads, has_aux=True))
+  par = jax.jit(jax.value_and_grad(lambda *a: loss(cp.kda, *a), argnums=grads, has_aux=True))
   out = {}
   for mname, sizes in (("context8", dict(context=8)), ("data2_context4", dict(data=2, context=4))):
     mesh = _mesh(**sizes)
     for sname, seg in splits.items():
-      (_, (o1, s1)), g1 = ref(q, v, s0, jnp.asarray(seg))
+      (_, (o1, s1)), g1 = ref(q, k, v, g, beta, s0, jnp.asarray(seg))
       with jax.set_mesh(mesh):
-        (_, (o2, s2)), g2 = par(q, v, s0, jnp.asarray(seg))
+        (_, (o2, s2)), g2 = par(q, k, v, g, beta, s0, jnp.asarray(seg))
       out[f"{mname}/{sname}"] = {"o": _max_rel(o1, o2), "state": _max_rel(s1, s2),
                                  "grad": max(_max_rel(a, c) for a, c in zip(g1, g2))}
   return out
