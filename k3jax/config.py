@@ -219,14 +219,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     args = typing.get_args(tp)
     if value is None and type(None) in args:
       return None
-    errors = []
     for a in args:
       if a is type(None):
         continue
       try:
         return _coerce(value, a, key)
-      except ConfigError as e:
-        errors.append(str(e))
+      except ConfigError:
+        pass
     raise ConfigError(f"{key}: expected {tp}, got {value!r}")
   if origin is tuple:
     (elem, *_rest) = typing.get_args(tp)

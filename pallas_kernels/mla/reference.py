@@ -32,7 +32,6 @@ def attention(q, k, v, *, segment_ids=None, causal=True, scale):
 def paged_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale):
   """q ``[N,Tn,H,R+Dr]``, cache ``[P,ps,R+Dr]`` -> ``[N,Tn,H,R]`` (see ``mla_decode``)."""
   n, tn = q.shape[:2]
-  ps = cache.shape[1]
   kv = cache[page_table].reshape(n, -1, cache.shape[-1])  # [N, L, R+Dr]
   acc = jnp.promote_types(q.dtype, jnp.float32)
   s = jnp.einsum("nthd,nld->nhtl", q, kv, preferred_element_type=acc) * scale
@@ -43,5 +42,4 @@ def paged_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale):
   p = jnp.where(mask, jax.nn.softmax(s, axis=-1), 0.0)
   o = jnp.einsum("nhtl,nld->nthd", p.astype(kv.dtype), kv[..., :kv_lora_rank],
                  preferred_element_type=acc)
-  del ps
   return o.astype(q.dtype)
