@@ -34,7 +34,6 @@ from k3jax import metrics as metrics_lib
 from k3jax import optim
 from k3jax import train_step as step_lib
 import sharding
-from sharding import expert_parallel
 
 DEFAULT_CONFIG = "configs/k3_tiny.yaml"
 
@@ -172,7 +171,7 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
   # Multi-host start-up and the mesh of cfg.mesh (one device: every axis 1). The model is built
   # outside the mesh context (its logical axis names are not mesh axes); the steps run inside.
   sharding.mesh.initialize_distributed()
-  expert_parallel.configure(moonep=cfg.mesh.moonep)
+  sharding.configure(cfg.mesh)
   mesh = sharding.make_mesh(cfg.mesh)
   check_run_dir(run_dir, cfg)
   data = data_lib.Data(cfg, process_index=jax.process_index(), process_count=jax.process_count())

@@ -3,17 +3,24 @@
   python benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 10 [--profile DIR] [key=value ...]
   python benchmarks/bench_train.py --config configs/k3_1b.yaml --lower cuda   # on CPU: trace + lower only
 
-The step is the one ``train.py`` runs (same init, optimizer, data and jitted function). Compile time
-is ``jit(...).lower(...).compile()`` of the first shape. Throughput is the median step time over
-``--steps`` steps after two warm-up steps, every step synchronised. With ``--profile`` two more
-steps run under ``jax.profiler`` and the GPU kernel time is summed by kind (KDA, attention,
-grouped expert matmul, dense matmul, other fusions), read from the Perfetto trace.
+The step is the one ``train.py`` runs (same init, optimizer, data, mesh and jitted function;
+``mesh.*`` overrides pick the layout). Compile time is ``jit(...).lower(...).compile()`` of the
+first shape. ``--steps`` steps run from step 0 (the loss of each is printed); throughput is the
+median time of all but the first two, every step synchronised. With ``--profile`` two more steps
+run under ``jax.profiler`` and the GPU kernel time is summed per device by kind (KDA, attention,
+grouped expert matmul, dense matmul, collectives, other fusions), read from the Perfetto trace.
+
+``--json PATH`` writes every figure to PATH. ``--lock PATH`` holds an exclusive ``flock`` on PATH
+from the first step to the end, so several layouts can compile side by side (CPU work) while
+their timed steps run one at a time.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import fcntl
 import glob
 import gzip
 import json
@@ -32,6 +39,9 @@ from k3jax import config as config_lib, data as data_lib, flops, optim  # noqa: 
 from k3jax import train_step as step_lib  # noqa: E402
 
 KINDS = (  # (kind, substrings of a kernel name), first match wins
+    ("collectives (NCCL)", ("nccl", "all-gather", "all_gather", "all-to-all", "all_to_all",
+                            "reduce-scatter", "reduce_scatter", "all-reduce", "all_reduce",
+                            "collective-permute", "sendrecv")),
     ("kda", ("kda", "delta", "chunk_")),
     ("attention (MLA)", ("mla", "flash", "attention", "fmha", "cudnn", "sdpa")),
     ("expert grouped matmul", ("gmm", "ragged", "grouped", "moe")),
@@ -48,40 +58,77 @@ def kind_of(name: str) -> str:
   return "other fusions (elementwise, norms, optimizer, reductions)"
 
 
-def kernel_times(trace_dir: str) -> tuple[dict, dict]:
-  """({kind: microseconds}, {kernel name: microseconds}) of GPU events in the Perfetto trace."""
+def kernel_times(trace_dir: str) -> tuple[dict, dict, dict]:
+  """GPU kernel time in microseconds from the Perfetto trace under ``trace_dir``: ({kind: total},
+  {kernel name: total}, {device: {kind: total}}), totals over all devices."""
   files = glob.glob(f"{trace_dir}/**/*perfetto_trace.json.gz", recursive=True) or \
       glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
   if not files:
-    return {}, {}
+    return {}, {}, {}
   with gzip.open(files[0]) as f:
     events = json.load(f)
   events = events["traceEvents"] if isinstance(events, dict) else events
   names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
-  gpu = {pid for pid, n in names.items() if "gpu" in n.lower() or "/device:" in n.lower()}
+  gpu = {pid: n for pid, n in names.items() if "gpu" in n.lower() or "/device:" in n.lower()}
   by_kind, by_name = collections.Counter(), collections.Counter()
+  by_device: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
   for e in events:
     if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
+      kind = kind_of(e["name"])
       by_name[e["name"]] += e["dur"]
-      by_kind[kind_of(e["name"])] += e["dur"]
-  return dict(by_kind), dict(by_name)
+      by_kind[kind] += e["dur"]
+      by_device[gpu[e["pid"]]][kind] += e["dur"]
+  return dict(by_kind), dict(by_name), {d: dict(c) for d, c in sorted(by_device.items())}
+
+
+@contextlib.contextmanager
+def exclusive(path: str | None):
+  """Holds an exclusive ``flock`` on ``path`` (nothing when None)."""
+  if path is None:
+    yield
+    return
+  with open(path, "a") as fh:
+    fcntl.flock(fh, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def peak_memory() -> list[float]:
+  """Peak bytes in use per local device, GiB (empty where the backend does not say)."""
+  out = []
+  for d in jax.local_devices():
+    stats = d.memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+      out.append(stats["peak_bytes_in_use"] / 2**30)
+  return out
 
 
 def main(argv=None):
   p = argparse.ArgumentParser()
   p.add_argument("--config", default="configs/k3_1b.yaml")
-  p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--steps", type=int, default=12, help="steps to run (the first two untimed)")
   p.add_argument("--lower", default=None, help="only trace and lower for this platform")
   p.add_argument("--profile", default=None, help="trace two steps into this directory")
+  p.add_argument("--json", default=None, help="write the results to this file")
+  p.add_argument("--lock", default=None, help="run the steps holding an exclusive flock on this file")
   p.add_argument("overrides", nargs="*")
   args = p.parse_args(argv)
+  if args.steps < 3:
+    p.error("--steps must be at least 3 (two untimed warm-up steps)")
   cfg = config_lib.load(args.config, ["checkpoint.enabled=false", *args.overrides])
   b, t = cfg.train.batch_size, cfg.data.seq_len
-  print(f"{cfg.model.name}: batch {b} x {t}, {jax.devices()[0].device_kind}, "
-        f"jax {jax.__version__}", flush=True)
-
+  train.sharding.configure(cfg.mesh)
   mesh = train.sharding.make_mesh(cfg.mesh)
+  layout = {a: s for a, s in zip(mesh.axis_names, mesh.axis_sizes) if s > 1}
+  print(f"{cfg.model.name}: batch {b} x {t}, {len(mesh.devices.flat)} x "
+        f"{jax.devices()[0].device_kind}, mesh {layout or 'one device'}, experts over "
+        f"{list(cfg.mesh.expert_axes)}, moonep {cfg.mesh.moonep}, jax {jax.__version__}", flush=True)
+  result = {"config": cfg.model.name, "overrides": args.overrides, "batch": b, "seq_len": t,
+            "devices": len(mesh.devices.flat), "mesh": layout}
+
   t0 = time.perf_counter()
   if args.lower:
     from flax import nnx
@@ -93,14 +140,21 @@ def main(argv=None):
   else:
     graphdef, params, biases = train.init_model(cfg, mesh)
   tx, schedule = optim.make_optimizer(cfg, params)
-  opt_state = jax.eval_shape(tx.init, params) if args.lower else jax.jit(tx.init)(params)
-  fn = jax.jit(step_lib.make_train_step(cfg, graphdef, tx, schedule),
-               donate_argnums=() if args.lower else (0, 1, 2))
-  spec = jax.ShapeDtypeStruct
-  batch_spec = {"input_ids": spec((b, t), jnp.int32), "targets": spec((b, t), jnp.int32),
-                "segment_ids": spec((b, t), jnp.int32), "positions": spec((b, t), jnp.int32),
-                "weights": spec((b, t), jnp.float32)}
-  rng = jax.random.key_data(jax.random.key(0))
+  if args.lower:
+    opt_state = jax.eval_shape(tx.init, params)
+  else:
+    opt_state = train.on_mesh(jax.jit(tx.init)(params), mesh)
+  shardings = None if args.lower else jax.tree.map(lambda x: x.sharding,
+                                                     (params, opt_state, biases))
+  fn = step_lib.jit_train_step(step_lib.make_train_step(cfg, graphdef, tx, schedule),
+                               donate=not args.lower, state_shardings=shardings)
+  sh = None if args.lower else train.sharding.batch_sharding(mesh)
+  batch_spec = {k: jax.ShapeDtypeStruct((b, t), jnp.float32 if k == "weights" else jnp.int32,
+                                        sharding=sh)
+                for k in ("input_ids", "targets", "segment_ids", "positions", "weights")}
+  rng = jax.random.key_data(jax.random.key(cfg.train.seed))
+  if not args.lower:
+    rng = train.on_mesh(rng, mesh)
   print(f"init {time.perf_counter() - t0:.1f} s", flush=True)
   with jax.set_mesh(mesh):
     t0 = time.perf_counter()
@@ -116,52 +170,78 @@ def main(argv=None):
     t_compile = time.perf_counter() - t0
     print(f"compile: trace {t_trace:.1f} s + lower {t_lower:.1f} s + compile "
           f"{t_compile - t_trace - t_lower:.1f} s = {t_compile:.1f} s", flush=True)
+    result["compile_s"] = t_compile
+    mem = compiled.memory_analysis()
+    if mem is not None:
+      result["compiled_temp_gib"] = mem.temp_size_in_bytes / 2**30
+      result["compiled_argument_gib"] = mem.argument_size_in_bytes / 2**30
+      print(f"compiled memory per device: arguments {result['compiled_argument_gib']:.1f} GiB, "
+            f"temporaries {result['compiled_temp_gib']:.1f} GiB", flush=True)
 
     data = data_lib.Data(cfg)
     it = iter(data.dataset("train", t))
-    sh = train.sharding.batch_sharding(mesh)
     times, losses = [], []
-    for i in range(args.steps + 2):
-      batch = train.place(next(it), sh)
-      s0 = time.perf_counter()
-      params, opt_state, biases, m = compiled(params, opt_state, biases, jnp.int32(i), rng, batch)
-      jax.block_until_ready(m)
-      if i >= 2:
-        times.append(time.perf_counter() - s0)
-      losses.append(float(m["loss"]))
-    step_s = statistics.median(times)
-    tps = b * t / step_s
-    fpt = flops.train_flops_per_token(cfg.model, t)
-    peak, note = flops.device_peak_flops(cfg.train.peak_tflops)
-    mfu = fpt * tps / peak if peak else None
-    print(f"losses {' '.join(f'{x:.3f}' for x in losses)}")
-    print(f"step {step_s * 1e3:.1f} ms (median of {len(times)}; min {min(times) * 1e3:.1f}), "
-          f"{tps:,.0f} tokens/s, {fpt / 1e9:.2f} GFLOP/token -> {fpt * tps / 1e12:.1f} TFLOP/s, "
-          f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'} ({note})", flush=True)
-    breakdown = flops.forward_flops_per_token(cfg.model, t)
-    print("model FLOPs per token (forward): " + ", ".join(
-        f"{k} {v / breakdown['total']:.0%}" for k, v in breakdown.items() if k != "total"))
-    mem = jax.devices()[0].memory_stats() or {}
-    if "peak_bytes_in_use" in mem:
-      print(f"peak device memory {mem['peak_bytes_in_use'] / 2**30:.1f} GiB")
-
-    if args.profile:
-      with jax.profiler.trace(args.profile, create_perfetto_trace=True):
-        for i in range(2):
-          params, opt_state, biases, m = compiled(params, opt_state, biases, jnp.int32(i), rng,
-                                                  train.place(next(it), sh))
+    with exclusive(args.lock):
+      for i in range(args.steps):
+        batch = train.place(next(it), sh)
+        s0 = time.perf_counter()
+        params, opt_state, biases, m = compiled(params, opt_state, biases, jnp.int32(i), rng, batch)
         jax.block_until_ready(m)
-      by_kind, by_name = kernel_times(args.profile)
-      total = sum(by_kind.values())
-      if total:
-        print(f"GPU kernel time over 2 steps: {total / 2e3:.1f} ms per step")
-        for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
-          print(f"  {k:58s} {v / 2e3:8.1f} ms  {v / total:6.1%}")
-        print("top kernels:")
-        for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:25]:
-          print(f"  {v / 2e3:8.2f} ms  {k[:110]}")
-      else:
-        print("no GPU events found in the trace")
+        if i >= 2:
+          times.append(time.perf_counter() - s0)
+        losses.append(float(m["loss"]))
+      step_s = statistics.median(times)
+      tps = b * t / step_s
+      fpt = flops.train_flops_per_token(cfg.model, t)
+      peak, note = flops.device_peak_flops(cfg.train.peak_tflops)
+      mfu = fpt * tps / peak if peak else None
+      print(f"losses {' '.join(f'{x:.4f}' for x in losses)}")
+      print(f"step {step_s * 1e3:.1f} ms (median of {len(times)}; min {min(times) * 1e3:.1f}), "
+            f"{tps:,.0f} tokens/s, {fpt / 1e9:.2f} GFLOP/token -> {fpt * tps / 1e12:.1f} TFLOP/s, "
+            f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'} ({note})", flush=True)
+      breakdown = flops.forward_flops_per_token(cfg.model, t)
+      print("model FLOPs per token (forward): " + ", ".join(
+          f"{k} {v / breakdown['total']:.0%}" for k, v in breakdown.items() if k != "total"))
+      result.update(losses=losses, step_ms=step_s * 1e3, step_ms_min=min(times) * 1e3,
+                    tokens_per_s=tps, gflop_per_token=fpt / 1e9, mfu=mfu, peak_note=note)
+      mem = peak_memory()
+      if mem:
+        result["peak_gib_per_device"] = mem
+        print(f"peak device memory: {', '.join(f'{x:.1f}' for x in mem)} GiB", flush=True)
+
+      if args.profile:
+        with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+          for i in range(2):
+            params, opt_state, biases, m = compiled(params, opt_state, biases, jnp.int32(i), rng,
+                                                    train.place(next(it), sh))
+          jax.block_until_ready(m)
+        by_kind, by_name, by_device = kernel_times(args.profile)
+        report_kernels(by_kind, by_name, by_device, steps=2)
+        result["profile_ms_per_step"] = {k: v / 2e3 for k, v in by_kind.items()}
+        result["profile_ms_per_step_by_device"] = {
+            d: {k: v / 2e3 for k, v in kinds.items()} for d, kinds in by_device.items()}
+  if args.json:
+    Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def report_kernels(by_kind: dict, by_name: dict, by_device: dict, steps: int) -> None:
+  """Prints GPU kernel time per step by kind (all devices, then each device) and the top kernels."""
+  total = sum(by_kind.values())
+  if not total:
+    print("no GPU events found in the trace")
+    return
+  n_dev = max(len(by_device), 1)
+  print(f"GPU kernel time over {steps} steps: {total / steps / 1e3 / n_dev:.1f} ms per step per "
+        f"device ({n_dev} devices)")
+  for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+    print(f"  {k:58s} {v / steps / 1e3 / n_dev:8.1f} ms  {v / total:6.1%}")
+  if n_dev > 1:
+    for d, kinds in by_device.items():
+      print(f"  {d}: " + ", ".join(f"{k.split(' ')[0]} {v / steps / 1e3:.1f}"
+                                   for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])) + " ms")
+  print("top kernels:")
+  for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:25]:
+    print(f"  {v / steps / 1e3 / n_dev:8.2f} ms  {k[:110]}")
 
 
 if __name__ == "__main__":

@@ -197,6 +197,9 @@ class MeshConfig:
   context: int = 1
   tensor: int = 1
   moonep: bool = True
+  # Mesh axes the routed experts are split over (expert parallelism). ("expert", "context") also
+  # spreads them over the sequence-parallel ranks, whose tokens then go to experts by all-to-all.
+  expert_axes: tuple[str, ...] = ("expert",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,6 +415,9 @@ def validate(cfg: Config) -> None:
     _check(v == -1 or v > 0, f"mesh.{name}", "must be positive or -1 (the rest of the devices)")
   _check(sum(getattr(cfg.mesh, n) == -1 for n in ("data", "fsdp", "expert", "context", "tensor")) <= 1,
          "mesh", "at most one axis may be -1")
+  ea = cfg.mesh.expert_axes
+  _check(len(ea) > 0 and len(set(ea)) == len(ea) and set(ea) <= {"data", "fsdp", "expert", "context"},
+         "mesh.expert_axes", f"{list(ea)}: must be distinct axes among data, fsdp, expert, context")
 
 
 def dtype(name: str):

@@ -1,9 +1,11 @@
-"""Expert parallelism: routed experts split over the ``expert`` mesh axis, tokens exchanged with
-fixed-size ``all_to_all``s inside ``jax.shard_map``.
+"""Expert parallelism: routed experts split over the expert-parallel mesh axes (``expert``, or
+those of ``mesh.expert_axes``, e.g. ``expert, context``), tokens exchanged with fixed-size
+``all_to_all``s inside ``jax.shard_map``.
 
 Each device holds its tokens (the batch split over ``data, fsdp, expert, context``) and ``er =
-E / R`` experts (R = the expert axis size; expert weights are further split over ``fsdp`` on the
-latent dim like ``embed`` and ``tensor`` on the intermediate dim, gathered inside). Per MoE layer:
+E / R`` experts (R = the product of the expert-parallel axis sizes; expert weights are further
+split over the rest of ``fsdp, context`` on the latent dim and ``tensor`` on the intermediate
+dim, gathered inside). Per MoE layer:
 
 1. every rank counts its token slots per expert; the counts ``[R, E]`` are all-gathered over the
    expert axis (the only data-dependent metadata, E integers per rank);
@@ -38,7 +40,6 @@ from sharding import moonep as moonep_lib
 from sharding.context_parallel import axis_size
 from sharding.rules import logical_spec
 
-AXIS = "expert"
 TOKEN_AXES = ("data", "fsdp", "expert", "context")
 _OPTIONS = {"moonep": True}
 
@@ -48,9 +49,16 @@ def configure(*, moonep: bool) -> None:
   _OPTIONS["moonep"] = bool(moonep)
 
 
+def axes() -> tuple[str, ...]:
+  """The mesh axes (larger than 1) the routed experts are split over on the current mesh: those
+  the ``expert`` rule names (:func:`sharding.rules.configure`), in rule order."""
+  spec = logical_spec(("expert",))[0]
+  return () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+
+
 def active() -> bool:
-  """True when the current mesh has an ``expert`` axis larger than 1."""
-  return axis_size(AXIS) > 1
+  """True when the current mesh splits the routed experts over one or more axes."""
+  return bool(axes())
 
 
 def token_spec():
@@ -95,10 +103,12 @@ def moe_dispatch(x, expert_ids, weights, w_gate_up, w_down, activation, *, capac
   ``[E, F, L]``; activation ``(gate, up) -> h``. Returns ``[N, L]``.
   """
   moonep = _OPTIONS["moonep"] if moonep is None else moonep
-  r = axis_size(AXIS)
+  ax = axes()
+  r = math.prod(axis_size(a) for a in ax)
   e = w_gate_up.shape[0]
   if e % r:
-    raise ValueError(f"expert parallelism: {e} experts do not split over expert axis size {r}")
+    raise ValueError(f"expert parallelism: {e} experts do not split over the {r} ranks of mesh "
+                     f"axes {ax}")
   er = e // r
   k = expert_ids.shape[1]
   tok = token_spec()
@@ -110,10 +120,10 @@ def moe_dispatch(x, expert_ids, weights, w_gate_up, w_down, activation, *, capac
     w1 = _gather_weight(w1, w1_spec)  # [er, L, 2F]
     w2 = _gather_weight(w2, w2_spec)  # [er, F, L]
     n, width = x.shape
-    me = jax.lax.axis_index(AXIS)
+    me = jax.lax.axis_index(ax)
     flat = ids.reshape(-1).astype(jnp.int32)  # [n*k]
     counts = jnp.zeros((e,), jnp.int32).at[flat].add(1)
-    all_counts = jax.lax.all_gather(counts, AXIS)  # [R, E]
+    all_counts = jax.lax.all_gather(counts, ax)  # [R, E]
     index = (jnp.cumsum(all_counts, 0) - all_counts)[me][flat] + _rank_within(flat, e)
     if moonep:
       p = moonep_lib.plan(all_counts, slots)
@@ -128,14 +138,14 @@ def moe_dispatch(x, expert_ids, weights, w_gate_up, w_down, activation, *, capac
     send = jnp.zeros((r, cap, width), x.dtype).at[dest, pos].set(rows, mode="drop")
     groups = er + slots
     send_g = jnp.full((r, cap), groups, jnp.int32).at[dest, pos].set(group, mode="drop")
-    recv = jax.lax.all_to_all(send, AXIS, 0, 0)  # [R, C, L]: row block s from source s
-    recv_g = jax.lax.all_to_all(send_g, AXIS, 0, 0).reshape(-1)
+    recv = jax.lax.all_to_all(send, ax, 0, 0)  # [R, C, L]: row block s from source s
+    recv_g = jax.lax.all_to_all(send_g, ax, 0, 0).reshape(-1)
     if moonep:  # fetch the redundant experts' weights from their home ranks
       se = p.slot_expert  # [R, S]
       mine = (se >= 0) & (se // er == me)
       local = jnp.clip(se - me * er, 0, er - 1)
       fetch = lambda w: jnp.sum(jax.lax.all_to_all(
-          jnp.where(mine[..., None, None], w[local], 0).astype(w.dtype), AXIS, 0, 0), axis=0)
+          jnp.where(mine[..., None, None], w[local], 0).astype(w.dtype), ax, 0, 0), axis=0)
       w1 = jnp.concatenate([w1, fetch(w1)], axis=0)
       w2 = jnp.concatenate([w2, fetch(w2)], axis=0)
     m = r * cap
@@ -150,7 +160,7 @@ def moe_dispatch(x, expert_ids, weights, w_gate_up, w_down, activation, *, capac
     h = activation(h[:, :f], h[:, f:]).astype(x.dtype)
     y = moe_ops.gmm(h, w2.astype(x.dtype), sizes, implementation=implementation)
     back = jnp.zeros((m, width), y.dtype).at[order].set(y).reshape(r, cap, width)
-    back = jax.lax.all_to_all(back, AXIS, 0, 0)
+    back = jax.lax.all_to_all(back, ax, 0, 0)
     out = back.at[dest, pos].get(mode="fill", fill_value=0)  # [n*k, L], dropped slots 0
     acc = jnp.promote_types(x.dtype, jnp.float32)
     return jnp.einsum("nkd,nk->nd", out.reshape(n, k, width).astype(acc),
@@ -161,4 +171,4 @@ def moe_dispatch(x, expert_ids, weights, w_gate_up, w_down, activation, *, capac
   return fn(x, expert_ids, weights, w_gate_up, w_down)
 
 
-__all__ = ["configure", "active", "moe_dispatch", "capacity", "token_spec"]
+__all__ = ["configure", "axes", "active", "moe_dispatch", "capacity", "token_spec"]

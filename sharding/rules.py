@@ -41,13 +41,27 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
 }
 
 
+_ACTIVE: dict[str, tuple[str, ...]] = dict(DEFAULT_RULES)
+
+
+def configure(*, expert_axes=("expert",)) -> None:
+  """Sets the rules used when none are passed: :data:`DEFAULT_RULES` with the routed experts
+  split over ``expert_axes`` (``mesh.expert_axes``)."""
+  _ACTIVE.clear()
+  _ACTIVE.update(DEFAULT_RULES, expert=tuple(expert_axes))
+
+
+def active_rules() -> dict[str, tuple[str, ...]]:
+  return _ACTIVE
+
+
 def logical_spec(names: Sequence[str | None], rules: dict[str, tuple[str, ...]] | None = None,
                  mesh_axes: Sequence[str] | None = None) -> P:
   """PartitionSpec for logical ``names`` under ``rules``, keeping only axes the mesh has.
 
   A mesh axis is used at most once per spec (the first dimension that asks for it gets it).
   """
-  rules = DEFAULT_RULES if rules is None else rules
+  rules = _ACTIVE if rules is None else rules
   if mesh_axes is None:
     mesh = jax.sharding.get_abstract_mesh()
     mesh_axes = () if mesh.empty else mesh.axis_names

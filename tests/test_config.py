@@ -41,6 +41,9 @@ def test_overrides_apply_and_validate():
     ("model.attn_res.enabled=maybe", "model.attn_res.enabled"),
     ("train.batch_size=0", "train.batch_size"),
     ("mesh.data=-1", None),
+    ("mesh.expert_axes=[expert,context]", None),
+    ("mesh.expert_axes=[expert,tensor]", "mesh.expert_axes"),
+    ("mesh.expert_axes=[]", "mesh.expert_axes"),
 ])
 def test_config_errors_name_the_key(override, key):
   if key is None:  # a valid override

@@ -35,11 +35,12 @@ GRAD_TOL = 1e-12
 CONTEXT_GRAD_TOL = 1e-7
 
 
-@pytest.mark.parametrize("layouts", ["data,fsdp,expert", "context,mix,mix_plain"])
+@pytest.mark.parametrize("layouts", ["data,fsdp,expert", "context,mix,mix_plain,context_experts"])
 def test_model_layouts_match_one_device(layouts):
   """Loss, every gradient and the router statistics of the tiny preset (KDA, MLA, dense and
   LatentMoE layers, Block AttnRes, packed documents) under data=8, fsdp=8, data=2,expert=4
-  (MoonEP), data=2,context=4 and data=2,expert=2,context=2 (MoonEP on and off)."""
+  (MoonEP), data=2,context=4, data=2,expert=2,context=2 (MoonEP on and off) and data=2,context=4
+  with the experts split over the context axis."""
   out = _run("model_layouts", layouts)
   assert set(out) == set(layouts.split(","))
   for layout, err in out.items():

@@ -51,7 +51,7 @@ def model_layouts(only: str = ""):
   from k3jax.latent_moe import RouterBias
   from k3jax.model import K3Model
   from k3jax.train_step import _loss
-  from sharding import expert_parallel
+  import sharding
 
   cfg = load("configs/k3_tiny.yaml", ["model.param_dtype=float64", "model.compute_dtype=float64",
                                        "model.kda.chunk_size=16", "model.num_layers=3", "model.mla_layers=[2]"])
@@ -77,14 +77,16 @@ def model_layouts(only: str = ""):
              ("expert", dict(data=2, expert=4), True), ("expert_plain", dict(data=2, expert=4), False),
              ("context", dict(data=2, context=4), True),
              ("mix", dict(data=2, expert=2, context=2), True),
-             ("mix_plain", dict(data=2, expert=2, context=2), False)]
+             ("mix_plain", dict(data=2, expert=2, context=2), False),
+             ("context_experts", dict(data=2, context=4, expert_axes=("expert", "context")), True)]
   out = {}
   for name, sizes, moonep in layouts:
     if only and name not in only.split(","):
       continue
     print(name, file=sys.stderr, flush=True)
-    mesh = mesh_lib.make_mesh(MeshConfig(**{"data": 1, **sizes}))
-    expert_parallel.configure(moonep=moonep)
+    mesh_cfg = MeshConfig(**{"data": 1, **sizes, "moonep": moonep})
+    mesh = mesh_lib.make_mesh(mesh_cfg)
+    sharding.configure(mesh_cfg)
     with jax.set_mesh(mesh):
       p = mesh_lib.shard_params(params, mesh, names)
       bt = jax.tree.map(lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh)), batch)
@@ -92,7 +94,7 @@ def model_layouts(only: str = ""):
     errs = jax.tree.leaves(jax.tree.map(_max_rel, ref_g, g))
     stat_err = max(_max_rel(a, b) for a, b in zip(jax.tree.leaves(ref_stats), jax.tree.leaves(stats)))
     out[name] = {"loss": abs(float(l) - float(ref_l)), "grad": max(errs), "stats": stat_err}
-  expert_parallel.configure(moonep=True)
+  sharding.configure(MeshConfig())
   return out
 
 
