@@ -62,7 +62,7 @@ def main(argv=None):
   out.mkdir(parents=True, exist_ok=True)
   tag = args.tag or Path(args.config).stem
   n = gpu_count()
-  lock = out / f".{tag}.lock"
+  lock = out / ".gpu.lock"  # shared by every run writing to this folder
   procs = {}
   for name in args.layouts.split(","):
     if name not in LAYOUTS:
