@@ -118,7 +118,15 @@ def init_model(cfg: config_lib.Config, mesh=None):
     names = sharding.mesh.names_tree(cfg.model, nnx.Param, RouterBias)
     shapes = jax.eval_shape(create)
     out_shardings = tuple(sharding.mesh.pure_shardings(s, mesh, n) for s, n in zip(shapes, names))
-  params, biases = jax.jit(create, out_shardings=out_shardings)()
+  # XLA expands every parameter's threefry draw into a fusion of its own, and a model of a few
+  # hundred parameters then takes minutes to compile for GPU; the CUDA threefry kernel draws the
+  # same bits without that (it only applies on GPU).
+  previous = jax.config.jax_threefry_gpu_kernel_lowering
+  jax.config.update("jax_threefry_gpu_kernel_lowering", True)
+  try:
+    params, biases = jax.jit(create, out_shardings=out_shardings)()
+  finally:
+    jax.config.update("jax_threefry_gpu_kernel_lowering", previous)
   return graphdef, params, biases
 
 

@@ -44,7 +44,7 @@ KINDS = (  # (kind, substrings of a kernel name), first match wins
                             "collective-permute", "sendrecv")),
     ("kda", ("kda", "delta", "chunk_")),
     ("attention (MLA)", ("mla", "flash", "attention", "fmha", "cudnn", "sdpa")),
-    ("expert grouped matmul", ("gmm", "ragged", "grouped", "moe")),
+    ("expert grouped matmul", ("gmm", "ragged", "grouped", "moe", "mosaic_gpu")),
     ("dense matmul", ("gemm", "nvjet", "xmma", "cublas", "cutlass", "matmul", "dot")),
     ("sort/gather/scatter", ("sort", "scatter", "gather", "radix", "topk", "top_k")),
 )

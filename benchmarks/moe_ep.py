@@ -107,6 +107,9 @@ def main(argv=None):
             for dev, kinds in by_device.items()}
     coll = {dev: kinds.get("collectives (NCCL)", 0.0) / 3e3 for dev, kinds in by_device.items()}
     imbalance = max(comp.values()) / (sum(comp.values()) / len(comp)) if comp else None
+    for dev, kinds in by_device.items():
+      print(f"  {name} {dev}: " + ", ".join(f"{kind} {v / 3e3:.2f} ms" for kind, v in
+                                          sorted(kinds.items(), key=lambda kv: -kv[1])), flush=True)
     results[name] = {"step_ms": ms, "compute_ms_by_device": comp, "collective_ms_by_device": coll,
                      "imbalance": imbalance, "rel_err_dx_dw1_dw2": errs}
     print(f"{name:7s} fwd+bwd {ms:8.2f} ms; compute per device "
