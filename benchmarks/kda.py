@@ -1,16 +1,19 @@
-"""KDA on one GPU: check the Pallas kernels against the XLA references, then time them next to
-fla ``chunk_kda`` / ``fused_recurrent_kda`` (torch + triton), jla ``kda`` (Mosaic GPU) when
-importable, and the project's XLA chunked path (``implementation="chunked"``), in the same run.
+"""KDA on one GPU: check the Pallas kernels against the float32 token recurrence, then time them
+next to jla ``kda`` (Mosaic GPU) and fla ``chunk_kda`` / ``fused_recurrent_kda`` (torch + triton)
+when importable, in the same run, within a time budget (the H200 run takes about 150 s).
 
-  python3 benchmarks/kda.py              # everything (the H200 run)
-  python3 benchmarks/kda.py --quick      # small shapes only
-  python3 benchmarks/kda.py --ours-only  # no peers
-  python3 benchmarks/kda.py --no-decode  # training/prefill shapes only
-  python3 benchmarks/kda.py --sweep      # also the chunk-local kernels at other warp counts
-  python3 benchmarks/kda.py --check      # the checks, then that sweep only
+  python3 benchmarks/kda.py                # check, B1 T16384 H32 K128, parts, decode, fla
+  python3 benchmarks/kda.py --sweep        # also warps per chunk kernel and the gate-gradient
+                                           # matrix-unit algorithm (accuracy and time)
+  python3 benchmarks/kda.py --budget 135   # seconds after which optional steps are skipped
+  python3 benchmarks/kda.py --quick        # a small shape instead (B1 T2048 H8 K128)
+  python3 benchmarks/kda.py --ours-only    # no peers
+  python3 benchmarks/kda.py --all-shapes   # also the other PERF.md shapes and the XLA path
+  python3 benchmarks/kda.py --emulate      # CPU: the check with the GPU's matrix-unit roundings
+                                           # emulated, for the default and GATE_DOTS (~2 min)
 
-Per shape the order is ours, jla, XLA chunked, fla, and every row is written to
-``$OUT/kda_bench.json`` as soon as it is measured, so a run cut short keeps what it measured.
+Every row is written to ``$OUT/kda_bench.json`` as soon as it is measured, so a run cut short
+keeps what it measured.
 
 Training/prefill shapes from ../shared/PERF.md: q, k, v ``[B, T, H, 128]`` bf16, bounded
 (safe) gate with lower bound -5 computed in the kernel from the raw projection, L2 norm and beta
@@ -22,6 +25,7 @@ JAX times: median over repeats of 5 back-to-back calls; fla times: triton's do_b
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -72,13 +76,17 @@ def rel(a, b):
   return float(jnp.linalg.norm(a - b) / (jnp.linalg.norm(b) + 1e-30))
 
 
-def check(decode=True):
+CHECK_TOL = 3e-2  # relative error of the bf16 kernel vs the float32 recurrence
+CHECK_SHAPE = (2, 600, 4, 128)  # B, T (3 segments: 5/12, 1/6, 5/12 of T), H, K
+
+
+def check(decode=True, tag="pallas_gpu"):
   """bf16 kernel vs float32 naive recurrence: outputs, final state, all gradients (and the
-  decode kernel vs the XLA path if ``decode``)."""
-  b, t, h, kd = 2, 600, 4, 128
+  decode kernel vs the XLA path if ``decode``). Returns the relative errors."""
+  b, t, h, kd = CHECK_SHAPE
   q, k, v, f, beta, a_log, dt_bias = inputs(b, t, h, kd, seed=1)
-  seg = jnp.concatenate([jnp.zeros((b, 250), jnp.int32), jnp.ones((b, 100), jnp.int32),
-                         jnp.full((b, 250), 2, jnp.int32)], 1)
+  seg = jnp.broadcast_to((jnp.arange(t) >= 5 * t // 12).astype(jnp.int32)
+                         + (jnp.arange(t) >= 7 * t // 12).astype(jnp.int32), (b, t))
   s0 = jax.random.normal(jax.random.key(9), (b, h, kd, kd), jnp.float32)
   args = (q, k, v, f, beta, a_log, dt_bias, s0)
 
@@ -90,22 +98,31 @@ def check(decode=True):
     o, s = run(impl, *a)
     return jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(kd))) + jnp.sum(s * 0.01)
 
-  up = tuple(x.astype(jnp.float32) for x in args)
+  if "ref" not in _REF:  # the float32 reference, once per run
+    up = tuple(x.astype(jnp.float32) for x in args)
+    _REF["ref"] = (jax.jit(lambda *a: run("naive", *a))(*up),
+                   jax.jit(jax.grad(lambda *a: loss("naive", *a), argnums=tuple(range(8))))(*up))
+  (o2, s2), g2 = _REF["ref"]
   o1, s1 = jax.jit(lambda *a: run("pallas_gpu", *a))(*args)
-  o2, s2 = jax.jit(lambda *a: run("naive", *a))(*up)
   g1 = jax.jit(jax.grad(lambda *a: loss("pallas_gpu", *a), argnums=tuple(range(8))))(*args)
-  g2 = jax.jit(jax.grad(lambda *a: loss("naive", *a), argnums=tuple(range(8))))(*up)
   errs = {"o": rel(o1, o2), "state": rel(s1, s2)}
   errs.update({f"d{n}": rel(x, y) for n, x, y in
                zip("q k v f beta A_log dt_bias s0".split(), g1, g2)})
-  emit(name="check pallas_gpu bf16 vs naive f32 (B2 T600 H4 K128, 3 segments)",
+  emit(name=f"check {tag} bf16 vs naive f32 (B{b} T{t} H{h} K{kd}, 3 segments)",
        **{k_: round(v_, 5) for k_, v_ in errs.items()})
-  bad = {k_: v_ for k_, v_ in errs.items() if not v_ < 3e-2}
+  bad = {k_: v_ for k_, v_ in errs.items() if not v_ < CHECK_TOL}
   if bad:
-    print("CHECK FAILED", bad, flush=True)
-  if not decode:
-    return
-  # decode vs XLA path, non-contiguous slots, 3 tokens
+    print("CHECK FAILED", tag, bad, flush=True)
+  if decode:
+    check_decode(h, kd, a_log, dt_bias)
+  return errs
+
+
+_REF = {}
+
+
+def check_decode(h, kd, a_log, dt_bias):
+  """Decode kernel vs the XLA path, non-contiguous slots, 3 tokens."""
   n, tn = 8, 3
   qd, kdd, vd, fd, bd, _, _ = inputs(n, tn, h, kd, seed=2)
   pool = jax.random.normal(jax.random.key(3), (2 * n, h, kd, kd), jnp.float32)
@@ -138,42 +155,138 @@ def _cfg(kd):
                          lower_bound=LB, beta_is_logit=True, dense_diag=True, dtype="bfloat16")
 
 
-def time_parts(shape, recurrences=True):
-  """Per-kernel breakdown: chunk-local forward (prep) and backward (prep_bwd) kernels, and
-  optionally the sequential passes (recur_fwd_store, recur_bwd)."""
-  b, t, h, kd = shape
-  q, k, v, f, beta, a_log, dt_bias = inputs(b, t, h, kd)
-  cfg = _cfg(kd)
-  seg = jnp.zeros((b, t), jnp.int32)
-  args = (q, k, v, f, beta, a_log, dt_bias.reshape(h, kd))
-  prep = jax.jit(lambda *a: kda_gpu._prepare(cfg, *a, seg, t))
-  res = {"prep": jtime(prep, *args)}
-  pre = prep(*args)
-  s0 = jnp.zeros((b, h, kd, kd), jnp.float32)
-  rec = jax.jit(lambda *p: kda_gpu._recurrence_fwd(cfg, *p, s0, jnp.bfloat16, store=True))
-  _, _, hs, vn = rec(*pre)
-  do = jax.random.normal(jax.random.key(7), (b, t, h, kd), jnp.bfloat16)
-  w, u, qg, aqk, kdec, gc = pre
-  recb = jax.jit(lambda *p: kda_gpu._recurrence_bwd(cfg, *p))
-  dvn, dh, _ = recb(do, qg, aqk, kdec, w, gc, s0)
-  if recurrences:
-    res["recur_fwd_store"] = jtime(rec, *pre)
-    res["recur_bwd"] = jtime(recb, do, qg, aqk, kdec, w, gc, s0)
-  pb = jax.jit(lambda *a: kda_gpu._prepare_bwd(cfg, *a, t))
-  res["prep_bwd"] = jtime(pb, *args, seg, hs, dh, vn, dvn, do, reps=7, inner=3)
-  return res
+class Parts:
+  """The intermediates of one forward + backward of ours at ``shape`` (zero segments, no initial
+  state), to time each pallas_call alone."""
+
+  def __init__(self, shape):
+    b, t, h, kd = shape
+    self.cfg = cfg = _cfg(kd)
+    q, k, v, f, beta, a_log, dt_bias = inputs(b, t, h, kd)
+    self.seg = jnp.zeros((b, t), jnp.int32)
+    self.t = t
+    self.x = (q, k, v, f, beta, a_log, dt_bias.reshape(h, kd))
+    self.s0 = jnp.zeros((b, h, kd, kd), jnp.float32)
+    self.do = jax.random.normal(jax.random.key(7), (b, t, h, kd), jnp.bfloat16)
+    self.a = jax.jit(lambda *x: kda_gpu._chunk_a(cfg, *x, self.seg, t))(*self.x)
+    pkk, _, _, _, kg, _ = self.a
+    self.wu = jax.jit(lambda *x: kda_gpu._chunk_wu(cfg, *x, self.seg, t, True))(
+        pkk, kg, v, beta)
+    w, u, x = self.wu
+    _, aqk, qg, kdec, _, gc = self.a
+    self.fac = (w, u, qg, aqk, kdec, gc)
+    _, _, self.hs, self.vn = jax.jit(lambda *p: kda_gpu._recurrence_fwd(
+        cfg, *p, self.s0, jnp.bfloat16, store=True))(*self.fac)
+    self.dvn, self.dh, _ = jax.jit(lambda *p: kda_gpu._recurrence_bwd(cfg, *p))(
+        self.do, qg, aqk, kdec, w, gc, self.s0)
+    self.dwy = jax.jit(lambda *p: kda_gpu._chunk_dwy(cfg, *p, t))(
+        v, beta, self.seg, x, pkk, kg, self.hs, self.dvn, self.do, self.vn)
+
+  def fns(self):
+    """name -> (jitted function, args) for each kernel alone and the XLA pre-processing VJP."""
+    cfg, seg, t = self.cfg, self.seg, self.t
+    q, k, v, f, beta, a_log, dtb = self.x
+    pkk, _, _, _, kg, _ = self.a
+    w, u, qg, aqk, kdec, gc = self.fac
+    _, _, x = self.wu
+    dpkk, dpqk, dy, _, dbeta = self.dwy
+    j = jax.jit
+    pre = functools.partial(kda_gpu._preprocess, cfg)
+
+    def pre_vjp(q, k, f, beta, a_log, dtb, dq, dk, dg, dbeta):
+      return jax.vjp(pre, q, k, f, beta, a_log, dtb)[1]((dq, dk, dg, dbeta))
+
+    dq = dy.astype(jnp.float32)
+    return {
+        "chunk_a": (j(lambda *a: kda_gpu._chunk_a(cfg, *a, seg, t)), self.x),
+        "chunk_wu": (j(lambda *a: kda_gpu._chunk_wu(cfg, *a, seg, t, False)), (pkk, kg, v, beta)),
+        "chunk_wu_keep": (j(lambda *a: kda_gpu._chunk_wu(cfg, *a, seg, t, True)),
+                          (pkk, kg, v, beta)),
+        "recur_fwd": (j(lambda *p: kda_gpu._recurrence_fwd(cfg, *p, self.s0, jnp.bfloat16,
+                                                            store=False)), self.fac),
+        "recur_fwd_store": (j(lambda *p: kda_gpu._recurrence_fwd(cfg, *p, self.s0, jnp.bfloat16,
+                                                                  store=True)), self.fac),
+        "recur_bwd": (j(lambda *p: kda_gpu._recurrence_bwd(cfg, *p)),
+                      (self.do, qg, aqk, kdec, w, gc, self.s0)),
+        "chunk_dwy": (j(lambda *p: kda_gpu._chunk_dwy(cfg, *p, t)),
+                      (v, beta, seg, x, pkk, kg, self.hs, self.dvn, self.do, self.vn)),
+        "chunk_dqkg": (j(lambda *p: kda_gpu._chunk_dqkg(cfg, *p, t)),
+                       (q, k, v, f, beta, a_log, dtb, seg, self.hs, self.dh, self.vn, self.do,
+                        dy, dpkk, dpqk)),
+        "xla_pre_vjp": (j(pre_vjp), (q, k, f, beta, a_log, dtb, dq, dq, dq, dbeta)),
+    }
 
 
-def prep_sweep(shape, warps_list=((8, 4), (2, 16))):
-  """Chunk-local kernels at other (forward, backward) warp counts of the dense path."""
-  res = {}
-  default = kda_gpu.DENSE_WARPS
-  for warps in warps_list:
-    kda_gpu.DENSE_WARPS = warps
-    r = time_parts(shape, recurrences=False)
-    res[f"prep_w{warps[0]}"], res[f"prep_bwd_w{warps[1]}"] = r["prep"], r["prep_bwd"]
-  kda_gpu.DENSE_WARPS = default
-  return res
+def time_parts(shape):
+  """Per-kernel breakdown: each pallas_call alone (and the XLA pre-processing VJP), with the
+  forward (chunk_a + chunk_wu + recur_fwd) and backward (chunk_a + chunk_wu_keep +
+  recur_fwd_store + recur_bwd + chunk_dwy + chunk_dqkg + xla_pre_vjp) sums."""
+  parts = Parts(shape)
+  res = {name: jtime(fn, *args) for name, (fn, args) in parts.fns().items()}
+  res["sum_fwd"] = res["chunk_a"] + res["chunk_wu"] + res["recur_fwd"]
+  res["sum_bwd"] = sum(res[n] for n in ("chunk_a", "chunk_wu_keep", "recur_fwd_store",
+                                        "recur_bwd", "chunk_dwy", "chunk_dqkg", "xla_pre_vjp"))
+  return res, parts
+
+
+WARP_SWEEP = {"chunk_dqkg": (4, 16), "chunk_a": (4, 16), "chunk_dwy": (4, 16), "chunk_wu": (2, 8)}
+DQKG_SLICES = (64,)  # K slice widths of chunk_dqkg other than the default
+_P = jax.lax.DotAlgorithmPreset
+GATE_DOTS = {"all_x3": ((_P.BF16_BF16_F32_X3,) * 2,) * 2,  # gate-gradient variants
+             "all_bf16": ((_P.BF16_BF16_F32,) * 2,) * 2}
+
+
+def sweep(parts, tag, left):
+  """The variants of the chunk kernels, most promising first: chunk_dqkg at other warp counts
+  and K slice widths, the gate gradient's matrix-unit algorithm (its check errors and the
+  chunk_dqkg time), then the other kernels at other warp counts. Each kernel is timed alone;
+  stops when ``left()`` is too small for the next step."""
+  sweep_warps(parts, "chunk_dqkg", tag, left)
+  default = kda_gpu.DQKG_SLICE_K
+  for bk in DQKG_SLICES:
+    kda_gpu.DQKG_SLICE_K = bk
+    sweep_warps(parts, "chunk_dqkg", f"slice {bk} {tag}", left, (4, 8), with_default=False)
+  kda_gpu.DQKG_SLICE_K = default
+  default = kda_gpu.GATE_DOT
+  for name, dot in GATE_DOTS.items():
+    if left() < 25:
+      return
+    kda_gpu.GATE_DOT = dot
+    try:
+      errs = check(decode=False, tag=f"gate_dot={name}")
+      emit(name=f"sweep gate_dot={name} chunk_dqkg {tag}", ms=round(_time(parts, "chunk_dqkg"), 4),
+           **{k: round(errs[k], 5) for k in ("df", "dA_log", "ddt_bias", "dq", "dk")})
+    except Exception as e:  # noqa: BLE001
+      print(f"sweep gate_dot={name} FAILED", repr(e)[:800], flush=True)
+    kda_gpu.GATE_DOT = default
+  for name in ("chunk_a", "chunk_dwy", "chunk_wu"):
+    sweep_warps(parts, name, tag, left)
+
+
+def sweep_warps(parts, name, tag, left, warps=None, with_default=True):
+  """One kernel alone at other warp counts (``WARP_SWEEP``), and at its default."""
+  key = "kda_" + name
+  default = kda_gpu.WARPS[key]
+  row = {}
+  for w in warps or WARP_SWEEP[name]:
+    if left() < 12:
+      break
+    kda_gpu.WARPS[key] = w
+    try:
+      row[f"w{w}"] = round(_time(parts, name), 4)
+    except Exception as e:  # noqa: BLE001
+      print(f"sweep {name} w{w} {tag} FAILED", repr(e)[:800], flush=True)
+    kda_gpu.WARPS[key] = default
+  if with_default and row:
+    row[f"w{default} (default)"] = round(_time(parts, name), 4)
+  if row:
+    emit(name=f"sweep warps {name} {tag}", **row)
+
+
+def _time(parts, name):
+  """One kernel alone, traced afresh (a variant is read when its kernel is traced)."""
+  fn, args = parts.fns()[name]
+  return jtime(fn, *args)
 
 
 def time_jla(shape):
@@ -228,7 +341,7 @@ def time_fla_decode(n):
   return do_bench(f, warmup=25, rep=100, return_mode="median")
 
 
-def time_decode(n, block_v=32, num_warps=4):
+def time_decode(n, block_v=64, num_warps=4, dot_reduce=False):
   h, kd = 32, 128
   q, k, v, f, beta, a_log, dt_bias = inputs(n, 1, h, kd)
   g = -jax.random.uniform(jax.random.key(5), (n, 1, h, kd), jnp.float32)
@@ -236,7 +349,8 @@ def time_decode(n, block_v=32, num_warps=4):
   pool = jax.random.normal(jax.random.key(6), (n, h, kd, kd), jnp.float32)
   slots = jnp.arange(n, dtype=jnp.int32)
   step = jax.jit(lambda q, k, v, g, b, s: kda_gpu_decode(q, k, v, g, b, s, slots, block_v,
-                                                           num_warps), donate_argnums=(5,))
+                                                           num_warps, dot_reduce),
+                 donate_argnums=(5,))
   o, pool = step(q, k, v, g, beta, pool)
   jax.block_until_ready(pool)
   ts = []
@@ -251,30 +365,69 @@ def time_decode(n, block_v=32, num_warps=4):
   return ms, 2 * n * h * kd * kd * 4 / ms / 1e9
 
 
-def kda_gpu_decode(q, k, v, g, b, s, slots, block_v, num_warps):
+def kda_gpu_decode(q, k, v, g, b, s, slots, block_v, num_warps, dot_reduce=False):
   from pallas_kernels.kda import decode
   return decode._decode_gpu(q, k, v, g, b, s, slots, scale=q.shape[-1] ** -0.5,
                             use_qk_l2norm=True, A_log=None, dt_bias=None, gate=None,
                             lower_bound=LB, beta_is_logit=False, block_v=block_v,
-                            num_warps=num_warps)
+                            num_warps=num_warps, dot_reduce=dot_reduce)
+
+
+def _round(x, bits):
+  """float32 rounded to ``bits`` mantissa bits (nearest)."""
+  i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  drop = 23 - bits
+  i = (i + (1 << (drop - 1))) & ~jnp.uint32((1 << drop) - 1)
+  return jax.lax.bitcast_convert_type(i, jnp.float32)
+
+
+def emulate():
+  """On the CPU (interpret mode) the kernels' products are exact float32; this replaces them
+  with the GPU's roundings (TF32 for float32 operands, bf16 / three bf16 passes for those
+  algorithms) and runs the check at B1 T256 H2 K128 for the default gate-gradient algorithms
+  and each of ``GATE_DOTS``."""
+  global CHECK_SHAPE
+  exact = kda_gpu._mm
+  hi = jax.lax.Precision.HIGHEST
+
+  def mm(a, b, *, ta=False, tb=False, dt=None, precision=None):
+    a, b = (x.astype(dt or jnp.float32).astype(jnp.float32) for x in (a, b))
+    f = lambda x, y: exact(x, y, ta=ta, tb=tb, precision=hi)
+    if precision == _P.BF16_BF16_F32_X3:
+      ah, bh = _round(a, 7), _round(b, 7)
+      return f(ah, bh) + f(_round(a - ah, 7), bh) + f(ah, _round(b - bh, 7))
+    if precision == _P.BF16_BF16_F32:
+      return f(_round(a, 7), _round(b, 7))
+    return f(a, b) if precision == hi else f(_round(a, 10), _round(b, 10))
+
+  kda_gpu._mm, CHECK_SHAPE = mm, (1, 256, 2, 128)
+  default = kda_gpu.GATE_DOT
+  for name, dot in [("default", default)] + list(GATE_DOTS.items()):
+    kda_gpu.GATE_DOT = dot
+    check(decode=False, tag=f"emulated gate_dot={name}")
+  kda_gpu.GATE_DOT, kda_gpu._mm = default, exact
 
 
 def main():
+  if "--emulate" in sys.argv:
+    return emulate()
+  t0 = time.perf_counter()
+  budget = float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.argv else 135.0
+  left = lambda: budget - (time.perf_counter() - t0)
   quick = "--quick" in sys.argv
-  shapes = [(1, 2048, 8, 128)] if quick else SHAPES
+  shapes = ([(1, 2048, 8, 128)] if quick else SHAPES if "--all-shapes" in sys.argv
+            else SHAPES[:1])
+  peers = "--ours-only" not in sys.argv
   print("jax", jax.__version__, jax.devices(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        flush=True)
+        "warps", kda_gpu.WARPS, flush=True)
   try:
-    check(decode="--no-decode" not in sys.argv)
+    check()
   except Exception as e:  # noqa: BLE001 - the timings below are still worth having
     print("CHECK ERROR", repr(e)[:2000], flush=True)
-  if "--check" in sys.argv:
-    emit(name="prep sweep B1 T16384 H32 K128", **{k: round(v, 4) for k, v in
-                                                  prep_sweep(SHAPES[0]).items()})
-    return
-  runners = [("ours", time_ours), ("jla", time_jla), ("chunked", time_chunked), ("fla", time_fla)]
-  if "--ours-only" in sys.argv:
-    runners = runners[:1]
+  runners = [("ours", time_ours)] + [("jla", time_jla)] * peers
+  if "--all-shapes" in sys.argv:
+    runners.append(("chunked", time_chunked))
+  parts = None
   for i, shape in enumerate(shapes):
     tag = "B{} T{} H{} K{}".format(*shape)
     for name, fn in runners:
@@ -283,31 +436,61 @@ def main():
       except Exception as e:  # noqa: BLE001
         print(f"{name} {tag} FAILED", repr(e)[:1500], flush=True)
     if i == 0:
-      emit(name=f"ours parts {tag}", **{k: round(v, 4) for k, v in time_parts(shape).items()})
-  table()
-  if "--no-decode" not in sys.argv:
-    decode(fla="--ours-only" not in sys.argv)
-  if "--sweep" in sys.argv:
-    emit(name=f"prep sweep {'B{} T{} H{} K{}'.format(*shapes[0])}",
-         **{k: round(v, 4) for k, v in prep_sweep(shapes[0]).items()})
-
-
-def decode(fla):
-  for n in DECODE_N:
-    for bv, nw in ((64, 4), (128, 4), (128, 8), (64, 8)):
       try:
-        ms, tbps = time_decode(n, bv, nw)
-        emit(name=f"ours decode N{n} H32 K128 bv{bv} w{nw}", ms=round(ms, 4), tbps=round(tbps, 2))
+        res, parts = time_parts(shape)
+        emit(name=f"ours parts {tag}", **{k: round(v, 4) for k, v in res.items()})
       except Exception as e:  # noqa: BLE001
-        print(f"decode N{n} bv{bv} FAILED", repr(e)[:1500], flush=True)
+        print(f"ours parts {tag} FAILED", repr(e)[:1500], flush=True)
+  if "--no-decode" not in sys.argv:
+    decode()
+  table()
+  tag = "B{} T{} H{} K{}".format(*shapes[0])
+  if "--sweep" in sys.argv and parts is not None:
+    sweep(parts, tag, left)
+  if peers and left() > 45:
+    for shape in shapes:
+      try:
+        emit(name="fla B{} T{} H{} K{}".format(*shape), **{
+            k: round(v, 4) for k, v in time_fla(shape).items()})
+      except Exception as e:  # noqa: BLE001
+        print("fla unavailable:", repr(e)[:300], flush=True)
+        break
+    if left() > 15:
+      decode_fla()
+    table()
+  print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+# (V tile, warps, K reductions as one matrix-unit product); V tiles 32 and 16 were slower
+DECODE_CONFIGS = ((64, 4, False), (128, 4, False), (128, 8, False), (64, 8, False),
+                  (64, 4, True), (128, 8, True))
+
+
+def decode():
+  for n in DECODE_N:
+    best = None
+    for bv, nw, dr in DECODE_CONFIGS:
+      tag = f"bv{bv} w{nw}" + " dot_reduce" * dr
+      try:
+        ms, tbps = time_decode(n, bv, nw, dr)
+        emit(name=f"ours decode N{n} H32 K128 {tag}", ms=round(ms, 4), tbps=round(tbps, 2))
+        best = min(best or (ms, tag), (ms, tag))
+      except Exception as e:  # noqa: BLE001
+        print(f"decode N{n} {tag} FAILED", repr(e)[:1500], flush=True)
+    if best:
+      emit(name=f"ours decode N{n} best: {best[1]}", ms=round(best[0], 4),
+           tbps=round(2 * n * 32 * 128 * 128 * 4 / best[0] / 1e9, 2))
+
+
+def decode_fla():
+  for n in DECODE_N:
     try:
-      ms = time_fla_decode(n) if fla else None
+      ms = time_fla_decode(n)
     except Exception as e:  # noqa: BLE001
       print("fla decode unavailable:", repr(e)[:300], flush=True)
-      ms = None
-    if ms:
-      emit(name=f"fla decode N{n} H32 K128", ms=round(ms, 4),
-           tbps=round(2 * n * 32 * 128 * 128 * 4 / ms / 1e9, 2))
+      return
+    emit(name=f"fla decode N{n} H32 K128", ms=round(ms, 4),
+         tbps=round(2 * n * 32 * 128 * 128 * 4 / ms / 1e9, 2))
 
 
 def table():

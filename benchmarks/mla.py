@@ -8,15 +8,20 @@ reference. Prints achieved TFLOP/s (useful work: v padding and skipped blocks no
 TB/s of cache traffic, and writes a markdown table (and JSON) under $OUT when set.
 
   PYTHONPATH=. python3 benchmarks/mla.py [--sweep {none,prefill,decode,all}] [--cudnn-mask]
-                                         [--budget SECONDS]
+                                         [--budget SECONDS] [--decode-only]
+
+``--decode-only``: the Triton and Mosaic GPU decode kernels checked against the reference, then
+timed at N = 256, 64, 1 (Mosaic also with 2x and 4x its default split count at N = 256, 64);
+skips what is left after ``--budget`` seconds (default 100 here, to finish within two minutes).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import datetime
+import faulthandler
+import functools
 import os
 import time
 
@@ -99,17 +104,51 @@ def paged(key, lengths, ps=64):
   return cache, jnp.asarray(table), jnp.asarray(lengths, jnp.int32)
 
 
-def check_decode():
+# Decode variants: name -> extra mla_decode arguments for N requests (None: not timed at that N).
+# Split counts above the default shorten the longest program (lengths 1K-64K, one program per SM).
+DECODE_VARIANTS = {
+    "triton": lambda n: {"gpu_kernel": "triton"},
+    "mosaic": lambda n: {"gpu_kernel": "mosaic"},
+    "mosaic 2x splits": lambda n: ({"gpu_kernel": "mosaic", "num_splits": 2 * _mosaic_splits(n)}
+                                   if n > 1 else None),
+    "mosaic 4x splits": lambda n: ({"gpu_kernel": "mosaic", "num_splits": 4 * _mosaic_splits(n)}
+                                   if n > 1 else None),
+}
+
+
+def _mosaic_splits(n):
+  """The Mosaic kernel's default split count at the timed shapes (2 row blocks, 1024 steps)."""
+  return decode._default_splits(n, 2, 65536 // 64, "gpu", decode.MGPU_WAVES)
+
+
+def check_decode(variants=("triton",), lengths=(1000, 4096, 333, 8192, 64)):
+  """Each variant against the float32 XLA reference, N5 ragged lengths, Tn 1 (default splits)
+  and Tn 4 (3 splits). Returns the variants that passed."""
   ks = jax.random.split(jax.random.key(2), 2)
-  cache, table, lens = paged(ks[0], [1000, 4096, 333, 8192, 64])
-  for tn in (1, 4):
-    q = rand(ks[1], (5, tn, 96, R + DR))
-    ref = reference.paged_decode(q.astype(jnp.float32), cache.astype(jnp.float32), table, lens,
-                                 kv_lora_rank=R, scale=SCALE)
-    o = decode.mla_decode(q, cache, table, lens, kv_lora_rank=R, scale=SCALE, backend="gpu")
-    err = rel_err(o, ref)
-    emit({"check": f"decode pallas N5 Tn{tn} H96 ragged", "rel_err": round(err, 5),
-          "ok": err < 2e-2})
+  cache, table, lens = paged(ks[0], lengths)
+  good = []
+  for name in variants:
+    ok = True
+    for tn, splits in ((1, None), (4, 3)):
+      q = rand(ks[1], (5, tn, 96, R + DR))
+      ref = reference.paged_decode(q.astype(jnp.float32), cache.astype(jnp.float32), table, lens,
+                                   kv_lora_rank=R, scale=SCALE)
+      cfg = dict(DECODE_VARIANTS[name](5), num_splits=splits)
+      try:
+        o = jax.jit(functools.partial(decode.mla_decode, kv_lora_rank=R, scale=SCALE,
+                                      backend="gpu", **cfg))(q, cache, table, lens)
+        err = rel_err(o, ref)
+      except Exception as e:  # noqa: BLE001 (report and go on with the other variants)
+        emit({"check": f"decode {name} N5 Tn{tn} H96 ragged", "error": repr(e)[:600],
+              "ok": False})
+        ok = False
+        break
+      emit({"check": f"decode {name} N5 Tn{tn} H96 ragged splits {splits or 'auto'}",
+            "rel_err": round(err, 5), "ok": err < 2e-2})
+      ok = ok and err < 2e-2
+    if ok:
+      good.append(name)
+  return good
 
 
 # --------------------------------------------------------------------------- timing
@@ -165,15 +204,22 @@ def decode_case(n, key):
   return q, cache, table, lens
 
 
-def time_decode(n, cfg, budget, with_xla=True):
+def time_decode(n, cfg, budget, with_xla=True, variants=None, note=""):
+  """Times ``decode.mla_decode`` with ``cfg`` (or each of ``variants``) and, if asked, the XLA
+  reference at N requests; TB/s = cache bytes of the requests' tokens / time."""
   q, cache, table, lens = decode_case(n, jax.random.key(4))
   nbytes = int(np.asarray(lens).sum()) * (R + DR) * 2
-  impls = [("pallas", lambda q, c, t, l: decode.mla_decode(q, c, t, l, kv_lora_rank=R,
-                                                              scale=SCALE, backend="gpu", **cfg))]
+  dec = lambda cfg: (lambda q, c, t, l: decode.mla_decode(q, c, t, l, kv_lora_rank=R, scale=SCALE,
+                                                          backend="gpu", **cfg))
+  if variants is None:
+    impls = [("pallas", dec(cfg))]
+  else:
+    impls = [(v, dec(DECODE_VARIANTS[v](n))) for v in variants
+             if DECODE_VARIANTS[v](n) is not None]
   if with_xla:
     impls.append(("xla", lambda q, c, t, l: reference.paged_decode(q, c, t, l, kv_lora_rank=R,
                                                                     scale=SCALE)))
-  out, rows = {}, {}
+  out = {}
   for impl, f in impls:
     if time.perf_counter() - START > budget:
       emit({"skipped": f"decode {impl} N{n} (time budget)"})
@@ -181,15 +227,15 @@ def time_decode(n, cfg, budget, with_xla=True):
     try:
       ms = timeit(jax.jit(f), q, cache, table, lens, inner=5)
     except Exception as e:  # noqa: BLE001
-      emit({"name": f"decode {impl} N{n}", "error": repr(e)[:300]})
+      emit({"name": f"decode {impl} N{n}", "error": repr(e)[:600]})
       continue
     out[impl] = ms
-    rows[impl] = {"name": f"decode {impl} N{n} H96 Tn1 lengths {int(np.min(lens))}-"
-                          f"{int(np.max(lens))}", "ms": round(ms, 3),
-                  "cache_tbps": round(nbytes / ms / 1e9, 2)}
-    if impl == "xla":
-      rows["pallas"]["xla/this"] = round(ms / out["pallas"], 2)
-    emit(rows[impl])
+    row = {"name": f"decode {impl} N{n} H96 Tn1 lengths {int(np.min(lens))}-{int(np.max(lens))}"
+                   f"{note}",
+           "ms": round(ms, 3), "cache_tbps": round(nbytes / ms / 1e9, 2)}
+    if impl == "xla" and "pallas" in out:
+      row["xla/this"] = round(ms / out["pallas"], 2)
+    emit(row)
 
 
 # --------------------------------------------------------------------------- sweep
@@ -280,14 +326,49 @@ def markdown(blocks, dec_cfg):
   return "\n".join(lines) + "\n"
 
 
+def decode_only(budget):
+  """Per kernel (Triton, then Mosaic GPU): check it, then time its variants at N = 256, 64, 1.
+  A variant that fails its check is still timed (its rows say so); a watchdog ends the process
+  15 s after the budget, so a kernel that hangs on the card costs only what follows it."""
+  faulthandler.dump_traceback_later(budget + 15, exit=True)
+  for kernel in ("triton", "mosaic"):
+    ok = check_decode((kernel,))
+    if any("error" in r for r in ROWS if r.get("check", "").startswith(f"decode {kernel} ")):
+      continue  # it does not build: timing would only repeat the error
+    variants = [v for v in DECODE_VARIANTS if v.split()[0] == kernel]
+    for n in (256, 64, 1):
+      time_decode(n, {}, budget, with_xla=False, variants=variants,
+                  note="" if ok else " (CHECK FAILED)")
+  faulthandler.cancel_dump_traceback_later()
+  lines = ["| decode case | ms | cache TB/s |", "|---|---|---|"]
+  lines += [f"| {r['name']} | {r['ms']} | {r['cache_tbps']} |" for r in ROWS if "cache_tbps" in r]
+  lines += [f"| {r['name']} | error: {r['error'][:200]} | |" for r in ROWS
+            if "error" in r and "name" in r]
+  lines += ["", "Checks: " + "; ".join(
+      f"{r['check']}: {'ok' if r['ok'] else 'FAIL'} {r.get('rel_err', r.get('error', ''))}"
+      for r in ROWS if "check" in r)]
+  md = "\n".join(lines) + "\n"
+  print(md, flush=True)
+  if os.environ.get("OUT"):
+    with open(os.path.join(os.environ["OUT"], "mla_decode.md"), "w") as f:
+      f.write(md)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--sweep", choices=("none", "prefill", "decode", "all"), default="none",
                   help="pick tile sizes first (prefill at B2 T8192 H96, decode at N=256)")
   ap.add_argument("--cudnn-mask", action="store_true", help="also time cuDNN with a dense mask")
-  ap.add_argument("--budget", type=float, default=480.0, help="seconds before skipping the rest")
+  ap.add_argument("--budget", type=float, default=None,
+                  help="seconds before skipping the rest (default 480; 100 with --decode-only)")
+  ap.add_argument("--decode-only", action="store_true",
+                  help="check and time only the decode variants (Triton, Mosaic GPU)")
   args = ap.parse_args()
   print(jax.devices(), flush=True)
+  if args.decode_only:
+    decode_only(args.budget or 100.0)
+    return
+  args.budget = args.budget or 480.0
   check_prefill()
   check_decode()
   blocks, dec_cfg = prefill.GPU_BLOCKS, {}

@@ -127,7 +127,10 @@ class KDA(nnx.Module):
     beta = self.b_proj(x)  # logits [B, T, HV]
     gate_kw = dict(use_qk_l2norm=True, A_log=self.A_log[...], dt_bias=self.dt_bias[...],
                    gate=k.gate, lower_bound=k.gate_lower_bound, beta_is_logit=True)
-    if valid is not None:  # padding: no decay (g = 0) and no write (beta = 0)
+    if valid is not None and cache is not None:
+      # Padding must leave the carried state alone: no decay (g = 0), no write (beta = 0). Without
+      # a cache nothing reads the state past the padding (a document restarts it), so training
+      # keeps the gate and beta fused into the kernel (the bounded-gate fast path).
       g = kda_ops.kda_gate(f, self.A_log[...], self.dt_bias[...], k.gate, k.gate_lower_bound)
       f = jnp.where(valid[..., None, None], g, 0.0)
       beta = jnp.where(valid[..., None], jax.nn.sigmoid(beta.astype(jnp.float32)), 0.0)

@@ -58,3 +58,25 @@ def test_decode_rejects_bad_state():
   with pytest.raises(ValueError, match="float32"):
     kda_decode(x, x, x, x, jnp.ones((2, 1, 1)), jnp.ones((2, 1, 16, 16), jnp.bfloat16),
                implementation="pallas_gpu")
+
+
+@pytest.mark.parametrize("block_v,num_warps,dot_reduce", [(32, 4, False), (128, 8, False),
+                                                         (64, 4, True)])
+def test_decode_gpu_tiles(block_v, num_warps, dot_reduce):
+  """The variants the benchmark sweeps: 4 V tiles of 32, one of 128, the K reductions as one
+  matrix-unit product."""
+  n, tn, h, kd, vd = 2, 2, 1, 32, 128
+  r = np.random.default_rng(block_v)
+  f = lambda *s: r.standard_normal(s).astype(np.float32)
+  q, k, v, g, beta = f(n, tn, h, kd), f(n, tn, h, kd), f(n, tn, h, vd), f(n, tn, h, kd), f(n, tn, h)
+  pool, A_log, dt_bias = f(3, h, kd, vd), 0.5 * f(h), 0.5 * f(h * kd)
+  slots = np.array([2, 0], np.int32)
+  o, new_pool = decode._decode_gpu(
+      *(jnp.asarray(x) for x in (q, k, v, g, beta, pool)), jnp.asarray(slots), scale=0.3,
+      use_qk_l2norm=True, A_log=jnp.asarray(A_log), dt_bias=jnp.asarray(dt_bias),
+      gate="bounded", lower_bound=-5.0, beta_is_logit=True, block_v=block_v,
+      num_warps=num_warps, dot_reduce=dot_reduce)
+  o_np, pool_np = np_decode(q, k, v, g, beta, pool, slots, scale=0.3, l2=True, gate="bounded",
+                            A_log=A_log, dt_bias=dt_bias, lb=-5.0, logit=True)
+  np.testing.assert_allclose(o, o_np, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(new_pool, pool_np, rtol=1e-5, atol=1e-5)

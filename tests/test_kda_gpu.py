@@ -34,6 +34,10 @@ CASES = [
     # the dense (bounded-gate) path at the production chunk: 4 row blocks, two K slices
     ("bounded_chunk64_K128_T100", 100, 1, 2, 128, 32, 64, "bounded", True, (30, 64, 65)),
     ("bounded_chunk64_K64_T1", 1, 1, 1, 64, 16, 64, "bounded", True, ()),
+    # the dense path's split kernels at a single 16-row block (T < 16) and with grouped heads,
+    # segments and a partial last chunk at chunk 32
+    ("bounded_chunk16_T9_segments", 9, 1, 1, 32, 16, 16, "bounded", True, (4,)),
+    ("bounded_chunk32_grouped_T45", 45, 1, 2, 64, 16, 32, "bounded", True, (1, 31, 32)),
 ]
 
 
@@ -127,5 +131,6 @@ def test_dense_path_lowers_for_cuda(monkeypatch):
   args = tuple(bf(n) for n in ORDER[:5])
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(
       lowering_platforms=("cuda",)).as_text()
-  for name in ("kda_chunk_prep", "kda_chunk_prep_bwd", "kda_fwd_recurrence", "kda_bwd_recurrence"):
+  for name in ("kda_chunk_a", "kda_chunk_wu", "kda_chunk_dwy", "kda_chunk_dqkg",
+               "kda_fwd_recurrence", "kda_bwd_recurrence"):
     assert name in text, f"{name} is not a Triton call of the lowered module"

@@ -135,9 +135,11 @@ def test_padded_cudnn_path_and_fast_forward_gradients():
     np.testing.assert_allclose(np.asarray(g), w, rtol=2e-4, atol=2e-4, err_msg=name)
 
 
-def _paged(seed, n, tn, h, r, dr, ps):
+def _paged(seed, n, tn, h, r, dr, ps, lengths=(37, None, 64)):
+  """Random q, cache, a shuffled table of 4 disjoint pages per request and ``lengths``
+  (None = tn + 2)."""
   rng = np.random.default_rng(seed)
-  lengths = np.array([37, tn + 2, 64][:n])
+  lengths = np.array([tn + 2 if x is None else x for x in lengths][:n])
   pages = 12
   table = rng.permutation(pages)[:n * 4].reshape(n, 4).astype(np.int32)  # shuffled, disjoint
   cache = rng.normal(size=(pages, ps, r + dr)).astype(np.float32)
@@ -153,6 +155,37 @@ def test_decode_gpu_ragged_paged(tn, splits):
                           num_splits=splits, block_rows=16, step_tokens=16)
   np.testing.assert_allclose(np.asarray(got), np_paged_decode(q, cache, table, lengths, 32, 0.25),
                              rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tn,h,splits", [(1, 16, 2), (3, 24, None)])
+def test_decode_gpu_mosaic_ragged_paged(tn, h, splits):
+  """The Mosaic GPU kernel in GPU interpret mode (bf16): 1-4 steps of 64 tokens per request,
+  rows (tn * h) in one or two 64-row programs, split-K with an empty split (splits=2: the
+  37-token request's second split has no step)."""
+  q, cache, table, lengths = _paged(11 + tn, 3, tn, h, 128, 64, 64, lengths=(37, 200, 130))
+  q, cache = jnp.asarray(q, jnp.bfloat16), jnp.asarray(cache, jnp.bfloat16)
+  got = decode.mla_decode(q, cache, jnp.asarray(table), jnp.asarray(lengths), kv_lora_rank=128,
+                          scale=0.1, backend="gpu", gpu_kernel="mosaic", num_splits=splits)
+  want = np_paged_decode(np.asarray(q, np.float32), np.asarray(cache, np.float32), table,
+                         lengths, 128, 0.1)
+  np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2)
+  assert np.linalg.norm(np.asarray(got, np.float32) - want) < 5e-3 * np.linalg.norm(want)
+
+
+def test_decode_mosaic_lowers_for_cuda_and_checks_inputs():
+  sds = jax.ShapeDtypeStruct
+  bf16 = jnp.bfloat16
+  dec = lambda q, c, t, l: decode.mla_decode(q, c, t, l, kv_lora_rank=512, scale=192 ** -0.5,
+                                             backend="gpu", gpu_kernel="mosaic", interpret=False)
+  args = (sds((4, 2, 96, 576), bf16), sds((64, 64, 576), bf16), sds((4, 16), jnp.int32),
+          sds((4,), jnp.int32))
+  with _lowering_context("cuda"):
+    text = jax.jit(dec).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+  with pytest.raises(ValueError, match="mosaic"):
+    decode.mla_decode(jnp.zeros((1, 1, 2, 192)), jnp.zeros((4, 64, 192)),
+                      jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32), kv_lora_rank=128,
+                      scale=1.0, backend="gpu", gpu_kernel="mosaic")
 
 
 def test_decode_tpu_ragged_paged():

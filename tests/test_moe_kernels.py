@@ -192,3 +192,65 @@ def test_tpu_lowering(monkeypatch):
 def test_cuda_lowering(monkeypatch):
   monkeypatch.setattr(gpu, "default_backend", lambda: "gpu")  # the compiled kernels, not interpret
   assert "mosaic_gpu" in _lower("gpu", "cuda")
+
+
+def test_row_tiles_match_python_loop():
+  """The row-tile table against a plain loop over groups: empty groups, groups smaller than a
+  tile, unaligned group starts and rows past the sum (the zero pseudo-group)."""
+  sizes = [0, 150, 3, 0, 33, 1, 260, 0]
+  m = 600  # sum 447: rows [447, 600) form the pseudo-group
+  for block_m in (64, 128):
+    table, count = gpu.row_tiles(jnp.asarray(sizes, jnp.int32), m, block_m)
+    expect, start = [], 0
+    for g, size in enumerate(sizes + [m - sum(sizes)]):
+      first = start // 8 * 8
+      r0 = first
+      while size and r0 < start + size:  # an empty group has no tiles
+        lo = max(r0, start)
+        expect.append([min(g, len(sizes) - 1), r0, lo - r0, min(r0 + block_m, start + size) - lo,
+                       int(g == len(sizes))])
+        r0 += block_m
+      start += size
+    assert int(count[0]) == len(expect)
+    assert np.asarray(table)[:, :len(expect)].T.tolist() == expect
+
+
+TILINGS = [gpu.Tiles(block_m=128, band=3), gpu.Tiles(block_m=64, block_k=32, steps=3),
+           gpu.Tiles(block_m=128, block_n=64, consumers=2, steps=3, band=2)]
+
+
+@pytest.mark.parametrize("tiles", TILINGS, ids=["m128-band3", "m64-k32", "two-consumers"])
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["fwd", "dlhs"])
+def test_gmm_gpu_tilings_match_numpy(tiles, transpose_rhs):
+  """Per-item (interpret) form of other tilings, forward and with rhs read transposed."""
+  sizes = (0, 150, 3, 0, 33, 1)
+  m, k, n = 208, 128, 128
+  x, w = operands(4, m, k, n, len(sizes))
+  rhs = jnp.swapaxes(w, 1, 2) if transpose_rhs else w
+  out = gpu.gmm(x, rhs, jnp.asarray(sizes, jnp.int32), transpose_rhs=transpose_rhs, config=tiles)
+  ref = np_gmm(x, w, sizes)[0]
+  assert rel(out, ref) < 1e-2
+  assert np.all(np.asarray(out[sum(sizes):], np.float32) == 0)
+
+
+def test_default_tiles_fit_and_divide():
+  for m, e, k, n in [(32768, 64, 2048, 1024), (65536, 32, 3584, 6144), (32768, 8, 1024, 512),
+                     (4096, 256, 448, 192)]:
+    tiles = gpu.default_tiles(m, e, k, n)
+    tiles.check(k, n)
+    assert tiles.block_m == (64 if m < 128 * e else 128)
+  with pytest.raises(ValueError, match="does not divide"):
+    gpu.Tiles(consumers=2).check(512, 384)
+
+
+@pytest.mark.parametrize("tiles", [gpu.Tiles(band=8), gpu.Tiles(consumers=2, steps=3, band=4),
+                                   gpu.Tiles(block_k=128, steps=3)],
+                         ids=["band8", "two-consumers", "k128"])
+def test_cuda_lowering_of_tilings(monkeypatch, tiles):
+  monkeypatch.setattr(gpu, "default_backend", lambda: "gpu")  # the persistent kernels
+  x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((4, 512, 512), jnp.bfloat16)
+  gs = jax.ShapeDtypeStruct((4,), jnp.int32)
+  for transpose_rhs in (False, True):
+    f = lambda x, w, gs: gpu.gmm(x, w, gs, transpose_rhs=transpose_rhs, config=tiles)  # noqa: E731
+    assert "mosaic_gpu" in jax.jit(f).trace(x, w, gs).lower(lowering_platforms=("cuda",)).as_text()

@@ -5,22 +5,24 @@ state ``[B, HV, K, V]`` float32; ``HV`` a multiple of ``H``.
 
 The work is split the way it parallelises (SPEC section 2, chunks of C tokens):
 
-1. The chunk-local kernel (one program per (chunk, batch*value head), fully parallel): the
-   optional fused pre-processing (L2 norm, gate from ``f, A_log, dt_bias``, beta sigmoid), the
-   in-chunk cumulative decay ``G``, the gated pair products, ``(I + A_kk)^-1`` and the factors
+1. Chunk-local work (parallel over (chunk, batch*value head)): the optional fused
+   pre-processing (L2 norm, gate from ``f, A_log, dt_bias``, beta sigmoid), the in-chunk
+   cumulative decay ``G``, the gated pair products, ``(I + A_kk)^-1`` and the factors
    ``W, U, QG = scale q e^G, A_qk, KD = k e^{G_C - G}, gC = e^{G_C}``. Segment restarts are
    folded in as masks, so the sequential pass has no branches. Two versions with the same
-   inputs and outputs: ``_dense_kernel`` (bounded gate, section 1b: the chunk as full [C, C] and
-   [C, K-slice] tiles, every product a full matrix-unit product) and ``_prep_kernel`` (any gate,
-   section 1: 16-row tiles, diagonal tiles pair by pair when the gate is unbounded).
+   results: the bounded gate's dense path (section 1b: the chunk as full [C, C] and
+   [C, K-slice] tiles, every product a full matrix-unit product, split into the short kernels
+   ``kda_chunk_a`` and ``kda_chunk_wu`` with intermediates in HBM) and ``_prep_kernel`` (any
+   gate, section 1: 16-row tiles, diagonal tiles pair by pair when the gate is unbounded).
 2. ``_fwd_kernel`` (grid (B*HV, V tiles), sequential over chunks): the state tile ``S [K, BV]``
    stays in registers; per chunk ``V' = U - W S``, ``O = QG S + A_qk V'``,
    ``S = gC * S + KD^T V'``.
-3. Backward: ``_fwd_kernel`` again, storing the chunk states and V'; ``_bwd_kernel`` carries
-   ``dS`` backwards and writes ``dV'`` and the state gradients; ``_dense_bwd_kernel`` /
-   ``_prep_bwd_kernel`` (parallel over chunks) recompute step 1 and return the gradients of the
-   pre-processed inputs; the pre-processing VJP is XLA. Nothing is stored between the passes but
-   the inputs.
+3. Backward: step 1 again (the dense path keeping ``P_kk``, ``k e^G`` and the inverse),
+   ``_fwd_kernel`` storing the chunk states and V'; ``_bwd_kernel`` carries ``dS`` backwards and
+   writes ``dV'`` and the state gradients; then, parallel over chunks, the gradients of the
+   pre-processed inputs (dense path: ``kda_chunk_dwy`` for the WY factors, ``kda_chunk_dqkg``
+   per K slice for dq, dk, dg; other gates: ``_prep_bwd_kernel``); the pre-processing VJP is
+   XLA. Nothing is stored between the forward and backward passes but the inputs.
 
 Sub-tile gating: a pair product ``sum_d a_id b_jd exp(G_id - G_jd)`` (i >= j) is split at the
 start ``r`` of the row tile: ``(a e^{G - r}) (b e^{r - G})^T``. Off-diagonal tiles have both
@@ -386,19 +388,35 @@ def _prep_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, alog_ref, dtb_ref, se
 # block): rows of block I take ``a e^{G - r_I}`` (<= 1), columns up to block I take
 # ``b e^{r_I - G}`` (<= 1 before the block, <= e^{-16 lower_bound} inside it), so a [C, C]
 # product is the sum of C/16 full products whose left operand is masked to one row block.
+#
+# The work is split into short kernels with their intermediates in HBM, so that no program
+# holds more than a few [C, C] / [C, BK] float32 tiles and many programs are in flight:
+#   forward  ``kda_chunk_a``    gate, cumsum, P_kk [C, C] (strict, float32), KD, KG = k e^G,
+#                               gC; and on a second program per chunk A_qk, QG;
+#            ``kda_chunk_wu``   X = (I + diag(beta) P_kk)^-1 (float32, kept for the backward),
+#                               W = X diag(beta) KG, U = X diag(beta) v;
+#   backward ``kda_chunk_dwy``  the WY part: dP_kk, dP_qk [C, C], dY = X^T dW [C, K], dv, dbeta;
+#            ``kda_chunk_dqkg`` one program per ``DQKG_SLICE_K``-wide K slice: dq, dk, dg from
+#                               the pair products, the states and dY.
+# ptxas (sm_90a, triton 3.5.1 wheel, B1 T256 H2 K128) at the default warps: kda_chunk_a 200
+# registers at 8 warps and kda_chunk_wu 234 at 4, no spills; kda_chunk_dwy 160 B of spills at 8
+# warps (232 B at 4); kda_chunk_dqkg 136 B at 8 warps with 32-wide slices (1.3 KB with 64-wide
+# ones); no serialised wgmma (the single kernels had 816 B / 4.4 KB and serialised wgmma).
 
 SLICE_K = 64  # K channels per slice of the dense path
 
 
 class _Dense:
-  """The per-token values of one chunk as [C] / [C, BK] tiles (trace-time helper)."""
+  """The per-token values of one chunk as [C] / [C, BK] tiles (trace-time helper). ``refs``
+  are (q, k, g, beta, A_log, dt_bias, seg); q, k, g, A_log, dt_bias may be None for kernels
+  that only need beta and the segment masks."""
 
-  def __init__(self, cfg, refs, b, h, hq, c0, t, kd):
+  def __init__(self, cfg, refs, b, h, hq, c0, t, kd, slice_k=SLICE_K):
     q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref = refs
     f32 = jnp.float32
     c = cfg.chunk
     self.cfg, self.refs, self.b, self.h, self.hq, self.c0, self.t = cfg, refs, b, h, hq, c0, t
-    self.bk = min(kd, SLICE_K)
+    self.bk = min(kd, slice_k)
     self.ns = kd // self.bk
     self.rows = pl.ds(c0, c)
     self.rid = jnp.arange(c)[:, None]
@@ -418,7 +436,7 @@ class _Dense:
     self.incl = same & (self.rid >= cid)
     self.strict = same & (self.rid > cid)
     self.rq = self.rk = None
-    if cfg.use_qk_l2norm:
+    if cfg.use_qk_l2norm and q_ref is not None:
       sq = sk = jnp.zeros((c, 1), f32)
       for s in range(self.ns):
         q, k = self._qk(s)
@@ -426,22 +444,24 @@ class _Dense:
         sk = sk + jnp.sum(k * k, axis=1, keepdims=True)
       self.rq, self.rk = jax.lax.rsqrt(sq + L2_EPS), jax.lax.rsqrt(sk + L2_EPS)
 
+  def cols(self, s):
+    """K channels of slice s (static or traced)."""
+    return pl.ds(s * self.bk, self.bk)
+
   def _qk(self, s):
     q_ref, k_ref = self.refs[:2]
-    cols = pl.ds(s * self.bk, self.bk)
-    return (q_ref[self.b, self.rows, self.hq, cols].astype(jnp.float32),
-            k_ref[self.b, self.rows, self.hq, cols].astype(jnp.float32))
+    return (q_ref[self.b, self.rows, self.hq, self.cols(s)].astype(jnp.float32),
+            k_ref[self.b, self.rows, self.hq, self.cols(s)].astype(jnp.float32))
 
   def slice(self, s):
     """q, k (normalised if fused), G (cumulative log decay from the chunk start): [C, BK]."""
     cfg, (_, _, g_ref, _, alog_ref, dtb_ref, _) = self.cfg, self.refs
-    cols = pl.ds(s * self.bk, self.bk)
     q, k = self._qk(s)
     if self.rq is not None:
       q, k = q * self.rq, k * self.rk
-    g = g_ref[self.b, self.rows, self.h, cols].astype(jnp.float32)
+    g = g_ref[self.b, self.rows, self.h, self.cols(s)].astype(jnp.float32)
     if cfg.gate is not None:
-      x = g + dtb_ref[self.h, cols][None, :]
+      x = g + dtb_ref[self.h, self.cols(s)][None, :]
       e = jnp.exp(alog_ref[self.h])
       g = (cfg.lower_bound * jax.nn.sigmoid(e * x) if cfg.gate == "bounded"
            else -e * jax.nn.softplus(x))
@@ -453,18 +473,22 @@ class _Dense:
     return jnp.sum(jnp.where(self.rid == i, x, 0.0), axis=0)
 
   def blocks(self, G):
-    """Per 16-row block I: (row mask [C, 1], column factor e^{r_I - G} [C, BK] zeroed after
-    block I); and e^{G - r} [C, BK] with each row's own block reference."""
-    out = []
+    """e^{G - r} [C, BK] with each row's own 16-row block reference, and per block I a
+    function returning (row mask [C, 1], column factor e^{r_I - G} [C, BK] zeroed after
+    block I); the column factors are formed one at a time, where they are used."""
+    refs = [jnp.zeros((G.shape[1],), G.dtype)] + [self.row(G, i * SUB - 1)
+                                                  for i in range(1, self.cfg.chunk // SUB)]
     ref_rows = jnp.zeros_like(G)
-    for i in range(self.cfg.chunk // SUB):
-      r = jnp.zeros((G.shape[1],), G.dtype) if i == 0 else self.row(G, i * SUB - 1)
+    for i, r in enumerate(refs):
+      ref_rows = jnp.where(self.rid >= i * SUB, r[None, :], ref_rows)
+
+    def block(i):
       rows = (self.rid >= i * SUB) & (self.rid < (i + 1) * SUB)
-      ref_rows = jnp.where(rows, r[None, :], ref_rows)
-      col = jnp.where(self.rid < (i + 1) * SUB, jnp.exp(jnp.minimum(r[None, :] - G, _MAX_EXP)),
-                      0.0)
-      out.append((rows, col))
-    return out, jnp.exp(G - ref_rows)
+      col = jnp.where(self.rid < (i + 1) * SUB,
+                      jnp.exp(jnp.minimum(refs[i][None, :] - G, _MAX_EXP)), 0.0)
+      return rows, col
+
+    return [functools.partial(block, i) for i in range(len(refs))], jnp.exp(G - ref_rows)
 
 
 def _dense_inverse(a, c):
@@ -493,170 +517,285 @@ def _dense_inverse(a, c):
   return mm(x, inv)
 
 
-def _dense_setup(ch, with_qk):
-  """Masked ``P_kk`` (and the scaled ``A_qk`` if ``with_qk``) [C, C] of one chunk (products
-  in ``cfg.dtype``) and the inverse of ``I + diag(beta) P_kk``."""
-  c = ch.cfg.chunk
-  mm = functools.partial(_mm, dt=jnp.dtype(ch.cfg.dtype))
-  pkk = jnp.zeros((c, c), jnp.float32)
-  pqk = jnp.zeros((c, c), jnp.float32) if with_qk else None
-  for s in range(ch.ns):
-    q, k, G = ch.slice(s)
-    blocks, e_row = ch.blocks(G)
-    lk, lq = k * e_row, q * e_row
-    for rows, col in blocks:
-      rk = k * col
-      pkk = pkk + mm(jnp.where(rows, lk, 0.0), rk, tb=True)
-      if with_qk:
-        pqk = pqk + mm(jnp.where(rows, lq, 0.0), rk, tb=True)
-  pkk = jnp.where(ch.strict, pkk, 0.0)
-  aqk = jnp.where(ch.incl, ch.cfg.scale * pqk, 0.0) if with_qk else None
-  return pkk, aqk, _dense_inverse(ch.beta[:, None] * pkk, c)
-
-
-def _dense_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
-                  w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, *, cfg, hv, group, t):
-  """Dense-path twin of :func:`_prep_kernel` (same outputs)."""
+def _ids(hv):
+  """(chunk, batch, value head) of a program on a (NC, B*HV, ...) grid."""
   ci, bh = pl.program_id(0), pl.program_id(1)
-  b, h = bh // hv, bh % hv
-  c0 = ci * cfg.chunk
-  kdim, vd = q_ref.shape[-1], v_ref.shape[-1]
+  return ci, bh // hv, bh % hv
+
+
+def _dense_a_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
+                    pkk_ref, a_ref, qg_ref, kd_ref, kg_ref, gc_ref, *, cfg, hv, group, t):
+  """Grid (NC, B*HV, 2): program 0 of the last axis writes pkk ``[B, Tp, HV, C]`` float32
+  (strict, same segment, no beta), KD, KG ``[B, Tp, HV, K]`` (``cfg.dtype``) and gC
+  ``[B, NC, HV, K]`` float32; program 1 writes A_qk ``[B, Tp, HV, C]`` and QG (one [C, C]
+  accumulator per program)."""
+  ci, b, h = _ids(hv)
+  c = cfg.chunk
   dt = jnp.dtype(cfg.dtype)
   ch = _Dense(cfg, (q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref), b, h,
-              h // group, c0, t, kdim)
+              h // group, ci * c, t, q_ref.shape[-1])
   mm = functools.partial(_mm, dt=dt)
-  _, aqk, x = _dense_setup(ch, True)
-  a_ref[b, ch.rows, h, :] = aqk.astype(dt)
-  rows, bk = ch.rows, ch.bk
-  for s in range(ch.ns):
-    cols = pl.ds(s * bk, bk)
-    q, k, G = ch.slice(s)
-    eg = jnp.exp(G)
-    gl = ch.row(G, cfg.chunk - 1)
-    qg_ref[b, rows, h, cols] = (cfg.scale * ch.cont[:, None] * q * eg).astype(dt)
-    kd_ref[b, rows, h, cols] = (ch.last[:, None] * k * jnp.exp(gl[None, :] - G)).astype(dt)
-    gc_ref[b, ci, h, cols] = ch.cont_last * jnp.exp(gl)
-    w = mm(x, ch.beta[:, None] * eg * k)
-    w_ref[b, rows, h, cols] = (ch.cont[:, None] * w).astype(w_ref.dtype)
-  for s in range(vd // min(vd, SLICE_K)):
-    cols = pl.ds(s * min(vd, SLICE_K), min(vd, SLICE_K))
-    z = ch.beta[:, None] * v_ref[b, rows, h, cols].astype(jnp.float32)
-    u_ref[b, rows, h, cols] = mm(x, z).astype(u_ref.dtype)
+  rows = ch.rows
+
+  def pairs(with_q):
+    """The pair products of k (or q, if ``with_q``) with k: [C, C], and per slice the
+    factors written next to them."""
+    acc = jnp.zeros((c, c), jnp.float32)
+    for s in range(ch.ns):
+      cols = ch.cols(s)
+      q, k, G = ch.slice(s)
+      blocks, e_row = ch.blocks(G)
+      la = (q if with_q else k) * e_row
+      for block in blocks:
+        rws, col = block()
+        acc = acc + mm(jnp.where(rws, la, 0.0), k * col, tb=True)
+      eg = jnp.exp(G)
+      if with_q:
+        qg_ref[b, rows, h, cols] = (cfg.scale * ch.cont[:, None] * q * eg).astype(dt)
+      else:
+        gl = ch.row(G, c - 1)
+        kd_ref[b, rows, h, cols] = (ch.last[:, None] * k * jnp.exp(gl[None, :] - G)).astype(dt)
+        kg_ref[b, rows, h, cols] = (eg * k).astype(dt)
+        gc_ref[b, ci, h, cols] = ch.cont_last * jnp.exp(gl)
+    return acc
+
+  @pl.when(pl.program_id(2) == 0)
+  def _():
+    pkk_ref[b, rows, h, :] = jnp.where(ch.strict, pairs(False), 0.0)
+
+  @pl.when(pl.program_id(2) == 1)
+  def _():
+    a_ref[b, rows, h, :] = jnp.where(ch.incl, cfg.scale * pairs(True), 0.0).astype(dt)
 
 
-def _dense_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
-                      h_ref, dh_ref, vn_ref, dvn_ref, do_ref,
-                      dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, cfg, hv, group, t):
-  """Dense-path twin of :func:`_prep_bwd_kernel` (same inputs and outputs)."""
-  ci, bh = pl.program_id(0), pl.program_id(1)
-  b, h = bh // hv, bh % hv
-  c0 = ci * cfg.chunk
-  kdim = q_ref.shape[-1]
-  f32 = jnp.float32
-  mm, mmx = _mm, functools.partial(_mm, precision=_X3)  # float32 (TF32) / three bf16 passes
-  ch = _Dense(cfg, (q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref), b, h,
-              h // group, c0, t, kdim)
-  rows, bk, beta = ch.rows, ch.bk, ch.beta[:, None]
-  ld = lambda ref: ref[b, rows, h, :].astype(f32)
-  state = lambda ref, s: ref[b, ci, h, pl.ds(s * bk, bk), :]
-  pkk, _, x = _dense_setup(ch, False)
-  # WY factors W = X Y, U = X Z: dX = dW Y^T + dU Z^T, dY = X^T dW, dZ = X^T dU
-  v = ld(v_ref)
-  dx = mm(ld(dvn_ref), beta * v, tb=True)
-  dz = mm(x, ld(dvn_ref), ta=True)
-  dbeta = jnp.sum(dz * v, axis=1)
-  dy = []
-  for s in range(ch.ns):
-    _, k, G = ch.slice(s)
-    dw = -ch.cont[:, None] * mm(ld(dvn_ref), state(h_ref, s), tb=True)
-    dx = dx + mm(dw, beta * jnp.exp(G) * k, tb=True)
-    dy.append(mm(x, dw, ta=True))
-  # dA_kk = -X^T dX X^T on the strictly lower same-segment pairs (upper parts of dX drop out)
-  da = jnp.where(ch.strict, -mm(mm(x, dx, ta=True), x, tb=True), 0.0)
-  dbeta = dbeta + jnp.sum(da * pkk, axis=1)
-  dpkk = beta * da
-  dpqk = jnp.where(ch.incl, cfg.scale * mm(ld(do_ref), ld(vn_ref), tb=True), 0.0)
-  for s in range(ch.ns):
-    cols = pl.ds(s * bk, bk)
-    q, k, G = ch.slice(s)
-    eg = jnp.exp(G)
-    gl = ch.row(G, cfg.chunk - 1)
-    dbeta = dbeta + jnp.sum(dy[s] * eg * k, axis=1)
-    dk = beta * eg * dy[s]
-    dG = dy[s] * beta * eg * k
-    st, dst = state(h_ref, s), state(dh_ref, s)
-    dqg = mm(ld(do_ref), st, tb=True)
-    dq = cfg.scale * ch.cont[:, None] * eg * dqg
-    dG = dG + q * dq
-    dec = ch.last[:, None] * jnp.exp(gl[None, :] - G)
-    dkd = dec * mm(ld(vn_ref), dst, tb=True)
-    dk = dk + dkd
-    dG = dG - k * dkd
-    dgl = ch.cont_last * jnp.exp(gl) * jnp.sum(st * dst, axis=1) + jnp.sum(k * dkd, axis=0)
-    # pair products P_kk (gradient dpkk) and P_qk (dpqk), both with k on the column side; the
-    # gate gradient is a small difference of their large terms: three-pass products
-    blocks, e_row = ch.blocks(G)
-    lk, lq = k * e_row, q * e_row
-    dak = daq = db = jnp.zeros_like(k)
-    for rws, col in blocks:
-      rk = k * col
-      pk, pq = jnp.where(rws, dpkk, 0.0), jnp.where(rws, dpqk, 0.0)
-      dak = dak + mmx(pk, rk)
-      daq = daq + mmx(pq, rk)
-      db = db + col * (mmx(pk, lk, ta=True) + mmx(pq, lq, ta=True))
-    dak, daq = dak * e_row, daq * e_row
-    dk = dk + dak + db
-    dq = dq + daq
-    dG = dG + k * (dak - db) + q * daq
-    # G = cumsum(g): dg_i = sum_{t >= i} dG_t, plus dG at the chunk end for every row
-    dg = dgl[None, :] + jnp.sum(dG, axis=0)[None, :] - jnp.cumsum(dG, axis=0) + dG
-    dq_ref[b, rows, h, cols] = dq
-    dk_ref[b, rows, h, cols] = dk
-    dg_ref[b, rows, h, cols] = dg
-  dv_ref[b, rows, h, :] = beta * dz
-  dbeta_ref[b, rows, h] = dbeta
-
-
-def _prepare(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t):
-  """Chunk-local factors: w, qg, kd ``[B, Tp, HV, K]``, u ``[B, Tp, HV, V]``, aqk
-  ``[B, Tp, HV, C]`` (``cfg.dtype``) and gc ``[B, NC, HV, K]`` float32. Inputs padded to Tp; the
-  first ``t`` tokens are real."""
-  bsz, tp, h, kd = q.shape
-  hv, vd = v.shape[2], v.shape[3]
-  c, nc = cfg.chunk, tp // cfg.chunk
+def _dense_wu_kernel(pkk_ref, kg_ref, v_ref, beta_ref, seg_ref, w_ref, u_ref, *x_ref, cfg, hv,
+                     t):
+  """X = (I + diag(beta) pkk)^-1 (written to ``x_ref`` [B, Tp, HV, C] float32 if given),
+  W = cont * X diag(beta) KG ``[B, Tp, HV, K]``, U = X diag(beta) v ``[B, Tp, HV, V]``."""
+  ci, b, h = _ids(hv)
+  c = cfg.chunk
   dt = jnp.dtype(cfg.dtype)
-  kern = functools.partial(_dense_kernel if cfg.dense_diag else _prep_kernel, cfg=cfg, hv=hv,
-                           group=hv // h, t=t)
-  warps = (DENSE_WARPS if cfg.dense_diag else PREP_WARPS)[0]
-  return pl.pallas_call(
-      kern, grid=(nc, bsz * hv), compiler_params=_params(warps, 1),
-      interpret=_interpret(),
-      out_shape=[jax.ShapeDtypeStruct((bsz, tp, hv, kd), dt),
-                 jax.ShapeDtypeStruct((bsz, tp, hv, vd), dt),
-                 jax.ShapeDtypeStruct((bsz, tp, hv, kd), dt),
-                 jax.ShapeDtypeStruct((bsz, tp, hv, c), dt),
-                 jax.ShapeDtypeStruct((bsz, tp, hv, kd), dt),
-                 jax.ShapeDtypeStruct((bsz, nc, hv, kd), jnp.float32)],
-      name="kda_chunk_prep")(q, k, v, g, beta, A_log, dt_bias, seg)
+  kdim, vd = kg_ref.shape[-1], v_ref.shape[-1]
+  ch = _Dense(cfg, (None, None, None, beta_ref, None, None, seg_ref), b, h, h, ci * c, t, kdim)
+  rows = ch.rows
+  x = _dense_inverse(ch.beta[:, None] * pkk_ref[b, rows, h, :], c)
+  if x_ref:
+    x_ref[0][b, rows, h, :] = x
+  xb = x * ch.beta[None, :]
+  mm = functools.partial(_mm, dt=dt)
+  for s in range(ch.ns):
+    cols = ch.cols(s)
+    w = mm(xb, kg_ref[b, rows, h, cols].astype(jnp.float32))
+    w_ref[b, rows, h, cols] = (ch.cont[:, None] * w).astype(w_ref.dtype)
+  bv = min(vd, SLICE_K)
+  for s in range(vd // bv):
+    cols = pl.ds(s * bv, bv)
+    u_ref[b, rows, h, cols] = mm(xb, v_ref[b, rows, h, cols].astype(jnp.float32)).astype(
+        u_ref.dtype)
 
 
-def _prepare_bwd(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, dvn, do, t):
+def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, dvn_ref, do_ref,
+                      vn_ref, dpkk_ref, dpqk_ref, dy_ref, dv_ref, dbeta_ref, *, cfg, hv, t):
+  """The WY part of the backward: with W = X Y, U = X Z (Y = diag(beta) KG, Z = diag(beta) v),
+  dW = -cont dV' S^T and dU = dV': dX = dW Y^T + dU Z^T, dY = X^T dW, dZ = X^T dU and
+  dA_kk = -X^T dX X^T (strictly lower same-segment pairs). Writes dpkk = beta dA_kk and
+  dpqk = mask(scale dO V'^T) ``[B, Tp, HV, C]``, dY ``[B, Tp, HV, K]``, dv and the whole dbeta."""
+  ci, b, h = _ids(hv)
+  c = cfg.chunk
+  f32 = jnp.float32
+  mm = _mm  # float32 (TF32 on the matrix units)
+  ch = _Dense(cfg, (None, None, None, beta_ref, None, None, seg_ref), b, h, h, ci * c, t,
+              kg_ref.shape[-1])
+  rows, beta = ch.rows, ch.beta[:, None]
+  ld = lambda ref: ref[b, rows, h, :].astype(f32)
+  x, dvn = ld(x_ref), ld(dvn_ref)
+  dz = mm(x, dvn, ta=True)
+  v = ld(v_ref)
+  dbeta = jnp.sum(dz * v, axis=1)
+  dv_ref[b, rows, h, :] = beta * dz
+  dx = mm(dvn, beta * v, tb=True)
+  for s in range(ch.ns):
+    cols = ch.cols(s)
+    kg = kg_ref[b, rows, h, cols].astype(f32)
+    dw = -ch.cont[:, None] * mm(dvn, h_ref[b, ci, h, cols, :], tb=True)
+    dx = dx + mm(dw, beta * kg, tb=True)
+    dy = mm(x, dw, ta=True)
+    dbeta = dbeta + jnp.sum(dy * kg, axis=1)
+    dy_ref[b, rows, h, cols] = dy
+  da = jnp.where(ch.strict, -mm(mm(x, dx, ta=True), x, tb=True), 0.0)
+  dbeta_ref[b, rows, h] = dbeta + jnp.sum(da * ld(pkk_ref), axis=1)
+  dpkk_ref[b, rows, h, :] = beta * da
+  dpqk_ref[b, rows, h, :] = jnp.where(ch.incl, cfg.scale * mm(ld(do_ref), ld(vn_ref), tb=True),
+                                      0.0)
+
+
+# Matrix-unit algorithms of the pair-product gradients in ``kda_chunk_dqkg``, ((P_qk: d q, d k),
+# (P_kk: d k_row, d k_col)). The gate gradient takes small differences of their large terms;
+# for P_qk's both need ~16 mantissa bits (three bf16 passes), P_kk's do not: CPU emulation of
+# the GPU roundings (B1 T256 H2 K128, 3 segments, bf16 inputs vs the float32 recurrence): all
+# three-pass df / dA_log / ddt_bias 2.8e-3 / 2.2e-3 / 1.8e-3, this default 2.8e-3 / 2.7e-3 /
+# 2.8e-3, P_qk single-pass TF32 6.6e-3 / 8.1e-3 / 3.3e-2, P_qk single-pass bf16 4.6e-2 / 5.6e-2 /
+# 0.25. ``benchmarks/kda.py --sweep`` measures accuracy and time of others on the card.
+GATE_DOT = ((_X3, _X3), (jax.lax.DotAlgorithmPreset.BF16_BF16_F32,) * 2)
+DQKG_SLICE_K = 32  # K channels per program of ``kda_chunk_dqkg`` (fewer: fewer live registers)
+
+
+def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref, h_ref, dh_ref,
+                       vn_ref, do_ref, dy_ref, dpkk_ref, dpqk_ref, dq_ref, dk_ref, dg_ref, *,
+                       cfg, hv, group, t, gate_dot, slice_k):
+  """Grid (NC, B*HV, K slices): gradients wrt the pre-processed q, k (per value head) and g of
+  one K slice of one chunk, from the state entering the chunk (h), the gradient of the state
+  leaving it (dh), V', dO, dY and the pair-product gradients dpkk, dpqk."""
+  ci, b, h = _ids(hv)
+  s = pl.program_id(2)
+  c = cfg.chunk
+  f32 = jnp.float32
+  mm = _mm
+  ch = _Dense(cfg, (q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref), b, h,
+              h // group, ci * c, t, q_ref.shape[-1], slice_k)
+  rows, cols, beta = ch.rows, ch.cols(s), ch.beta[:, None]
+  ld = lambda ref: ref[b, rows, h, :].astype(f32)
+  q, k, G = ch.slice(s)
+  state = lambda ref: ref[b, ci, h, cols, :]  # [BK, V], loaded where used
+  blocks, e_row = ch.blocks(G)
+
+  def pairs(a_side, dp_ref, dots):
+    """Gradients of the pair product P_ij = sum_d a_id k_jd e^{G_id - G_jd} (i >= j) given
+    dP, products by the algorithms ``dots`` (for d a, for d k): (d a, d k) [C, BK]."""
+    mma, mmb = (functools.partial(_mm, precision=d) for d in dots)
+    dp = ld(dp_ref)
+    la = a_side * e_row
+    da = db = jnp.zeros_like(k)
+    for block in blocks:
+      rws, col = block()
+      p = jnp.where(rws, dp, 0.0)
+      da = da + mma(p, k * col)
+      db = db + col * mmb(p, la, ta=True)
+    return da * e_row, db
+
+  # q's side first (from the state and from P_qk), so that q and dq are done early
+  dq = cfg.scale * ch.cont[:, None] * jnp.exp(G) * mm(ld(do_ref), state(h_ref), tb=True)
+  daq, dk = pairs(q, dpqk_ref, gate_dot[0])
+  dq = dq + daq
+  dq_ref[b, rows, h, cols] = dq
+  dG = q * dq - k * dk
+  dak, dbk = pairs(k, dpkk_ref, gate_dot[1])
+  dk = dk + dak + dbk
+  dG = dG + k * (dak - dbk)
+  # W's factor k e^G (gradient dY) and KD = k e^{G_C - G} (from the state gradient)
+  gl = ch.row(G, c - 1)
+  dky = beta * jnp.exp(G) * dy_ref[b, rows, h, cols]
+  dst = state(dh_ref)
+  dkd = ch.last[:, None] * jnp.exp(gl[None, :] - G) * mm(ld(vn_ref), dst, tb=True)
+  dk = dk + dky + dkd
+  dG = dG + k * (dky - dkd)
+  dgl = (ch.cont_last * jnp.exp(gl) * jnp.sum(state(h_ref) * dst, axis=1)
+         + jnp.sum(k * dkd, axis=0))
+  # G = cumsum(g): dg_i = sum_{t >= i} dG_t, plus dG at the chunk end for every row
+  dg = dgl[None, :] + jnp.sum(dG, axis=0)[None, :] - jnp.cumsum(dG, axis=0) + dG
+  dk_ref[b, rows, h, cols] = dk
+  dg_ref[b, rows, h, cols] = dg
+
+
+# Warps per chunk-local kernel (by pallas_call name; `benchmarks/kda.py --sweep` times others).
+# kda_chunk_dqkg: 4 warps 6.69 ms, 8 warps 7.28 ms, 16 warps 15.16 ms (H200, B1 T16384 H32 K128,
+# 2026-11-30).
+WARPS = {"kda_chunk_prep": 4, "kda_chunk_prep_bwd": 4, "kda_chunk_a": 8, "kda_chunk_wu": 4,
+         "kda_chunk_dwy": 8, "kda_chunk_dqkg": 4}
+
+
+def _call(kern, name, grid, out_shape, *args):
+  return pl.pallas_call(kern, grid=grid, out_shape=out_shape, interpret=_interpret(),
+                        compiler_params=_params(WARPS[name], 1), name=name)(*args)
+
+
+def _tok(x, d, dtype):
+  """[B, Tp, HV, d] of ``dtype`` shaped like the value-side input x [B, Tp, HV, *]."""
+  return jax.ShapeDtypeStruct(x.shape[:3] + (d,), dtype)
+
+
+def _chunk_a(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t):
+  """``kda_chunk_a``: (pkk, aqk, qg, kd, kg, gc), see :func:`_dense_a_kernel`."""
+  bsz, tp, h, kd = q.shape
+  hv, c = v.shape[2], cfg.chunk
+  dt, f32 = jnp.dtype(cfg.dtype), jnp.float32
+  kern = functools.partial(_dense_a_kernel, cfg=cfg, hv=hv, group=hv // h, t=t)
+  return _call(kern, "kda_chunk_a", (tp // c, bsz * hv, 2),
+               [_tok(v, c, f32), _tok(v, c, dt), _tok(v, kd, dt), _tok(v, kd, dt),
+                _tok(v, kd, dt), jax.ShapeDtypeStruct((bsz, tp // c, hv, kd), f32)],
+               q, k, g, beta, A_log, dt_bias, seg)
+
+
+def _chunk_wu(cfg, pkk, kg, v, beta, seg, t, keep):
+  """``kda_chunk_wu``: (w, u) and, if ``keep``, the inverse x; see :func:`_dense_wu_kernel`."""
+  bsz, tp, hv, vd = v.shape
+  c, dt = cfg.chunk, jnp.dtype(cfg.dtype)
+  kern = functools.partial(_dense_wu_kernel, cfg=cfg, hv=hv, t=t)
+  return _call(kern, "kda_chunk_wu", (tp // c, bsz * hv),
+               [_tok(v, kg.shape[-1], dt), _tok(v, vd, dt)] + [_tok(v, c, jnp.float32)] * keep,
+               pkk, kg, v, beta, seg)
+
+
+def _chunk_dwy(cfg, v, beta, seg, x, pkk, kg, hs, dvn, do, vn, t):
+  """``kda_chunk_dwy``: (dpkk, dpqk, dy, dv, dbeta), see :func:`_dense_dwy_kernel`."""
+  bsz, tp, hv, vd = v.shape
+  c, f32 = cfg.chunk, jnp.float32
+  kern = functools.partial(_dense_dwy_kernel, cfg=cfg, hv=hv, t=t)
+  return _call(kern, "kda_chunk_dwy", (tp // c, bsz * hv),
+               [_tok(v, c, f32), _tok(v, c, f32), _tok(v, kg.shape[-1], f32), _tok(v, vd, f32),
+                jax.ShapeDtypeStruct((bsz, tp, hv), f32)],
+               v, beta, seg, x, pkk, kg, hs, dvn, do, vn)
+
+
+def _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, dpqk, t):
+  """``kda_chunk_dqkg``: (dq, dk, dg), see :func:`_dense_dqkg_kernel`."""
+  bsz, tp, h, kd = q.shape
+  hv = v.shape[2]
+  bk = min(kd, DQKG_SLICE_K)
+  kern = functools.partial(_dense_dqkg_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
+                           gate_dot=GATE_DOT, slice_k=bk)
+  return _call(kern, "kda_chunk_dqkg", (tp // cfg.chunk, bsz * hv, kd // bk),
+               [_tok(v, kd, jnp.float32)] * 3,
+               q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, dpqk)
+
+
+def _prepare(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t, keep=False):
+  """Chunk-local factors ``(w, u, qg, aqk, kd, gc)``: w, qg, kd ``[B, Tp, HV, K]``, u
+  ``[B, Tp, HV, V]``, aqk ``[B, Tp, HV, C]`` (``cfg.dtype``) and gc ``[B, NC, HV, K]`` float32;
+  and what the dense backward reuses (``(pkk, kg, x)`` if ``keep``, else None). Inputs padded
+  to Tp; the first ``t`` tokens are real."""
   bsz, tp, h, kd = q.shape
   hv, vd = v.shape[2], v.shape[3]
-  nc = tp // cfg.chunk
+  c = cfg.chunk
+  dt = jnp.dtype(cfg.dtype)
+  if not cfg.dense_diag:
+    kern = functools.partial(_prep_kernel, cfg=cfg, hv=hv, group=hv // h, t=t)
+    return _call(kern, "kda_chunk_prep", (tp // c, bsz * hv),
+                 [_tok(v, kd, dt), _tok(v, vd, dt), _tok(v, kd, dt), _tok(v, c, dt),
+                  _tok(v, kd, dt), jax.ShapeDtypeStruct((bsz, tp // c, hv, kd), jnp.float32)],
+                 q, k, v, g, beta, A_log, dt_bias, seg), None
+  pkk, aqk, qg, kdec, kg, gc = _chunk_a(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t)
+  wu = _chunk_wu(cfg, pkk, kg, v, beta, seg, t, keep)
+  return (wu[0], wu[1], qg, aqk, kdec, gc), ((pkk, kg, wu[2]) if keep else None)
+
+
+def _prepare_bwd(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, dvn, do, t, kept):
+  """Gradients wrt the pre-processed q, k (per value head), v, g ``[B, Tp, HV, *]`` and beta
+  ``[B, Tp, HV]`` (float32); ``kept`` is what ``_prepare(..., keep=True)`` returned."""
+  bsz, tp, h, kd = q.shape
+  hv, vd = v.shape[2], v.shape[3]
   f32 = jnp.float32
-  kern = functools.partial(_dense_bwd_kernel if cfg.dense_diag else _prep_bwd_kernel, cfg=cfg,
-                           hv=hv, group=hv // h, t=t)
-  warps = (DENSE_WARPS if cfg.dense_diag else PREP_WARPS)[1]
-  return pl.pallas_call(
-      kern, grid=(nc, bsz * hv), compiler_params=_params(warps, 1),
-      interpret=_interpret(),
-      out_shape=[jax.ShapeDtypeStruct((bsz, tp, hv, kd), f32),
-                 jax.ShapeDtypeStruct((bsz, tp, hv, kd), f32),
-                 jax.ShapeDtypeStruct((bsz, tp, hv, vd), f32),
-                 jax.ShapeDtypeStruct((bsz, tp, hv, kd), f32),
-                 jax.ShapeDtypeStruct((bsz, tp, hv), f32)],
-      name="kda_chunk_prep_bwd")(q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, dvn, do)
+  if not cfg.dense_diag:
+    kern = functools.partial(_prep_bwd_kernel, cfg=cfg, hv=hv, group=hv // h, t=t)
+    return _call(kern, "kda_chunk_prep_bwd", (tp // cfg.chunk, bsz * hv),
+                 [_tok(v, kd, f32), _tok(v, kd, f32), _tok(v, vd, f32), _tok(v, kd, f32),
+                  jax.ShapeDtypeStruct((bsz, tp, hv), f32)],
+                 q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, dvn, do)
+  pkk, kg, x = kept
+  dpkk, dpqk, dy, dv, dbeta = _chunk_dwy(cfg, v, beta, seg, x, pkk, kg, hs, dvn, do, vn, t)
+  dq, dk, dg = _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy,
+                           dpkk, dpqk, t)
+  return dq, dk, dv, dg, dbeta
 
 
 def _preprocess(cfg, q, k, g, beta, A_log, dt_bias):
@@ -734,13 +873,6 @@ def _params(num_warps=4, num_stages=2):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-# Warps of the chunk-local kernels (forward, backward), 16-row-tile and dense versions: their
-# many live tiles make register pressure the first thing to tune (`benchmarks/kda.py --sweep`
-# times the dense ones at other counts; not yet measured, so these are first guesses).
-PREP_WARPS = (4, 4)
-DENSE_WARPS = (4, 8)
-
-
 def _recurrence_fwd(cfg, w, u, qg, aqk, kd, gc, s0, out_dtype, store):
   bsz, tp, hv, kdim = w.shape
   vd = u.shape[-1]
@@ -792,7 +924,7 @@ def _pad(tp, *xs):
 def _kda_fwd(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg):
   t = q.shape[1]
   padded = _pad(seg.shape[1], q, k, v, g, beta)
-  w, u, qg, aqk, kd, gc = _prepare(cfg, *padded, A_log, dt_bias, seg, t)
+  (w, u, qg, aqk, kd, gc), _ = _prepare(cfg, *padded, A_log, dt_bias, seg, t)
   o, st = _recurrence_fwd(cfg, w, u, qg, aqk, kd, gc, s0, v.dtype, store=False)
   return (o[:, :t], st), (q, k, v, g, beta, A_log, dt_bias, s0, seg)
 
@@ -804,12 +936,12 @@ def _kda_bwd(cfg, res, cts):
   hv = v.shape[2]
   tp = seg.shape[1]
   padded = _pad(tp, q, k, v, g, beta)
-  w, u, qg, aqk, kd, gc = _prepare(cfg, *padded, A_log, dt_bias, seg, t)
+  (w, u, qg, aqk, kd, gc), kept = _prepare(cfg, *padded, A_log, dt_bias, seg, t, keep=True)
   _, _, hs, vn = _recurrence_fwd(cfg, w, u, qg, aqk, kd, gc, s0, v.dtype, store=True)
   (do,) = _pad(tp, do)
   dvn, dh, ds0 = _recurrence_bwd(cfg, do, qg, aqk, kd, w, gc, dst.astype(jnp.float32))
   dq, dk, dv, dg, dbeta = (x[:, :t] for x in _prepare_bwd(
-      cfg, *padded, A_log, dt_bias, seg, hs, dh, vn, dvn, do, t))
+      cfg, *padded, A_log, dt_bias, seg, hs, dh, vn, dvn, do, t, kept))
   grp = lambda x: x.reshape(bsz, t, h, hv // h, kdim).sum(3)
   _, pre_vjp = jax.vjp(functools.partial(_preprocess, cfg), q, k, g, beta, A_log, dt_bias)
   dq, dk, dg, dbeta, dalog, ddtb = pre_vjp((grp(dq), grp(dk), dg, dbeta))

@@ -4,15 +4,18 @@ Two kernels, both persistent over the streaming multiprocessors (SMs), bf16/f16 
 float32 accumulation in WGMMA registers and TMA loads through a multi-stage shared-memory pipeline:
 
 * :func:`gmm`: ``out [M, N] = lhs [M, K] @ rhs[g(r)] [K, N]`` (or ``rhs [E, N, K]`` transposed, the
-  ``d_lhs`` product, read in place), rows sorted by group. XLA builds a table of row tiles: each
-  group's tiles start at its first row rounded down to 8 (TMA row tiling), so a group of ``s`` rows
-  costs ``ceil((s + 7) / block_m)`` tiles, empty groups none; rows past ``sum(group_sizes)`` form one
+  ``d_lhs`` product, read in place), rows sorted by group. A few fused XLA reductions
+  (:func:`row_tiles`, no scan or while loop) build a table of row tiles: each group's tiles start
+  at its first row rounded down to 8 (TMA row tiling), so a group of ``s`` rows costs
+  ``ceil((s + 7) / block_m)`` tiles, empty groups none; rows past ``sum(group_sizes)`` form one
   more pseudo-group whose tiles store zeros (no extra masking pass over the output). On a GPU each
   SM runs its share of the (row tile, column tile) items as ONE software pipeline over (item, K
-  step), so the next item's loads are in flight during the current item's epilogue; the CPU
+  step), so the next item's loads are in flight during the current item's epilogue; optionally a
+  TMA producer warpgroup feeds two consumer warpgroups (128 x 256 tiles) and items are ordered in
+  bands of row tiles for L2 reuse (:class:`Tiles`, chosen by :func:`default_tiles`). The CPU
   interpreter cannot reset a WGMMA accumulator, so interpret mode (and ``persistent=False``) runs
-  one pipeline per item instead (same tiles, same results). Valid rows are stored with a binary
-  ladder of static-size TMA stores.
+  one pipeline per item instead (same tiles and item order, same results). Valid rows are stored
+  with a binary ladder of static-size TMA stores.
 * :func:`tgmm`: ``out [E, K, N] = lhs_g^T [K, rows_g] @ dout_g [rows_g, N]`` (the ``d_rhs``
   product): one item per (group, K tile, N tile) with a pipeline over the group's 64-row blocks;
   the first and last block of a group are masked in shared memory; empty groups store zeros.
@@ -28,13 +31,15 @@ Mosaic GPU ragged_dot, written anew). Mosaic GPU rather than Triton: WGMMA and T
 500+ TFLOP/s on Hopper, and Mosaic GPU kernels run in JAX's GPU interpreter on CPU for the tests.
 Under a CPU backend they run in that interpreter on a few simulated SMs.
 
-Measured on an H200 (benchmarks/RESULTS.md, "MoE"): 535 TFLOP/s forward at E32 65536x3584x6144;
-behind jla at short contractions (K <= 2048, see there).
+Measured on an H200 (benchmarks/RESULTS.md, "MoE"), before the fused tile table, 5 stages and the
+two-consumer / band tilings: 535 TFLOP/s forward at E32 65536x3584x6144; behind jla at short
+contractions (K <= 2048, see there). ``python benchmarks/moe.py --sweep`` times the tilings.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +51,10 @@ from pallas_kernels import default_backend
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ROW_ALIGN = 8  # a row tile starts at a multiple of this (TMA tiles rows by 8)
-BLOCK_M = 128  # output rows of a forward tile
-BLOCK_K = 64  # contraction step of the forward kernel; rows per step of tgmm
-STEPS = 4  # pipeline depth
+MIN_ROWS = 128  # M of :func:`gmm`: at least the largest block_m
+BLOCK_K = 64  # rows per step of tgmm
+STEPS = 4  # pipeline depth of tgmm
+SMEM_BYTES = 227 * 1024  # shared memory of one block on Hopper
 INTERPRET_SMS = 3  # simulated SMs in interpret mode (exercises several items per SM)
 
 
@@ -78,25 +84,91 @@ def check(lhs, rhs):
     raise ValueError(f"moe.gmm pallas_gpu: K={k} and N={n} must be multiples of 64")
 
 
-def _row_tiles(group_sizes, m: int, block_m: int):
+class Tiles(NamedTuple):
+  """Tiling of :func:`gmm`: ``block_m x (consumers * block_n)`` output tiles, each consumer
+  warpgroup accumulating ``block_m x block_n`` in float32 registers over ``block_k``-wide
+  contraction steps, ``steps`` of them in flight. ``consumers=2``: a TMA producer warpgroup feeds
+  two consumer warpgroups (warp specialisation; GPU only, the per-item form runs them as one).
+  ``band``: work items (row tile, column tile) are ordered in bands of ``band`` row tiles,
+  column-major inside a band, so the items in flight together share rows and weight columns in L2
+  (1: row-major)."""
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  steps: int = 5
+  band: int = 1
+  consumers: int = 1
+
+  @property
+  def tile_n(self) -> int:
+    return self.block_n * self.consumers
+
+  def smem_bytes(self, itemsize: int = 2) -> int:
+    stage = self.block_m * self.block_k + self.block_k * self.tile_n
+    return (self.steps * stage + self.block_m * self.tile_n) * itemsize
+
+  def check(self, k: int, n: int):
+    """Raises ValueError unless this tiling runs a product of contraction ``k`` and width ``n``."""
+    if (self.block_m not in (64, 128) or self.block_n % 64 or self.block_k not in (32, 64, 128)
+        or self.block_m * self.block_n > 128 * 128 or self.steps < 2 or self.band < 1
+        or self.consumers not in (1, 2)):
+      raise ValueError(f"moe gpu.gmm: unsupported tiling {self}")
+    if k % self.block_k or n % self.tile_n:
+      raise ValueError(f"moe gpu.gmm: tiling {self} does not divide K={k}, N={n}")
+    if self.smem_bytes() > SMEM_BYTES:
+      raise ValueError(f"moe gpu.gmm: tiling {self} needs {self.smem_bytes()} bytes of shared "
+                       f"memory, more than {SMEM_BYTES}")
+
+
+def default_tiles(m: int, e: int, k: int, n: int) -> Tiles:
+  """The tiling of :func:`gmm` for ``M`` rows in ``E`` groups, contraction ``k`` and width ``n``
+  (one heuristic for every shape): 128x128 tiles (64 columns where 128 does not divide ``n``; 64
+  rows when the mean group has fewer than 128 rows, so small groups do not run mostly-empty
+  tiles), 64-wide contraction steps, as many pipeline stages as fit up to 5."""
+  del k
+  block_m = 64 if m < 128 * e else 128
+  tiles = Tiles(block_m=block_m, block_n=block_n_for(n))
+  while tiles.smem_bytes() > SMEM_BYTES:
+    tiles = tiles._replace(steps=tiles.steps - 1)
+  return tiles
+
+
+def row_tiles(group_sizes, m: int, block_m: int):
   """Row-tile table ``[5, T]`` int32 (group, first row, offset of the first valid row, valid rows,
-  1 for the zero pseudo-group) and ``[1]`` int32 the number of tiles in use (a prefix of T)."""
+  1 for the zero pseudo-group) and ``[1]`` int32 the number of tiles in use (a prefix of T).
+
+  Each group's tiles start at its first row rounded down to 8 (TMA row tiling), so a group of
+  ``s`` rows costs ``ceil((s + 7) / block_m)`` tiles, empty groups none; rows past
+  ``sum(group_sizes)`` form one more pseudo-group whose tiles store zeros. Prefix sums and the
+  tile -> group search are compare-and-sum reductions ([E+1, E+1] and [T, E+1]): a few fused XLA
+  kernels, no scan or while loop before the grouped matmul."""
   e = group_sizes.shape[0]
   sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-  ends = jnp.minimum(jnp.cumsum(sizes), m)
-  ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])  # pseudo-group: rows [total, m)
-  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  g = jnp.arange(e + 1, dtype=jnp.int32)
+  before = jnp.sum(jnp.where(g[None, :e] < g[:, None], sizes[None, :], 0), axis=1)
+  starts = jnp.minimum(before, m)  # [E + 1]; the pseudo-group E starts at sum(group_sizes)
+  ends = jnp.concatenate([starts[1:], jnp.full((1,), m, jnp.int32)])
   first = starts // ROW_ALIGN * ROW_ALIGN
   tiles = jnp.where(ends > starts, (ends - first + block_m - 1) // block_m, 0)
-  tile_end = jnp.cumsum(tiles)
+  tile_end = jnp.sum(jnp.where(g[None, :] <= g[:, None], tiles[None, :], 0), axis=1)
   capacity = pl.cdiv(m + (ROW_ALIGN - 1) * (e + 1), block_m) + e + 1
   t = jnp.arange(capacity, dtype=jnp.int32)
-  g = jnp.minimum(jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32), e)
-  r0 = first[g] + (t - (tile_end[g] - tiles[g])) * block_m
-  lo = jnp.maximum(r0, starts[g])
-  size = jnp.maximum(jnp.minimum(r0 + block_m, ends[g]) - lo, 0)
-  table = jnp.stack([jnp.minimum(g, e - 1), r0, lo - r0, size, (g == e).astype(jnp.int32)])
+  grp = jnp.minimum(jnp.sum((tile_end[None, :] <= t[:, None]).astype(jnp.int32), axis=1), e)
+  r0 = first[grp] + (t - (tile_end[grp] - tiles[grp])) * block_m
+  lo = jnp.maximum(r0, starts[grp])
+  size = jnp.maximum(jnp.minimum(r0 + block_m, ends[grp]) - lo, 0)
+  table = jnp.stack([jnp.minimum(grp, e - 1), r0, lo - r0, size, (grp == e).astype(jnp.int32)])
   return table.astype(jnp.int32), tile_end[-1:].astype(jnp.int32)
+
+
+def _item(w, used, grid_n: int, band: int):
+  """(row tile, column tile) of work item ``w`` < ``used * grid_n`` (``used`` row tiles)."""
+  if band == 1:
+    return lax.div(w, jnp.int32(grid_n)), lax.rem(w, jnp.int32(grid_n))
+  b = lax.div(w, jnp.int32(band * grid_n))
+  r = lax.rem(w, jnp.int32(band * grid_n))
+  rows = jnp.minimum(jnp.int32(band), used - b * band)  # the last band may be shorter
+  return b * band + lax.rem(r, rows), lax.div(r, rows)
 
 
 def _store_rows(o_smem, o_gmem, *, row0, start, size, max_rows: int, columns):
@@ -113,48 +185,54 @@ def _store_rows(o_smem, o_gmem, *, row0, start, size, max_rows: int, columns):
     rows //= 2
 
 
-def default_config(k: int, n: int) -> tuple[int, int, int, int]:
-  """(block_m, block_n, block_k, steps) of :func:`gmm` for contraction ``k`` and width ``n``."""
-  return (BLOCK_M, block_n_for(n), BLOCK_K, STEPS)
-
-
 @functools.partial(jax.jit, static_argnames=("transpose_rhs", "config", "persistent"))
-def gmm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, config=None, persistent=None):
+def gmm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, config: Tiles | None = None,
+        persistent=None):
   """``lhs [M, K]`` x ``rhs [E, K, N]`` (``[E, N, K]`` with ``transpose_rhs``) -> ``[M, N]`` in
-  lhs.dtype; rows past ``sum(group_sizes)`` are zero. ``M`` a multiple of 8, at least block_m.
-  ``config``: (block_m, block_n, block_k, steps), default :func:`default_config`.
-
-  ``persistent`` (default: on a GPU, not in interpret mode): one pipeline per SM over all its
-  (item, K step) pairs, the accumulator reset at each item's first step, so the next item's loads
-  overlap the current epilogue. Otherwise one pipeline per item. The interpreter cannot run the
-  persistent form (it has no rule for writing a WGMMA accumulator), so CPU tests cover the
-  per-item form and the persistent one is checked on the GPU by ``benchmarks/moe.py``."""
-  if persistent is None:
-    persistent = default_backend() != "cpu"
-  if persistent:
-    return _gmm_persistent(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
-                           config=config or default_config(lhs.shape[1], rhs.shape[1 if transpose_rhs else 2]))
+  lhs.dtype; rows past ``sum(group_sizes)`` are zero. ``M`` a multiple of 8, at least
+  ``MIN_ROWS``. ``config``: default :func:`default_tiles`; ``persistent``: see
+  :func:`gmm_tiled`."""
   m, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  block_m, block_n, block_k, steps = config or default_config(k, n)
-  if k % block_k or n % block_n:
-    raise ValueError(f"moe gpu.gmm: tile {config} does not divide K={k}, N={n}")
+  config = config or default_tiles(m, rhs.shape[0], k, n)
+  table, count = row_tiles(group_sizes, m, config.block_m)
+  return gmm_tiled(lhs, rhs, table, count, transpose_rhs=transpose_rhs, config=config,
+                   persistent=persistent)
+
+
+def gmm_tiled(lhs, rhs, table, count, *, transpose_rhs: bool, config: Tiles, persistent=None):
+  """:func:`gmm` on a row-tile table from :func:`row_tiles` (built with ``config.block_m``).
+
+  ``persistent`` (default: on a GPU, not in interpret mode): each SM runs its share of the
+  (row tile, column tile) items as ONE software pipeline over (item, K step), the accumulator
+  reset at each item's first step, so the next item's loads are in flight during the current
+  item's epilogue. Otherwise one pipeline per item with one consumer warpgroup: the interpreter has
+  no rule for writing a WGMMA accumulator, so CPU tests cover that form (same tiles and item order,
+  same results) and the persistent one is checked on the GPU by ``benchmarks/moe.py``."""
+  if persistent is None:
+    persistent = default_backend() != "cpu"
+  m, k = lhs.shape
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  config.check(k, n)
+  if persistent:
+    return _gmm_persistent(lhs, rhs, table, count, transpose_rhs=transpose_rhs, config=config)
+  block_m, block_n, block_k, steps, band, consumers = config
+  block_n *= consumers
   grid_n, k_steps = n // block_n, k // block_k
-  table, count = _row_tiles(group_sizes, m, block_m)
   capacity = table.shape[1]
 
   def body(table_ref, count_ref, lhs_ref, rhs_ref, out_ref):
-    # Items (row tile, column tile) row-major: consecutive SMs share a row tile, so its lhs rows
-    # come from HBM once; items past the tiles in use cost one skipped loop iteration.
     @plgpu.nd_loop((capacity * grid_n,), collective_axes="sm")
-    def _item(loop_info: plgpu.NDLoopInfo):
+    def _item_loop(loop_info: plgpu.NDLoopInfo):
       w = loop_info.index[0]
-      mi, ni = lax.div(w, jnp.int32(grid_n)), lax.rem(w, jnp.int32(grid_n))
-      group, row0, start, size, zero = (table_ref[j, mi] for j in range(5))
-      row0 = pl.multiple_of(row0, ROW_ALIGN)
+      used = count_ref[0]
 
-      @pl.when(mi < count_ref[0])
+      @pl.when(w < used * grid_n)
       def _():
+        mi, ni = _item(w, used, grid_n, band)
+        group, row0, start, size, zero = (table_ref[j, mi] for j in range(5))
+        row0 = pl.multiple_of(row0, ROW_ALIGN)
+
         def acc_scope(acc_ref):
           @pl.when(zero == 0)  # the pseudo-group past sum(group_sizes) keeps the zero accumulator
           def _():
@@ -195,24 +273,27 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs: bool = False, config=None, pers
   return kernel(table, count, lhs, rhs)
 
 
-def _gmm_persistent(lhs, rhs, group_sizes, *, transpose_rhs: bool, config):
-  """:func:`gmm` with one software pipeline per SM over (its items, K steps)."""
+def _gmm_persistent(lhs, rhs, table, count, *, transpose_rhs: bool, config: Tiles):
+  """:func:`gmm_tiled` with one software pipeline per SM over (its items, K steps); with two
+  consumers a producer warpgroup runs the loads and each consumer one half of the tile columns."""
   m, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  block_m, block_n, block_k, steps = config
-  if k % block_k or n % block_n:
-    raise ValueError(f"moe gpu.gmm: tile {config} does not divide K={k}, N={n}")
-  grid_n, k_steps = n // block_n, k // block_k
+  block_m, block_n, block_k, steps, band, consumers = config
+  tile_n = config.tile_n
+  grid_n, k_steps = n // tile_n, k // block_k
   sms = _num_sms()
-  table, count = _row_tiles(group_sizes, m, block_m)
+  itemsize = jnp.dtype(lhs.dtype).itemsize
+  swizzle = plgpu.find_swizzle(block_k * itemsize * 8)
+  transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
   def body(table_ref, count_ref, lhs_ref, rhs_ref, out_ref):
     sm = lax.axis_index("sm")
-    mine = lax.div(jnp.maximum(count_ref[0] * grid_n - sm, 0) + (sms - 1), jnp.int32(sms))
+    used = count_ref[0]
+    mine = lax.div(jnp.maximum(used * grid_n - sm, 0) + (sms - 1), jnp.int32(sms))
+    wg = lax.axis_index("wg") if consumers > 1 else 0
 
-    def coords(i):  # item sm + i * sms, row-major over (row tile, column tile)
-      w = sm + i * sms
-      return lax.div(w, jnp.int32(grid_n)), lax.rem(w, jnp.int32(grid_n))
+    def coords(i):  # this SM's items: sm, sm + sms, ...
+      return _item(sm + i * sms, used, grid_n, band)
 
     def lhs_index(i, kk):
       return pl.multiple_of(table_ref[1, coords(i)[0]], ROW_ALIGN), kk
@@ -221,50 +302,82 @@ def _gmm_persistent(lhs, rhs, group_sizes, *, transpose_rhs: bool, config):
       mi, ni = coords(i)
       return (table_ref[0, mi], ni, kk) if transpose_rhs else (table_ref[0, mi], kk, ni)
 
-    def scope(acc_ref, o_smem):
-      def step(idx, lhs_smem, rhs_smem):
-        i, kk = idx
+    extra = dict(transforms=transforms, memory_space=plgpu.SMEM) if consumers > 1 else {}
+    in_specs = [
+        plgpu.BlockSpec((pl.Element(block_m), block_k), lhs_index, delay_release=1, **extra),
+        plgpu.BlockSpec((None, tile_n, block_k) if transpose_rhs else (None, block_k, tile_n),
+                        rhs_index, delay_release=1, **extra),
+    ]
 
-        @pl.when(kk == 0)
-        def _():
-          acc_ref[...] = jnp.zeros((block_m, block_n), jnp.float32)
+    def mma(idx, lhs_smem, rhs_smem, acc_ref, o_smem):
+      """One K step of item ``idx[0]``; at the item's last step, its epilogue."""
+      i, kk = idx
 
+      @pl.when(kk == 0)
+      def _():
+        acc_ref[...] = jnp.zeros((block_m, block_n), jnp.float32)
+
+      if consumers > 1:
+        cols = pl.ds(wg * block_n, block_n)
+        plgpu.wgmma(acc_ref, lhs_smem, rhs_smem.at[cols].T if transpose_rhs else rhs_smem.at[:, cols])
+        plgpu.wgmma_wait(1)
+      else:
         plgpu.wgmma(acc_ref, lhs_smem, rhs_smem.T if transpose_rhs else rhs_smem)
 
-        @pl.when(kk == k_steps - 1)
+      @pl.when(kk == k_steps - 1)
+      def _():
+        mi, ni = coords(i)
+        acc = acc_ref[...] * (table_ref[4, mi] == 0).astype(jnp.float32)  # zero pseudo-group
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's stores read o_smem
+        o_smem[...] = acc.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        _store_rows(o_smem, out_ref, row0=pl.multiple_of(table_ref[1, mi], ROW_ALIGN),
+                    start=table_ref[2, mi], size=table_ref[3, mi], max_rows=block_m,
+                    columns=pl.ds(ni * tile_n + wg * block_n, block_n))
+
+    if consumers == 1:
+      def scope(acc_ref, o_smem):
+        @pl.when(mine > 0)
         def _():
-          mi, ni = coords(i)
-          acc = acc_ref[...] * (table_ref[4, mi] == 0).astype(jnp.float32)  # zero pseudo-group
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's stores read o_smem
-          o_smem[...] = acc.astype(o_smem.dtype)
-          plgpu.commit_smem()
-          _store_rows(o_smem, out_ref, row0=pl.multiple_of(table_ref[1, mi], ROW_ALIGN),
-                      start=table_ref[2, mi], size=table_ref[3, mi], max_rows=block_m,
-                      columns=pl.ds(ni * block_n, block_n))
+          plgpu.emit_pipeline(
+              lambda idx, lhs_smem, rhs_smem: mma(idx, lhs_smem, rhs_smem, acc_ref, o_smem),
+              grid=(mine, k_steps), in_specs=in_specs, max_concurrent_steps=steps,
+          )(lhs_ref, rhs_ref)
+
+        plgpu.wait_smem_to_gmem(0)
+
+      pl.run_scoped(scope, plgpu.ACC((block_m, block_n)),
+                    plgpu.SMEM((block_m, block_n), out_ref.dtype))
+      return
+
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((consumers, block_m, block_n), out_ref.dtype),
+                       collective_axes="wg")
+    def _scope(o_smem):
+      def compute_context(run):
+        pl.run_scoped(run, plgpu.ACC((block_m, block_n)))
+
+      def step(idx, lhs_smem, rhs_smem, acc_ref):
+        mma(idx, lhs_smem, rhs_smem, acc_ref, o_smem.at[wg])
+        return acc_ref
+
+      pipeline = plgpu.emit_pipeline_warp_specialized(
+          step, grid=(mine, k_steps), memory_registers=40, in_specs=in_specs, wg_axis="wg",
+          num_compute_wgs=consumers, max_concurrent_steps=steps, compute_context=compute_context)
 
       @pl.when(mine > 0)
       def _():
-        rhs_block = (None, block_n, block_k) if transpose_rhs else (None, block_k, block_n)
-        plgpu.emit_pipeline(
-            step,
-            grid=(mine, k_steps),
-            in_specs=[
-                plgpu.BlockSpec((pl.Element(block_m), block_k), lhs_index, delay_release=1),
-                plgpu.BlockSpec(rhs_block, rhs_index, delay_release=1),
-            ],
-            max_concurrent_steps=steps,
-        )(lhs_ref, rhs_ref)
+        pipeline(lhs_ref, rhs_ref)
 
       plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(scope, plgpu.ACC((block_m, block_n)), plgpu.SMEM((block_m, block_n), out_ref.dtype))
-
+  threads = dict(num_threads=consumers + 1, thread_name="wg") if consumers > 1 else {}
   kernel = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype),
       grid=(sms,),
       grid_names=("sm",),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      **threads,
   )
   return kernel(table, count, lhs, rhs)
 

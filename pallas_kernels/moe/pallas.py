@@ -84,7 +84,7 @@ def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None, backend="gpu"):
   check(lhs, rhs, group_sizes, backend)
   out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
   m = lhs.shape[0]
-  rows = max(-(-m // 8) * 8, gpu.BLOCK_M) if backend == "gpu" else -(-m // tpu.ROW_MULTIPLE) * tpu.ROW_MULTIPLE
+  rows = max(-(-m // 8) * 8, gpu.MIN_ROWS) if backend == "gpu" else -(-m // tpu.ROW_MULTIPLE) * tpu.ROW_MULTIPLE
   if rows != m:  # padded rows belong to no group
     lhs = jnp.pad(lhs, ((0, rows - m), (0, 0)))
   out = _gmm(lhs, rhs, group_sizes.astype(jnp.int32), backend, out_dtype)
