@@ -133,7 +133,8 @@ class KDA(nnx.Module):
       # keeps the gate and beta fused into the kernel (the bounded-gate fast path).
       g = kda_ops.kda_gate(f, self.A_log[...], self.dt_bias[...], k.gate, k.gate_lower_bound)
       f = jnp.where(valid[..., None, None], g, 0.0)
-      beta = jnp.where(valid[..., None], jax.nn.sigmoid(beta.astype(jnp.float32)), 0.0)
+      beta = jnp.where(valid[..., None],
+                       jax.nn.sigmoid(beta.astype(jnp.promote_types(beta.dtype, jnp.float32))), 0.0)
       gate_kw.update(gate=None, beta_is_logit=False)
     if decode:
       o, state = kda_ops.kda_decode(q, kk, v, f, beta, cache["state"],
