@@ -9,6 +9,7 @@ when importable, in the same run, within a time budget (the H200 run takes about
   python3 benchmarks/kda.py --quick        # a small shape instead (B1 T2048 H8 K128)
   python3 benchmarks/kda.py --ours-only    # no peers
   python3 benchmarks/kda.py --all-shapes   # also the other PERF.md shapes and the XLA path
+  python3 benchmarks/kda.py --shapes 4x4096x32x128,1x65536x16x128 --no-parts --no-decode
   python3 benchmarks/kda.py --emulate      # CPU: the check with the GPU's matrix-unit roundings
                                            # emulated, for the default and GATE_DOTS (~2 min)
 
@@ -417,6 +418,9 @@ def main():
   quick = "--quick" in sys.argv
   shapes = ([(1, 2048, 8, 128)] if quick else SHAPES if "--all-shapes" in sys.argv
             else SHAPES[:1])
+  if "--shapes" in sys.argv:  # B x T x H x K, comma separated
+    shapes = [tuple(int(x) for x in s.split("x"))
+              for s in sys.argv[sys.argv.index("--shapes") + 1].split(",")]
   peers = "--ours-only" not in sys.argv
   print("jax", jax.__version__, jax.devices(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "warps", kda_gpu.WARPS, flush=True)
@@ -435,7 +439,7 @@ def main():
         emit(name=f"{name} {tag}", **{k: round(v, 4) for k, v in fn(shape).items()})
       except Exception as e:  # noqa: BLE001
         print(f"{name} {tag} FAILED", repr(e)[:1500], flush=True)
-    if i == 0:
+    if i == 0 and "--no-parts" not in sys.argv:
       try:
         res, parts = time_parts(shape)
         emit(name=f"ours parts {tag}", **{k: round(v, 4) for k, v in res.items()})
@@ -498,8 +502,8 @@ def table():
   print("\n| shape | pass | ours ms | fla ms | jla ms | XLA chunked ms | fla/ours | jla/ours |"
         " chunked/ours |")
   print("|---|---|---|---|---|---|---|---|---|")
-  for shape in SHAPES + [(1, 2048, 8, 128)]:
-    tag = "B{} T{} H{} K{}".format(*shape)
+  for tag in [r["name"].removeprefix("ours ") for r in ROWS
+              if r["name"].startswith("ours B") and "fwd" in r]:
     o = by.get(f"ours {tag}")
     if not o:
       continue
