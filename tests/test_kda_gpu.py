@@ -64,8 +64,23 @@ def _run(impl, chunk, seg, opts, q, k, v, g, beta, s0, A_log, dt_bias):
 ORDER = ("q", "k", "v", "g", "beta", "s0", "A_log", "dt_bias")
 
 
+# module settings of pallas_kernels.kda.gpu: the default and each alternative implementation
+VARIANTS = {"default": {}, "rows_tiles": dict(CHUNK_A="rows", CHUNK_DQKG="tiles"),
+            "residuals": dict(SAVE_RESIDUALS=True)}
+
+
+@pytest.fixture(params=list(VARIANTS))
+def variant(request, monkeypatch):
+  from pallas_kernels.kda import gpu
+  for name, value in VARIANTS[request.param].items():
+    monkeypatch.setattr(gpu, name, value)
+  return request.param
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_kda_pallas_gpu(case):
+def test_kda_pallas_gpu(case, variant):
+  if variant == "rows_tiles" and case[7] != "bounded":
+    pytest.skip("the row / tile kernels replace the bounded gate's dense kernels only")
   x, seg, opts, chunk = _setup(case)
   args = tuple(jnp.asarray(x[n]) for n in ORDER)
   np_run = lambda y: np_kda(y["q"], y["k"], y["v"], y["g"], y["beta"], y["s0"], np.asarray(seg),
@@ -111,16 +126,19 @@ def test_bad_head_dim_is_rejected():
     kda(*(jnp.asarray(x[n]) for n in ORDER[:5]), implementation="pallas_gpu")
 
 
-def test_dense_path_lowers_for_cuda(monkeypatch):
-  """The bounded-gate kernels (forward and backward, bf16, K=128, two K slices) lower through
-  Pallas' Triton path for an H200 without a GPU (catches lowering errors on CPU)."""
+@pytest.mark.parametrize("shape", [(1, 100, 2, 128), (1, 16384, 32, 128)],
+                         ids=["T100", "benchmark_T16384_H32"])
+def test_dense_path_lowers_for_cuda(monkeypatch, variant, shape):
+  """The bounded-gate kernels of each variant (forward and backward, bf16, K=128, two K slices)
+  lower through Pallas' Triton path for an H200 without a GPU (catches lowering errors on CPU),
+  also at the benchmark shape (inputs as shapes only)."""
   from pallas_kernels.kda import gpu
   gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
   monkeypatch.setattr(gpu_info, "get_gpu_info",
                       lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
   monkeypatch.setattr(gpu, "_interpret", lambda: False)  # the real Triton lowering
-  x = make(5, 1, 100, 2, 2, 128, 128)
-  bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
+  b, t, h, kd = shape
+  x = make(5, 1, 1, h, h, kd, kd)  # A_log, dt_bias; the rest only as shapes
 
   def loss(q, k, v, g, beta):
     o, _ = kda(q, k, v, g, beta, use_qk_l2norm=True, A_log=jnp.asarray(x["A_log"]),
@@ -128,9 +146,11 @@ def test_dense_path_lowers_for_cuda(monkeypatch):
                implementation="pallas_gpu")
     return jnp.sum(o.astype(jnp.float32))
 
-  args = tuple(bf(n) for n in ORDER[:5])
+  args = [jax.ShapeDtypeStruct((b, t, h, kd), jnp.bfloat16)] * 4 + [
+      jax.ShapeDtypeStruct((b, t, h), jnp.bfloat16)]
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(
       lowering_platforms=("cuda",)).as_text()
-  for name in ("kda_chunk_a", "kda_chunk_wu", "kda_chunk_dwy", "kda_chunk_dqkg",
+  a, dqkg = ("_rows", "_tiles") if variant == "rows_tiles" else ("", "")
+  for name in (f"kda_chunk_a{a}", "kda_chunk_wu", "kda_chunk_dwy", f"kda_chunk_dqkg{dqkg}",
                "kda_fwd_recurrence", "kda_bwd_recurrence"):
-    assert name in text, f"{name} is not a Triton call of the lowered module"
+    assert f'name = "{name}"' in text, f"{name} is not a Triton call of the lowered module"
