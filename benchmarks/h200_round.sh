@@ -1,0 +1,57 @@
+#!/bin/bash
+# One device command that checks and times what is pending on an H200 machine, writing every log
+# and JSON under $OUT (one tarball plus the benchmarks' own JSON files, within the 8-file limit).
+#
+#   bash benchmarks/h200_round.sh kernels   # KDA variants, MLA decode variants, MoE tilings (GPU 1 or 0)
+#   bash benchmarks/h200_round.sh train     # k3_1b step on one GPU: compile-flag trials, profile
+#   bash benchmarks/h200_round.sh both      # both: the kernel runs use the GPU while the steps compile
+#
+# Wheels: `.whl` (fla-core, jax-linear-attention) and `.whl_train` (grain, array-record, portpicker,
+# flax, orbax-checkpoint, optax) are carried with the device tool's `carry`. Timed GPU work is
+# serialised by one lock file, so compiles (CPU) overlap with measurements without disturbing them.
+set -u
+WHAT=${1:-both}
+R=/tmp/h200_round; mkdir -p "$R"
+OUT=${OUT:-$R/out}; mkdir -p "$OUT"
+finish() { tar czf "$OUT/h200_round.tar.gz" -C "$R" --exclude='trace*' . 2>/dev/null; }
+trap finish EXIT
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/*.whl .whl_train/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+LOCK=$R/.gpu.lock
+NGPU=$(nvidia-smi -L | grep -c ^GPU)
+KGPU=$(( NGPU - 1 ))  # kernels on the last GPU, training steps on GPU 0
+T0=$(date +%s)
+say() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+
+train() {
+  # The k3_1b step: default flags, then without XLA's Triton GEMM fusions (compile-time trial).
+  CUDA_VISIBLE_DEVICES=0 timeout 420 python3 benchmarks/bench_train.py --config configs/k3_1b.yaml \
+    --steps 12 --profile "$R/trace_default" --json "$R/1b_default.json" --lock "$LOCK" \
+    > "$R/1b_default.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" timeout 420 \
+    python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 12 \
+    --json "$R/1b_no_triton_gemm.json" --lock "$LOCK" > "$R/1b_no_triton_gemm.log" 2>&1 &
+}
+
+kernels() {
+  flock "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 150 python3 benchmarks/kda.py --sweep \
+    --ours-only --no-decode --budget 105 > "$R/kda.log" 2>&1
+  say "kda done"
+  flock "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 120 python3 benchmarks/mla.py --decode-only \
+    --budget 90 > "$R/mla.log" 2>&1
+  say "mla done"
+  flock "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 150 python3 benchmarks/moe.py --sweep \
+    > "$R/moe.log" 2>&1
+  say "moe done"
+}
+
+case "$WHAT" in
+  kernels) kernels ;;
+  train) train ;;
+  both) train; sleep 5; kernels ;;
+  *) echo "usage: $0 kernels|train|both"; exit 2 ;;
+esac
+wait
+say "all done"
+for f in "$R"/*.log; do echo "== $f"; grep -v "^\s*$" "$f" | grep -v "slow_operation\|\*\*\*\|Very slow" | tail -40; done
