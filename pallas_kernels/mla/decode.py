@@ -157,6 +157,23 @@ def _wgmma_add(acc, a, b, interpret: bool):
   return pl.run_state(lambda ref: plgpu.wgmma(ref, a, b))(plgpu.ACC.init(acc))
 
 
+def _mgpu_program(lens_ref, steps_per_split: int):
+  """This program's (row block, split, request, warpgroup, request length, first cache step,
+  steps)."""
+  rb, s_idx, n = lax.axis_index("rb"), lax.axis_index("split"), lax.axis_index("req")
+  length = lens_ref[n]
+  start = s_idx * steps_per_split
+  stop = jnp.minimum(start + steps_per_split, lax.div(length + MGPU_STEP - 1, MGPU_STEP))
+  return rb, s_idx, n, lax.axis_index("wg"), length, start, jnp.maximum(stop - start, 0)
+
+
+def _mgpu_load_q(q_rows, q_smem, q_bar):
+  """The softmax warpgroup's start: more registers, and its query rows copied to SMEM."""
+  plgpu.set_max_registers(232, action="increase")
+  plgpu.copy_gmem_to_smem(q_rows, q_smem, q_bar)
+  plgpu.barrier_wait(q_bar)
+
+
 def _mgpu_stream(table_ref, cache_ref, k_smem, k_ready, k_free, *, n, start, count, per_page):
   """Producer warpgroup: TMA request n's cache steps ``start .. start + count - 1`` (``[64, D]``
   each) into the ring ``k_smem [stages, 64, D]``; a slot is refilled once ``k_free`` says both
@@ -212,13 +229,8 @@ def _mgpu_kernel(lens_ref, table_ref, q_ref, cache_ref, o_ref, lse_ref, q_smem, 
   Barriers: ``k_ready``/``k_free`` per slot (TMA -> both consumers -> producer), ``p_ready``/
   ``p_free`` (warpgroup 0 -> 1 -> 0, one P buffer); a last ``p_ready`` hands 1/l to warpgroup 1.
   """
-  rb, s_idx, n = lax.axis_index("rb"), lax.axis_index("split"), lax.axis_index("req")
-  wg = lax.axis_index("wg")
+  rb, s_idx, n, wg, length, start, count = _mgpu_program(lens_ref, steps_per_split)
   half = kv_lora_rank // 2
-  length = lens_ref[n]
-  start = s_idx * steps_per_split
-  stop = jnp.minimum(start + steps_per_split, lax.div(length + MGPU_STEP - 1, MGPU_STEP))
-  count = jnp.maximum(stop - start, 0)
   rows = pl.ds(rb * MGPU_ROWS, MGPU_ROWS)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -229,9 +241,7 @@ def _mgpu_kernel(lens_ref, table_ref, q_ref, cache_ref, o_ref, lse_ref, q_smem, 
 
   @pl.when(wg == 0)
   def _softmax_wg():
-    plgpu.set_max_registers(232, action="increase")
-    plgpu.copy_gmem_to_smem(q_ref.at[n, rows], q_smem, q_bar)
-    plgpu.barrier_wait(q_bar)
+    _mgpu_load_q(q_ref.at[n, rows], q_smem, q_bar)
 
     def step(k, carry, masked):
       acc, m, l = carry
@@ -312,42 +322,6 @@ def _mgpu_kernel(lens_ref, table_ref, q_ref, cache_ref, o_ref, lse_ref, q_smem, 
         acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_ref.dtype)
 
 
-def _mgpu_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, tn, heads, num_splits,
-                 stages, interpret):
-  n, rp, d = q.shape
-  _, ps, _ = cache.shape
-  max_pages = page_table.shape[1]
-  nr = rp // MGPU_ROWS
-  per_page = ps // MGPU_STEP
-  steps = max_pages * per_page
-  ns = num_splits or _default_splits(n, nr, steps, "gpu", MGPU_WAVES)
-  sps = -(-steps // ns)
-  swz = lambda: (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  kernel = functools.partial(
-      _mgpu_kernel, scale=scale, kv_lora_rank=kv_lora_rank, tn=tn, heads=heads,
-      per_page=per_page, steps_per_split=sps, stages=stages, interpret=interpret)
-  kernel.__name__ = "mla_decode_mgpu"  # the kernel's name in profiles and HLO
-  o_part, lse_part = plgpu.kernel(
-      kernel,
-      out_type=(jax.ShapeDtypeStruct((n, ns, rp, kv_lora_rank), jnp.float32),
-                jax.ShapeDtypeStruct((n, ns, rp), jnp.float32)),
-      scratch_types=(
-          plgpu.SMEM((MGPU_ROWS, d), q.dtype, transforms=swz()),
-          plgpu.SMEM((stages, MGPU_STEP, d), q.dtype, transforms=swz()),
-          plgpu.SMEM((MGPU_ROWS, MGPU_STEP), q.dtype, transforms=swz()),
-          plgpu.SMEM((MGPU_ROWS,), jnp.float32),
-          plgpu.SMEM((MGPU_ROWS,), jnp.float32),
-          plgpu.Barrier(),
-          plgpu.Barrier(num_barriers=stages),
-          plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-          plgpu.Barrier(),
-          plgpu.Barrier()),
-      grid=_mgpu_grid(n, ns, nr), grid_names=MGPU_GRID, num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-      interpret=plgpu.InterpretGPUParams() if interpret else None)(lengths, page_table, q, cache)
-  return _merge(o_part, lse_part)
-
-
 MGPU_T_ROWS = 48  # query rows per program of the transposed kernel: its wgmma N (96 = 2 x 48)
 MGPU_T_QK0 = 256  # score columns (of R + Dr) on warpgroup 0, at most half; 1 takes the rest
 
@@ -375,14 +349,9 @@ def _mgpu_t_kernel(lens_ref, table_ref, q_ref, cache_ref, o_ref, lse_ref, q_smem
   does not compute step k+1's partial before step k's ``P V``: with two slots that would stall
   ``P V`` on the next tile's arrival and leave no copy in flight.)
   """
-  rb, s_idx, n = lax.axis_index("rb"), lax.axis_index("split"), lax.axis_index("req")
-  wg = lax.axis_index("wg")
+  rb, s_idx, n, wg, length, start, count = _mgpu_program(lens_ref, steps_per_split)
   bn, d = q_smem.shape
   half = kv_lora_rank // 2
-  length = lens_ref[n]
-  start = s_idx * steps_per_split
-  stop = jnp.minimum(start + steps_per_split, lax.div(length + MGPU_STEP - 1, MGPU_STEP))
-  count = jnp.maximum(stop - start, 0)
   rows = pl.ds(rb * bn, bn)
   col_layout = plgpu.Layout.WGMMA.reduce(0)
   zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
@@ -406,9 +375,7 @@ def _mgpu_t_kernel(lens_ref, table_ref, q_ref, cache_ref, o_ref, lse_ref, q_smem
 
   @pl.when(wg == 0)
   def _softmax_wg():
-    plgpu.set_max_registers(232, action="increase")
-    plgpu.copy_gmem_to_smem(q_ref.at[n, rows], q_smem, q_bar)
-    plgpu.barrier_wait(q_bar)
+    _mgpu_load_q(q_ref.at[n, rows], q_smem, q_bar)
 
     def step(k, carry, masked):
       acc, m, lp = carry
@@ -487,45 +454,55 @@ def _mgpu_t_kernel(lens_ref, table_ref, q_ref, cache_ref, o_ref, lse_ref, q_smem
         acc * lax.broadcast_in_dim(inv, acc.shape, [1])).astype(o_ref.dtype)
 
 
-def _mgpu_t_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, tn, heads, num_splits,
-                   stages, interpret):
+def _mgpu_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, tn, heads, num_splits,
+                 stages, interpret, transposed=False):
+  """Runs ``_mgpu_kernel`` (64-row programs) or, ``transposed``, ``_mgpu_t_kernel`` (48-row
+  programs, ``S^T = K Q^T``) over (request, split, row block) and merges the splits."""
   n, rp, d = q.shape
-  _, ps, _ = cache.shape
-  bn = MGPU_T_ROWS
+  ps = cache.shape[1]
+  bn = MGPU_T_ROWS if transposed else MGPU_ROWS
   nr = rp // bn
   per_page = ps // MGPU_STEP
   steps = page_table.shape[1] * per_page
   ns = num_splits or _default_splits(n, nr, steps, "gpu", MGPU_WAVES)
   sps = -(-steps // ns)
   swz = lambda: (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  kernel = functools.partial(
-      _mgpu_t_kernel, scale=scale, kv_lora_rank=kv_lora_rank,
-      qk0=min(MGPU_T_QK0, d // 128 * 64), tn=tn, heads=heads,
-      per_page=per_page, steps_per_split=sps, stages=stages, interpret=interpret)
-  kernel.__name__ = "mla_decode_mgpu_t"
+  common = dict(scale=scale, kv_lora_rank=kv_lora_rank, tn=tn, heads=heads, per_page=per_page,
+                steps_per_split=sps, stages=stages, interpret=interpret)
+  if transposed:
+    kernel = functools.partial(_mgpu_t_kernel, qk0=min(MGPU_T_QK0, d // 128 * 64), **common)
+    kernel.__name__ = "mla_decode_mgpu_t"  # the kernel's name in profiles and HLO
+    o_shape = (n, ns, kv_lora_rank, rp)
+    partial_scores = [plgpu.SMEM((MGPU_STEP, bn), jnp.float32)]  # warpgroup 1's partial scores
+    # the token-axis max crosses warps: 6 KiB lets the 6 registers per thread of a [48]-row
+    # result go through SMEM in one round (two warpgroup barriers), 1 KiB would take six
+    reduction_bytes, handoffs = 6144, 3
+  else:
+    kernel = functools.partial(_mgpu_kernel, **common)
+    kernel.__name__ = "mla_decode_mgpu"
+    o_shape = (n, ns, rp, kv_lora_rank)
+    partial_scores, reduction_bytes, handoffs = [], 0, 2
   o_part, lse_part = plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct((n, ns, kv_lora_rank, rp), jnp.float32),
+      out_type=(jax.ShapeDtypeStruct(o_shape, jnp.float32),
                 jax.ShapeDtypeStruct((n, ns, rp), jnp.float32)),
       scratch_types=(
           plgpu.SMEM((bn, d), q.dtype, transforms=swz()),
           plgpu.SMEM((stages, MGPU_STEP, d), q.dtype, transforms=swz()),
           plgpu.SMEM((bn, MGPU_STEP), q.dtype, transforms=swz()),
-          plgpu.SMEM((MGPU_STEP, bn), jnp.float32),
+          *partial_scores,
           plgpu.SMEM((bn,), jnp.float32),
           plgpu.SMEM((bn,), jnp.float32),
           plgpu.Barrier(),
           plgpu.Barrier(num_barriers=stages),
           plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-          plgpu.Barrier(),
-          plgpu.Barrier(),
-          plgpu.Barrier()),
+          *[plgpu.Barrier() for _ in range(handoffs)]),
       grid=_mgpu_grid(n, ns, nr), grid_names=MGPU_GRID, num_threads=3, thread_name="wg",
-      # the token-axis max crosses warps: 6 KiB lets the 6 registers per thread of a [48]-row
-      # result go through SMEM in one round (two warpgroup barriers), 1 KiB would take six
-      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=6144),
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=reduction_bytes),
       interpret=plgpu.InterpretGPUParams() if interpret else None)(lengths, page_table, q, cache)
-  return _merge(o_part.transpose(0, 1, 3, 2), lse_part)
+  if transposed:
+    o_part = o_part.transpose(0, 1, 3, 2)
+  return _merge(o_part, lse_part)
 
 
 # --------------------------------------------------------------------------- TPU (Mosaic)
@@ -661,9 +638,10 @@ def mla_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, backend, n
   page_table = page_table.astype(jnp.int32)
   lengths = lengths.astype(jnp.int32)
   if mosaic:
-    o = (_mgpu_t_decode if gpu_kernel == "mosaic_t" else _mgpu_decode)(
+    o = _mgpu_decode(
         qr, cache, page_table, lengths, kv_lora_rank=kv_lora_rank, scale=scale, tn=tn, heads=h,
-        num_splits=num_splits, stages=stages, interpret=interpret)
+        num_splits=num_splits, stages=stages, interpret=interpret,
+        transposed=gpu_kernel == "mosaic_t")
   elif backend == "gpu":
     o = _gpu_decode(qr, cache, page_table, lengths, qoff, kv_lora_rank=kv_lora_rank, scale=scale,
                     num_splits=num_splits, block_rows=bm, step_tokens=step_tokens or 64,
