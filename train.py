@@ -99,10 +99,14 @@ def check_run_dir(run_dir: Path, cfg: config_lib.Config) -> None:
   path.write_text(yaml.safe_dump(current, sort_keys=False))
 
 
-def init_model(cfg: config_lib.Config, mesh=None):
+def init_model(cfg: config_lib.Config, mesh=None, *, threefry_kernel: bool = True):
   """(graphdef, params, biases): the model split into a static graph and pure-dict state, placed
   on ``mesh`` by the parameters' logical axis names; the state is created by one jitted call
-  (nothing is initialised op by op, nothing gathered on one device)."""
+  (nothing is initialised op by op, nothing gathered on one device).
+
+  XLA expands every parameter's threefry draw into a fusion of its own, and a model of a few
+  hundred parameters then takes minutes to compile for GPU; ``threefry_kernel`` draws the same
+  bits with the CUDA threefry kernel instead (``jax_threefry_gpu_kernel_lowering``; GPU only)."""
   from k3jax.latent_moe import RouterBias
   from k3jax.model import K3Model
 
@@ -118,11 +122,8 @@ def init_model(cfg: config_lib.Config, mesh=None):
     names = sharding.mesh.names_tree(cfg.model, nnx.Param, RouterBias)
     shapes = jax.eval_shape(create)
     out_shardings = tuple(sharding.mesh.pure_shardings(s, mesh, n) for s, n in zip(shapes, names))
-  # XLA expands every parameter's threefry draw into a fusion of its own, and a model of a few
-  # hundred parameters then takes minutes to compile for GPU; the CUDA threefry kernel draws the
-  # same bits without that (it only applies on GPU).
   previous = jax.config.jax_threefry_gpu_kernel_lowering
-  jax.config.update("jax_threefry_gpu_kernel_lowering", True)
+  jax.config.update("jax_threefry_gpu_kernel_lowering", threefry_kernel)
   try:
     params, biases = jax.jit(create, out_shardings=out_shardings)()
   finally:

@@ -38,8 +38,9 @@ import train  # noqa: E402
 from k3jax import config as config_lib, data as data_lib, flops, optim  # noqa: E402
 from k3jax import train_step as step_lib  # noqa: E402
 
+COLLECTIVES = "collectives (NCCL)"
 KINDS = (  # (kind, substrings of a kernel name), first match wins
-    ("collectives (NCCL)", ("nccl", "all-gather", "all_gather", "all-to-all", "all_to_all",
+    (COLLECTIVES, ("nccl", "all-gather", "all_gather", "all-to-all", "all_to_all",
                             "reduce-scatter", "reduce_scatter", "all-reduce", "all_reduce",
                             "collective-permute", "sendrecv")),
     ("kda", ("kda", "delta", "chunk_")),
@@ -220,6 +221,8 @@ def main(argv=None):
         result["profile_ms_per_step"] = {k: v / 2e3 for k, v in by_kind.items()}
         result["profile_ms_per_step_by_device"] = {
             d: {k: v / 2e3 for k, v in kinds.items()} for d, kinds in by_device.items()}
+        result["collectives_ms_per_step_by_device"] = [
+            kinds.get(COLLECTIVES, 0.0) / 2e3 for kinds in by_device.values()]
   if args.json:
     Path(args.json).write_text(json.dumps(result, indent=1))
 

@@ -44,7 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels.kda import kda, kda_decode  # noqa: E402
 from pallas_kernels.kda import gpu as kda_gpu  # noqa: E402
-from timing import Rows, median_ms as jtime  # noqa: E402
+from timing import Rows, median_ms as jtime, rel_err as rel  # noqa: E402
 
 SHAPES = [(1, 16384, 32, 128), (4, 4096, 32, 128), (1, 65536, 16, 128)]
 DECODE_N = (64, 256)
@@ -75,11 +75,6 @@ def ours(q, k, v, f, beta, a_log, dt_bias, segment_ids=None, initial_state=None,
   return kda(q, k, v, f, beta, use_qk_l2norm=True, A_log=a_log, dt_bias=dt_bias, gate="bounded",
              lower_bound=LB, beta_is_logit=True, segment_ids=segment_ids,
              initial_state=initial_state, output_final_state=True, implementation=impl)
-
-
-def rel(a, b):
-  a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-  return float(jnp.linalg.norm(a - b) / (jnp.linalg.norm(b) + 1e-30))
 
 
 CHECK_TOL = 3e-2  # relative error of the bf16 kernel vs the float32 recurrence
@@ -380,8 +375,6 @@ def time_fla(shape):
     chunk_kda(q, k, v, g, beta, **kw)[0].backward(do)
   r["fwdbwd"] = do_bench(fb, warmup=10, rep=100, return_mode="median",
                          grad_to_none=[q, k, v, g, beta])
-  del q, k, v, g, beta, do
-  torch.cuda.empty_cache()
   return r
 
 

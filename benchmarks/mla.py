@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.mla import decode, mla_attention, prefill, reference
-from timing import Rows, median_ms
+from timing import Rows, median_ms, rel_err
 
 DK, DV, R, DR = 192, 128, 512, 64
 SCALE = DK ** -0.5
@@ -42,11 +42,6 @@ ROWS = _ROWS.rows
 
 emit = _ROWS.emit
 timeit = functools.partial(median_ms, inner=3, reps=5)
-
-
-def rel_err(a, b):
-  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def rand(key, shape, dtype=jnp.bfloat16):
@@ -254,13 +249,32 @@ FWD = [dict(fwd_q=128, fwd_k=64, fwd_warps=8, fwd_stages=3),
 BWD = [dict(dkv_q=a, dkv_k=b, dkv_warps=w, dkv_stages=st, dq_q=c, dq_k=d, dq_warps=w, dq_stages=st)
        for a, b, c, d, w, st in ((64, 64, 64, 64, 4, 2), (64, 128, 128, 64, 8, 2),
                                  (32, 128, 128, 32, 8, 2), (64, 64, 64, 64, 8, 3))]
-DEC = [dict(block_rows=32, step_tokens=64, warps=4, stages=2),
-       dict(block_rows=32, step_tokens=32, warps=4, stages=2),
-       dict(block_rows=16, step_tokens=64, warps=4, stages=2),
-       dict(block_rows=32, step_tokens=64, warps=8, stages=2),
-       dict(block_rows=64, step_tokens=64, warps=8, stages=2),
-       dict(block_rows=32, step_tokens=64, warps=4, stages=2, num_splits=2),
-       dict(block_rows=32, step_tokens=32, warps=4, stages=3)]
+# Triton decode launch configurations (block_rows, step_tokens, warps apply to Triton only)
+DEC = [dict(gpu_kernel="triton", block_rows=32, step_tokens=64, warps=4, stages=2),
+       dict(gpu_kernel="triton", block_rows=32, step_tokens=32, warps=4, stages=2),
+       dict(gpu_kernel="triton", block_rows=16, step_tokens=64, warps=4, stages=2),
+       dict(gpu_kernel="triton", block_rows=32, step_tokens=64, warps=8, stages=2),
+       dict(gpu_kernel="triton", block_rows=64, step_tokens=64, warps=8, stages=2),
+       dict(gpu_kernel="triton", block_rows=32, step_tokens=64, warps=4, stages=2, num_splits=2),
+       dict(gpu_kernel="triton", block_rows=32, step_tokens=32, warps=4, stages=3)]
+
+
+def fastest(label, cfgs, ms_of, budget):
+  """(fastest cfg, its ms) of ``cfgs`` timed by ``ms_of(cfg)`` until ``budget`` seconds into the
+  run; each timing (or failure) is emitted. (None, None) when none ran."""
+  best, best_ms = None, None
+  for cfg in cfgs:
+    if time.perf_counter() - START > budget:
+      break
+    try:
+      ms = ms_of(cfg)
+    except Exception as e:  # noqa: BLE001
+      emit({"sweep": f"{label} {cfg}", "error": repr(e)[:200]})
+      continue
+    emit({"sweep": f"{label} {cfg}", "ms": round(ms, 3)})
+    if best_ms is None or ms < best_ms:
+      best, best_ms = cfg, ms
+  return best, best_ms
 
 
 def sweep_prefill(budget):
@@ -272,40 +286,22 @@ def sweep_prefill(budget):
   best = prefill.GPU_BLOCKS
   for cfgs, timed in ((FWD, lambda f: timeit(jax.jit(f), q, k, v, reps=3)),
                       (BWD, lambda f: timeit(fwd_bwd(f), q, k, v, do, reps=3))):
-    best_ms, base = None, best
-    for cfg in cfgs:
-      if time.perf_counter() - START > budget:
-        break
-      blk = dataclasses.replace(base, **cfg)
-      try:
-        ms = timed(attn("pallas", blocks=blk))
-      except Exception as e:  # noqa: BLE001
-        emit({"sweep": f"prefill {cfg}", "error": repr(e)[:200]})
-        continue
-      emit({"sweep": f"prefill {cfg}", "ms": round(ms, 3)})
-      if best_ms is None or ms < best_ms:
-        best, best_ms = blk, ms
+    base = best
+    cfg, _ = fastest("prefill", cfgs, lambda c: timed(attn("pallas", blocks=dataclasses.replace(
+        base, **c))), budget)
+    best = base if cfg is None else dataclasses.replace(base, **cfg)
   emit({"best_blocks": dataclasses.asdict(best)})
   return best
 
 
 def sweep_decode(budget):
-  """Best decode launch configuration at N=256."""
+  """Best Triton decode launch configuration at N=256."""
   q, cache, table, lens = decode_case(256, jax.random.key(4))
-  best, best_ms = {}, None
-  for cfg in DEC:
-    if time.perf_counter() - START > budget:
-      break
-    f = jax.jit(lambda q, c, t, l, cfg=cfg: decode.mla_decode(q, c, t, l, kv_lora_rank=R,
-                                                             scale=SCALE, backend="gpu", **cfg))
-    try:
-      ms = timeit(f, q, cache, table, lens, reps=3)
-    except Exception as e:  # noqa: BLE001
-      emit({"sweep": f"decode {cfg}", "error": repr(e)[:200]})
-      continue
-    emit({"sweep": f"decode N256 {cfg}", "ms": round(ms, 3)})
-    if best_ms is None or ms < best_ms:
-      best, best_ms = cfg, ms
+  dec = lambda cfg: jax.jit(lambda q, c, t, l: decode.mla_decode(
+      q, c, t, l, kv_lora_rank=R, scale=SCALE, backend="gpu", **cfg))
+  best, _ = fastest("decode N256", DEC, lambda cfg: timeit(dec(cfg), q, cache, table, lens, reps=3),
+                    budget)
+  best = best or {}
   emit({"best_decode": best})
   return best
 

@@ -34,7 +34,7 @@ import numpy as np
 from k3jax.glu import situ_glu
 from pallas_kernels import moe
 from pallas_kernels.moe import gpu, pallas
-from timing import Rows, median_ms
+from timing import Rows, median_ms, rel_err
 
 SHAPES = [(64, 32768, 2048, 1024), (32, 65536, 3584, 6144), (8, 32768, 1024, 512)]  # E, M, K, N
 # Tiling variants of the sweep, each a change to the heuristic's tiling at the shape, in order of
@@ -60,11 +60,6 @@ def bench(fn, *args, n=10, inner=1):
   return median_ms(fn, *args, reps=n, inner=inner)
 
 
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def fwd_bwd(f):
   """``(x, w, gs, dy) -> (d_x, d_w)`` of ``sum(f(x, w, gs) * dy)``."""
   def loss(x, w, gs, dy):
@@ -83,13 +78,13 @@ def gmm_checks():
   ours = jax.jit(lambda x, w, gs: moe.gmm(x, w, gs, implementation="pallas_gpu"))
   ref = jax.jit(lambda x, w, gs: moe.gmm(x, w, gs, implementation="xla",
                                          preferred_element_type=jnp.float32))
-  emit(check="gmm fwd", rel_err=rel(ours(x, w, gs), ref(xf, wf, gs)))
+  emit(check="gmm fwd", rel_err=rel_err(ours(x, w, gs), ref(xf, wf, gs)))
   tail = np.asarray(ours(x, w, gs)[int(gs.sum()):], np.float32)
   emit(check="gmm rows past sum are zero", ok=bool(np.all(tail == 0)))
   gx, gw = fwd_bwd(lambda x, w, gs: moe.gmm(x, w, gs, implementation="pallas_gpu"))(x, w, gs, dy)
   rx, rw = fwd_bwd(lambda x, w, gs: moe.gmm(x, w, gs, implementation="xla"))(xf, wf, gs, dy)
-  emit(check="gmm d_lhs", rel_err=rel(gx, rx))
-  emit(check="gmm d_rhs", rel_err=rel(gw, rw))
+  emit(check="gmm d_lhs", rel_err=rel_err(gx, rx))
+  emit(check="gmm d_rhs", rel_err=rel_err(gw, rw))
 
 
 def mlp_checks():
@@ -108,9 +103,9 @@ def mlp_checks():
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
 
   (lo, go), (lr, gr) = mlp_loss("pallas_gpu")(xt, wts, wgu, wdn), mlp_loss("xla")(xt, wts, wgu, wdn)
-  emit(check="expert_mlp value", rel_err=rel(lo, lr))
+  emit(check="expert_mlp value", rel_err=rel_err(lo, lr))
   for name, a, b in zip(("d_x", "d_weights", "d_w_gate_up", "d_w_down"), go, gr):
-    emit(check=f"expert_mlp {name}", rel_err=rel(a, b))
+    emit(check=f"expert_mlp {name}", rel_err=rel_err(a, b))
 
 
 def gmm_table(quick: bool, no_xla: bool):
@@ -179,7 +174,7 @@ def sweep(budget: float):
     for name, f in impls.items():
       try:
         fwd = jax.jit(f)
-        err = device_rel(fwd(x, w, gs), ref)
+        err = rel_err(fwd(x, w, gs), ref)
         ms = bench(fwd, x, w, gs, n=10, inner=5)
       except Exception as exc:  # noqa: BLE001
         emit(gmm=shape, impl=name, error=repr(exc)[:300])
@@ -230,7 +225,7 @@ def sweep(budget: float):
       try:
         tiles.check(k, n)
         fwd = jax.jit(lambda x, w, gs, tiles=tiles: gpu.gmm(x, w, gs, config=tiles))
-        err = device_rel(fwd(x, w, gs), ref)
+        err = rel_err(fwd(x, w, gs), ref)
         ms = bench(fwd, x, w, gs, n=10, inner=5)
       except Exception as exc:  # noqa: BLE001
         emit(gmm=shape, variant=name, tiles=str(tiles), error=repr(exc)[:300])
@@ -269,7 +264,7 @@ def variant_check(name, vary, m=3008, k=512, n=512, sizes=(0, 900, 3, 0, 1200, 6
     ref = moe.gmm(x.astype(jnp.float32), w.astype(jnp.float32), gs, implementation="xla")
     try:
       out = gpu.gmm(x, rhs, gs, config=tiles, transpose_rhs=transpose_rhs)
-      err, tail = device_rel(out, ref), bool(jnp.all(out[total:] == 0))
+      err, tail = rel_err(out, ref), bool(jnp.all(out[total:] == 0))
     except Exception as exc:  # noqa: BLE001
       emit(check=f"variant {name}", tiles=str(tiles), transposed=transpose_rhs, error=repr(exc)[:300])
       return False
@@ -279,15 +274,6 @@ def variant_check(name, vary, m=3008, k=512, n=512, sizes=(0, 900, 3, 0, 1200, 6
   return ok
 
 
-@jax.jit
-def _rel(a, b):
-  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-  return jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30)
-
-
-def device_rel(a, b) -> float:
-  """Relative Frobenius error computed on the device (large operands)."""
-  return float(_rel(a, b))
 
 
 def jla_ragged_dot():
@@ -347,8 +333,8 @@ def layer_table(no_xla: bool):
       emit(layer=shape, impl=impl, error=repr(err)[:300])
   if len(values) == 2:
     (va, ga), (vb, gb) = values["pallas_gpu"], values["xla"]
-    emit(check="layer pallas vs xla loss", rel_err=rel(va, vb))
-    emit(check="layer pallas vs xla grads (max over args)", rel_err=max(rel(a, b) for a, b in zip(ga, gb)))
+    emit(check="layer pallas vs xla loss", rel_err=rel_err(va, vb))
+    emit(check="layer pallas vs xla grads (max over args)", rel_err=max(rel_err(a, b) for a, b in zip(ga, gb)))
 
 
 def main():

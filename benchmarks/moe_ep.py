@@ -28,8 +28,8 @@ import numpy as np  # noqa: E402
 
 import pallas_kernels.moe as moe_ops  # noqa: E402
 import sharding  # noqa: E402
-from benchmarks.bench_train import kernel_times  # noqa: E402
-from benchmarks.timing import median_ms  # noqa: E402
+from benchmarks.bench_train import COLLECTIVES, kernel_times  # noqa: E402
+from benchmarks.timing import median_ms, rel_err  # noqa: E402
 from k3jax.config import MeshConfig  # noqa: E402
 from sharding import expert_parallel  # noqa: E402
 
@@ -58,7 +58,8 @@ def main(argv=None):
   p.add_argument("--top-k", type=int, default=8)
   p.add_argument("--skew", type=float, default=0.75)
   p.add_argument("--profile", default=None, help="trace directory (default: a temporary one)")
-  p.add_argument("--json", default=None)
+  p.add_argument("--json", default=os.environ.get("OUT") and os.path.join(os.environ["OUT"],
+                                                                          "moe_ep.json"))
   args = p.parse_args(argv)
   r = jax.device_count()
   n, d, f, e, k = args.tokens * r, args.latent, args.width, args.experts, args.top_k
@@ -93,9 +94,7 @@ def main(argv=None):
       fn = jax.jit(jax.value_and_grad(lambda *a: loss(expert_parallel.moe_dispatch, *a),
                                       argnums=(0, 1, 2)))
       out = fn(xs, w1s, w2s)
-      errs = [float(jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
-                    / jnp.linalg.norm(b.astype(jnp.float32).ravel()))
-              for a, b in zip(jax.tree.leaves(out[1]), jax.tree.leaves(ref[1]))]
+      errs = [rel_err(a, b) for a, b in zip(jax.tree.leaves(out[1]), jax.tree.leaves(ref[1]))]
       ms = median_ms(fn, xs, w1s, w2s, reps=5, inner=3)
       trace = args.profile and f"{args.profile}/{name}" or f"/tmp/moe_ep_trace_{name}_{time.time():.0f}"
       with jax.profiler.trace(trace, create_perfetto_trace=True):
@@ -103,9 +102,9 @@ def main(argv=None):
           out = fn(xs, w1s, w2s)
         jax.block_until_ready(out)
     _, _, by_device = kernel_times(trace)
-    comp = {dev: sum(v for kind, v in kinds.items() if not kind.startswith("collectives")) / 3e3
+    comp = {dev: sum(v for kind, v in kinds.items() if kind != COLLECTIVES) / 3e3
             for dev, kinds in by_device.items()}
-    coll = {dev: kinds.get("collectives (NCCL)", 0.0) / 3e3 for dev, kinds in by_device.items()}
+    coll = {dev: kinds.get(COLLECTIVES, 0.0) / 3e3 for dev, kinds in by_device.items()}
     imbalance = max(comp.values()) / (sum(comp.values()) / len(comp)) if comp else None
     for dev, kinds in by_device.items():
       print(f"  {name} {dev}: " + ", ".join(f"{kind} {v / 3e3:.2f} ms" for kind, v in
@@ -120,9 +119,6 @@ def main(argv=None):
   sharding.configure(MeshConfig())
   if args.json:
     Path(args.json).write_text(json.dumps({"args": vars(args), **results}, indent=1))
-  out_dir = os.environ.get("OUT")
-  if out_dir and not args.json:
-    Path(out_dir, "moe_ep.json").write_text(json.dumps({"args": vars(args), **results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -95,8 +95,8 @@ def main(argv=None):
 def report(results: dict, n: int, args) -> None:
   base = results.get("one", {}).get("losses")
   print(f"\n{args.config} {' '.join(args.overrides)}: {args.steps} steps, {n} GPUs")
-  print(f"| layout | GPUs | step ms | tokens/s | MFU | compile s | collectives ms/step/GPU | "
-        f"peak GiB per GPU | max abs loss diff vs one GPU (at step) | last loss |")
+  print("| layout | GPUs | step ms | tokens/s | MFU | compile s | collectives ms/step/GPU | "
+        "peak GiB per GPU | max abs loss diff vs one GPU (at step) | last loss |")
   print("|---|---|---|---|---|---|---|---|---|---|")
   for name, r in results.items():
     if "error" in r:
@@ -107,8 +107,7 @@ def report(results: dict, n: int, args) -> None:
       d = [abs(a - b) for a, b in zip(r["losses"], base)]
       i = max(range(len(d)), key=d.__getitem__)
       diff = f"{d[i]:.4f} ({i})"
-    coll = r.get("profile_ms_per_step_by_device", {})
-    coll = [k.get("collectives (NCCL)", 0.0) for k in coll.values()]
+    coll = r.get("collectives_ms_per_step_by_device", [])
     mfu = r.get("mfu")
     print(f"| {name} | {r['devices']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
           f"{'-' if mfu is None else f'{mfu:.1%}'} | {r['compile_s']:.0f} | "

@@ -8,6 +8,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 
 
 def median_ms(fn, *args, reps: int = 15, inner: int = 5) -> float:
@@ -22,6 +23,17 @@ def median_ms(fn, *args, reps: int = 15, inner: int = 5) -> float:
     jax.block_until_ready(out)
     ts.append((time.perf_counter() - t) / inner)
   return statistics.median(ts) * 1e3
+
+
+@jax.jit
+def _rel_err(a, b):
+  a, b = a.astype(jnp.float32).reshape(-1), b.astype(jnp.float32).reshape(-1)
+  return jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30)
+
+
+def rel_err(a, b) -> float:
+  """Relative Frobenius error ``||a - b|| / ||b||`` in float32, computed on the device."""
+  return float(_rel_err(jnp.asarray(a), jnp.asarray(b)))
 
 
 class Rows:

@@ -51,10 +51,6 @@ def configure(*, expert_axes=("expert",)) -> None:
   _ACTIVE.update(DEFAULT_RULES, expert=tuple(expert_axes))
 
 
-def active_rules() -> dict[str, tuple[str, ...]]:
-  return _ACTIVE
-
-
 def logical_spec(names: Sequence[str | None], rules: dict[str, tuple[str, ...]] | None = None,
                  mesh_axes: Sequence[str] | None = None) -> P:
   """PartitionSpec for logical ``names`` under ``rules``, keeping only axes the mesh has.
