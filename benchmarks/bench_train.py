@@ -8,7 +8,9 @@ The step is the one ``train.py`` runs (same init, optimizer, data, mesh and jitt
 first shape. ``--steps`` steps run from step 0 (the loss of each is printed); throughput is the
 median time of all but the first two, every step synchronised. With ``--profile`` two more steps
 run under ``jax.profiler`` and the GPU kernel time is summed per device by kind (KDA, attention,
-grouped expert matmul, dense matmul, collectives, other fusions), read from the Perfetto trace.
+grouped expert matmul, dense matmul, collectives, other fusions), read from the Perfetto trace,
+and by model scope (the ``jax.named_scope`` of each kernel's HLO instruction: ``kda``, ``mla``,
+``moe/permute``, ``attn_res``, ``lm_head_loss``, ``optimizer``..., ``(bwd)`` for the backward).
 
 ``--json PATH`` writes every figure to PATH. ``--lock PATH`` holds an exclusive ``flock`` on PATH
 from the first step to the end, so several layouts can compile side by side (CPU work) while
@@ -24,6 +26,7 @@ import fcntl
 import glob
 import gzip
 import json
+import re
 import statistics
 import sys
 import time
@@ -59,28 +62,53 @@ def kind_of(name: str) -> str:
   return "other fusions (elementwise, norms, optimizer, reductions)"
 
 
-def kernel_times(trace_dir: str) -> tuple[dict, dict, dict]:
+SCOPES = ("embed", "kda", "mla", "attn_res", "moe", "mlp", "router", "permute", "experts",
+          "unpermute", "shared_experts", "lm_head_loss", "optimizer")
+
+
+def hlo_scopes(hlo_text: str) -> dict[str, str]:
+  """{HLO instruction name (dots and underscores both): scope label} from a compiled module's
+  text. The label joins the known ``SCOPES`` in the instruction's ``op_name`` (outermost first),
+  with `` (bwd)`` when the op is in a transposed (backward) computation."""
+  out = {}
+  for m in re.finditer(r'%([\w.-]+) = .*?metadata=\{op_name="([^"]*)"', hlo_text):
+    name, op = m.groups()
+    parts = []
+    for tok in re.split(r"[/()]", op):
+      if tok in SCOPES and tok not in parts:
+        parts.append(tok)
+    label = "/".join(parts) or "(unscoped)"
+    if "transpose(" in op:
+      label += " (bwd)"
+    out[name] = out[name.replace(".", "_")] = label
+  return out
+
+
+def kernel_times(trace_dir: str) -> tuple[dict, dict, dict, dict]:
   """GPU kernel time in microseconds from the Perfetto trace under ``trace_dir``: ({kind: total},
-  {kernel name: total}, {device: {kind: total}}), totals over all devices."""
+  {kernel name: total}, {device: {kind: total}}, {HLO op (or kernel) name: total}), totals over
+  all devices."""
   files = glob.glob(f"{trace_dir}/**/*perfetto_trace.json.gz", recursive=True) or \
       glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
   if not files:
-    return {}, {}, {}
+    return {}, {}, {}, {}
   with gzip.open(files[0]) as f:
     events = json.load(f)
   events = events["traceEvents"] if isinstance(events, dict) else events
   names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   gpu = {pid: n for pid, n in names.items() if "gpu" in n.lower() or "/device:" in n.lower()}
-  by_kind, by_name = collections.Counter(), collections.Counter()
+  by_kind, by_name, by_op = collections.Counter(), collections.Counter(), collections.Counter()
   by_device: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
   for e in events:
     if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
       kind = kind_of(e["name"])
       by_name[e["name"]] += e["dur"]
+      by_op[e.get("args", {}).get("hlo_op") or e["name"]] += e["dur"]
       by_kind[kind] += e["dur"]
       by_device[gpu[e["pid"]]][kind] += e["dur"]
-  return dict(by_kind), dict(by_name), {d: dict(c) for d, c in sorted(by_device.items())}
+  return (dict(by_kind), dict(by_name), {d: dict(c) for d, c in sorted(by_device.items())},
+          dict(by_op))
 
 
 @contextlib.contextmanager
@@ -216,8 +244,21 @@ def main(argv=None):
             params, opt_state, biases, m = compiled(params, opt_state, biases, jnp.int32(i), rng,
                                                     train.place(next(it), sh))
           jax.block_until_ready(m)
-        by_kind, by_name, by_device = kernel_times(args.profile)
+        by_kind, by_name, by_device, by_op = kernel_times(args.profile)
         report_kernels(by_kind, by_name, by_device, steps=2)
+        scopes = hlo_scopes(compiled.as_text())
+        by_scope = collections.Counter()
+        for op, us in by_op.items():
+          by_scope[scopes.get(op, scopes.get(op.replace(".", "_"), "(unmatched)"))] += us
+        n_dev = max(len(by_device), 1)
+        result["profile_ms_per_step_by_scope"] = {
+            k: v / 2e3 / n_dev for k, v in sorted(by_scope.items(), key=lambda kv: -kv[1])}
+        result["top_ops_ms_per_step"] = [
+            [op, scopes.get(op, ""), v / 2e3 / n_dev]
+            for op, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:150]]
+        print("GPU kernel time per step per device by model scope:")
+        for k, v in result["profile_ms_per_step_by_scope"].items():
+          print(f"  {k:40s} {v:8.1f} ms")
         result["profile_ms_per_step"] = {k: v / 2e3 for k, v in by_kind.items()}
         result["profile_ms_per_step_by_device"] = {
             d: {k: v / 2e3 for k, v in kinds.items()} for d, kinds in by_device.items()}

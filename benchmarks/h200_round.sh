@@ -5,6 +5,11 @@
 #   bash benchmarks/h200_round.sh kernels   # KDA variants, MLA decode variants, MoE tilings (GPU 1 or 0)
 #   bash benchmarks/h200_round.sh train     # k3_1b step on one GPU: compile-flag trials, profile
 #   bash benchmarks/h200_round.sh both      # both: the kernel runs use the GPU while the steps compile
+#   bash benchmarks/h200_round.sh multi     # k3_1b, 50 steps: one GPU, expert, context, mixed layouts
+#   bash benchmarks/h200_round.sh long      # k3_1b at 128K tokens (one GPU, context, mixed), 256K on
+#                                           # one GPU, and the profiled 16 x 4096 one-GPU step
+#
+# The k3_1b runs compile without XLA's Triton GEMM fusions (85 s instead of 111 s, same step time).
 #
 # Wheels: `.whl` (fla-core, jax-linear-attention) and `.whl_train` (grain, array-record, portpicker,
 # flax, orbax-checkpoint, optax) are carried with the device tool's `carry`. Timed GPU work is
@@ -46,12 +51,32 @@ kernels() {
   say "moe done"
 }
 
+multi() {
+  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 540 python3 benchmarks/multi_gpu.py \
+    --config configs/k3_1b.yaml --layouts one,expert,context,context_experts --steps 50 \
+    --out "$R/multi" train.batch_size=8 > "$R/multi.log" 2>&1
+}
+
+long() {
+  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 540 python3 benchmarks/multi_gpu.py \
+    --config configs/k3_1b.yaml --layouts one,context,context_experts --steps 4 --tag 1b_128k \
+    --out "$R/long" train.batch_size=1 data.seq_len=131072 > "$R/long.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 540 \
+    python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 3 --lock "$R/long/.gpu.lock" \
+    --json "$R/1b_256k_one.json" train.batch_size=1 data.seq_len=262144 > "$R/1b_256k_one.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 540 \
+    python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 12 --lock "$R/long/.gpu.lock" \
+    --profile "$R/trace_16x4096" --json "$R/1b_16x4096.json" > "$R/1b_16x4096.log" 2>&1 &
+}
+
 case "$WHAT" in
   kernels) kernels ;;
   train) train ;;
   both) train; sleep 5; kernels ;;
-  *) echo "usage: $0 kernels|train|both"; exit 2 ;;
+  multi) multi ;;
+  long) mkdir -p "$R/long"; long ;;
+  *) echo "usage: $0 kernels|train|both|multi|long"; exit 2 ;;
 esac
 wait
 say "all done"
-for f in "$R"/*.log; do echo "== $f"; grep -v "^\s*$" "$f" | grep -v "slow_operation\|\*\*\*\|Very slow" | tail -40; done
+for f in "$R"/*.log "$R"/*/*.log; do echo "== $f"; grep -v "^\s*$" "$f" | grep -v "slow_operation\|\*\*\*\|Very slow" | tail -40; done

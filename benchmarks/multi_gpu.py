@@ -15,7 +15,8 @@ time (an exclusive lock). ``one`` sees only the first GPU; the others see all of
   context_experts  mesh.context=N, experts over    the mixed layout: sequence split for attention,
                    the context axis                the same ranks hold the experts (all-to-all)
 
-Multi-GPU layouts are profiled for two more steps (collective time per step from the trace).
+Every layout is profiled for two more steps (collective time per step and kernel time by model
+scope, from the trace).
 The table compares each layout's per-step losses with ``one``'s (max absolute difference) and
 gives step time, tokens/s, MFU, collective time and peak memory per GPU. A layout that fails (out
 of memory, say) is reported with the last lines of its error and the others go on.
@@ -74,7 +75,7 @@ def main(argv=None):
                                   if "force_host_platform_device_count" not in f)
     cmd = [sys.executable, str(ROOT / "benchmarks/bench_train.py"), "--config", args.config,
            "--steps", str(args.steps), "--json", str(out / f"{tag}_{name}.json"), "--lock", str(lock),
-           *([] if name == "one" else ["--profile", f"/tmp/trace_{tag}_{name}"]),
+           "--profile", f"/tmp/trace_{tag}_{name}",
            *LAYOUTS[name], *args.overrides]
     log = open(out / f"{tag}_{name}.log", "w")
     procs[name] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log)

@@ -165,6 +165,9 @@ class OptimizerConfig:
   grad_clip: float = 1.0
   muon_per_head: bool = False
   muon_beta: float = 0.95  # Muon momentum
+  # Matmul operands of Muon's Newton-Schulz iteration: "bf16" (float32 accumulation; float32
+  # elsewhere) or "f32" (the backend's float32 matmul: TF32 on NVIDIA GPUs, exact on CPU).
+  muon_ns_precision: str = "bf16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,6 +411,7 @@ def validate(cfg: Config) -> None:
   o = cfg.optimizer
   _one_of(o.name, ("adamw", "muon"), "optimizer.name")
   _one_of(o.schedule, ("wsd", "cosine", "constant"), "optimizer.schedule")
+  _one_of(o.muon_ns_precision, ("bf16", "f32"), "optimizer.muon_ns_precision")
   _check(cfg.checkpoint.every > 0, "checkpoint.every", "must be positive")
   _check(cfg.checkpoint.keep > 0, "checkpoint.keep", "must be positive")
   for name in ("data", "fsdp", "expert", "context", "tensor"):

@@ -70,9 +70,10 @@ class LatentMoE(nnx.Module):
     b, t, d = x.shape
     xf = x.reshape(b * t, d)
     vf = None if valid is None else valid.reshape(b * t)
-    scores = self.gate.scores(xf)
-    bias = self.gate.bias[...]
-    ids, weights = router.route(scores, bias, m)
+    with jax.named_scope("router"):
+      scores = self.gate.scores(xf)
+      bias = self.gate.bias[...]
+      ids, weights = router.route(scores, bias, m)
     xe = self.routed_expert_down_proj(xf) if m.latent_dim else xf
     w1, w2 = self.experts.w_gate_up[...].astype(x.dtype), self.experts.w_down[...].astype(x.dtype)
     if expert_parallel.active():
@@ -84,7 +85,8 @@ class LatentMoE(nnx.Module):
     if m.latent_dim:
       y = self.routed_expert_up_proj(self.routed_expert_norm(y))
     if m.num_shared_experts:
-      y = y + self.shared_experts(xf)
+      with jax.named_scope("shared_experts"):
+        y = y + self.shared_experts(xf)
     stats = {
         "load": router.expert_load(ids, m.num_experts, vf),
         "bias_stat": jax.lax.stop_gradient(balance.bias_stat(scores, bias, ids, m, vf)),

@@ -56,18 +56,26 @@ class DecoderLayer(nnx.Module):
     attn_kw = dict(segment_ids=segment_ids, valid=valid, cache=cache, decode=decode)
     if self.kind == "mla":
       attn_kw["lengths"] = lengths
+    mixer = jax.named_scope(self.kind)  # profile scopes: kda / mla, moe / mlp, attn_res
+    ffn = jax.named_scope("moe" if self.moe else "mlp")
     if not self.attn_res_on:
-      a, cache = self.self_attn(self.input_layernorm(prefix), **attn_kw)
+      with mixer:
+        a, cache = self.self_attn(self.input_layernorm(prefix), **attn_kw)
       x = shard(prefix + a, _ACT)
-      m, stats = self._mlp(self.post_attention_layernorm(x), valid)
+      with ffn:
+        m, stats = self._mlp(self.post_attention_layernorm(x), valid)
       return shard(x + m, _ACT), blocks, cache, stats
-    h = self.self_attention_res(blocks + (prefix,)) if blocks else prefix
+    with jax.named_scope("attn_res"):
+      h = self.self_attention_res(blocks + (prefix,)) if blocks else prefix
     if self.idx % self.block_size == 0:
       blocks, prefix = blocks + (prefix,), None
-    a, cache = self.self_attn(self.input_layernorm(h), **attn_kw)
+    with mixer:
+      a, cache = self.self_attn(self.input_layernorm(h), **attn_kw)
     prefix = a if prefix is None else prefix + a
-    h = self.mlp_res(blocks + (prefix,))
-    m, stats = self._mlp(self.post_attention_layernorm(h), valid)
+    with jax.named_scope("attn_res"):
+      h = self.mlp_res(blocks + (prefix,))
+    with ffn:
+      m, stats = self._mlp(self.post_attention_layernorm(h), valid)
     return shard(prefix + m, _ACT), blocks, cache, stats
 
 
@@ -101,7 +109,8 @@ class K3Model(nnx.Module):
     cfg = self.cfg
     if valid is None and segment_ids is not None:
       valid = segment_ids > 0
-    x = shard(self.embed_tokens(input_ids, cfg.cdtype), _ACT)
+    with jax.named_scope("embed"):
+      x = shard(self.embed_tokens(input_ids, cfg.cdtype), _ACT)
     blocks: tuple = ()
     moe_stats, caches = {}, []
     for i, layer in enumerate(self.layers):
@@ -113,8 +122,9 @@ class K3Model(nnx.Module):
       caches.append(c)
       if stats is not None:
         moe_stats[str(i)] = stats
-    if cfg.attn_res.enabled:
-      x = self.output_attn_res(blocks + (x,))
+    with jax.named_scope("attn_res"):
+      if cfg.attn_res.enabled:
+        x = self.output_attn_res(blocks + (x,))
     aux = {"moe": moe_stats}
     if cache is not None:
       aux["cache"] = caches

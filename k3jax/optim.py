@@ -7,7 +7,8 @@
 - ``muon``: ``optax.contrib.muon`` on the weight matrices, update RMS matched to AdamW
   (``0.2 * sqrt(max(fan_in, fan_out))``), Nesterov momentum; AdamW on everything that is not a
   hidden-layer matrix: norms, biases, ``A_log``, ``dt_bias``, Block AttnRes vectors, the embedding,
-  ``lm_head`` and the short-conv kernels. Expert weights ``[E, L, 2F]`` / ``[E, F, L]`` are
+  ``lm_head`` and the short-conv kernels. The Newton-Schulz matmuls take bf16 operands with
+  float32 accumulation (``optimizer.muon_ns_precision``), as in Moonlight and Keller Jordan's Muon. Expert weights ``[E, L, 2F]`` / ``[E, F, L]`` are
   orthogonalised per expert (and gate/up separately); with ``optimizer.muon_per_head`` the
   attention projections are orthogonalised per head (``[d, H*K]`` viewed as ``[d, H, K]``).
 
@@ -154,6 +155,22 @@ def _viewed(inner: optax.GradientTransformation, roles) -> optax.GradientTransfo
   return optax.GradientTransformation(init, update)
 
 
+_NS_PRECISION = {"bf16": "BF16_BF16_F32", "f32": None}
+
+
+def _with_matmul_precision(inner: optax.GradientTransformation, precision: str | None
+                           ) -> optax.GradientTransformation:
+  """``inner`` with its update traced under ``jax.default_matmul_precision(precision)``."""
+  if precision is None:
+    return inner
+
+  def update(updates, state, params=None):
+    with jax.default_matmul_precision(precision):
+      return inner.update(updates, state, params)
+
+  return optax.GradientTransformation(inner.init, update)
+
+
 def make_optimizer(cfg: Config, params) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """(transformation, schedule) for the pure-dict parameter tree ``params`` (arrays or
   ShapeDtypeStructs)."""
@@ -172,6 +189,7 @@ def make_optimizer(cfg: Config, params) -> tuple[optax.GradientTransformation, o
     muon = optax.contrib.muon(
         schedule, beta=o.muon_beta, eps=o.eps, weight_decay=o.weight_decay,
         muon_weight_dimension_numbers=muon_dims, consistent_rms=0.2, nesterov=True)
+    muon = _with_matmul_precision(muon, _NS_PRECISION[o.muon_ns_precision])
     adam = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                        mask=decay_mask)
     base = _viewed(optax.partition({"muon": muon, "adam": adam}, labels), roles)

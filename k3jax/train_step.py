@@ -39,8 +39,9 @@ def _loss(graphdef, params, biases, batch: Batch):
   """(summed token loss, (summed weights, per-layer router stats)) of one micro-batch."""
   model = nnx.merge(graphdef, params, biases)
   h, aux = model.hidden(batch["input_ids"], segment_ids=batch["segment_ids"])
-  loss_sum, weight_sum = losses.cross_entropy(h, model.lm_head.kernel[...], batch["targets"],
-                                              batch["weights"])
+  with jax.named_scope("lm_head_loss"):
+    loss_sum, weight_sum = losses.cross_entropy(h, model.lm_head.kernel[...], batch["targets"],
+                                                batch["weights"])
   return loss_sum, (weight_sum, aux["moe"])
 
 
@@ -85,13 +86,14 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation,
     denom = jnp.maximum(weight_sum, 1.0)
     grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
     loss = loss_sum / denom
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
     def apply(operands):
       params, opt_state, biases = operands
-      updates, opt_state = tx.update(grads, opt_state, params)
-      params = optax.apply_updates(params, updates)
+      with jax.named_scope("optimizer"):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
       new = {i: router.next_bias(cfg.model.moe, _bias_of(biases, i),
                                  [s[str(i)] for s in stats_list]) for i in layers}
       return params, opt_state, _set_biases(biases, new)

@@ -78,22 +78,37 @@ def test_sampling():
     generate(K3Model(tiny_config(*SMALL).model, rngs=nnx.Rngs(0)), [[]], max_new_tokens=1)
 
 
-def test_cross_entropy_matches_direct():
-  rng = np.random.default_rng(0)
-  h = rng.normal(size=(2, 7, 8)).astype(np.float32)
+@pytest.mark.parametrize("n_tok,chunk", [(7, 4), (1, 4), (16, 4)])
+def test_cross_entropy_matches_direct(n_tok, chunk):
+  """Loss, and gradients of h, the head and the weights, against a float64 NumPy softmax; T=1,
+  T not a multiple of the chunk and a multiple of it."""
+  rng = np.random.default_rng(n_tok)
+  h = rng.normal(size=(2, n_tok, 8)).astype(np.float32)
   w = rng.normal(size=(8, 11)).astype(np.float32)
-  tgt = rng.integers(0, 11, size=(2, 7))
-  wts = (rng.random((2, 7)) > 0.3).astype(np.float32)
-  loss, count = cross_entropy(jnp.asarray(h), jnp.asarray(w), jnp.asarray(tgt), jnp.asarray(wts), chunk_size=4)
+  tgt = rng.integers(0, 11, size=(2, n_tok))
+  wts = (rng.random((2, n_tok)) > 0.3).astype(np.float32) * rng.uniform(0.5, 2, (2, n_tok)).astype(np.float32)
+  f = lambda hh, ww, wt: cross_entropy(hh, ww, jnp.asarray(tgt), wt, chunk_size=chunk)
+  loss, count = f(jnp.asarray(h), jnp.asarray(w), jnp.asarray(wts))
   logits = h.astype(np.float64) @ w
   lse = np.log(np.exp(logits).sum(-1))
-  want = ((lse - np.take_along_axis(logits, tgt[..., None], -1)[..., 0]) * wts).sum()
-  np.testing.assert_allclose(float(loss), want, rtol=1e-5)
-  assert float(count) == wts.sum()
-  g = jax.grad(lambda hh: cross_entropy(hh, jnp.asarray(w), jnp.asarray(tgt), jnp.asarray(wts), chunk_size=4)[0])(jnp.asarray(h))
+  tok = lse - np.take_along_axis(logits, tgt[..., None], -1)[..., 0]
+  np.testing.assert_allclose(float(loss), (tok * wts).sum(), rtol=1e-5)
+  np.testing.assert_allclose(float(count), wts.sum(), rtol=1e-6)
+  gh, gw, gwt = jax.grad(lambda *a: f(*a)[0], argnums=(0, 1, 2))(jnp.asarray(h), jnp.asarray(w), jnp.asarray(wts))
   p = np.exp(logits - lse[..., None])
-  p[np.arange(2)[:, None], np.arange(7)[None], tgt] -= 1
-  np.testing.assert_allclose(np.asarray(g), (p * wts[..., None]) @ w.T, rtol=1e-4, atol=1e-5)
+  p[np.arange(2)[:, None], np.arange(n_tok)[None], tgt] -= 1
+  dl = p * wts[..., None]
+  np.testing.assert_allclose(np.asarray(gh), dl @ w.T, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(gw), np.einsum("btd,btv->dv", h, dl), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(gwt), tok, rtol=1e-4, atol=1e-5)
+  # bf16 hidden states with a float32 head: bf16 matmul operands, float32 loss and head gradient.
+  hb = jnp.asarray(h, jnp.bfloat16)
+  lb = f(hb, jnp.asarray(w), jnp.asarray(wts))[0]
+  gh_b, gw_b = jax.grad(lambda *a: f(*a, jnp.asarray(wts))[0], argnums=(0, 1))(hb, jnp.asarray(w))
+  assert lb.dtype == jnp.float32 and gh_b.dtype == jnp.bfloat16 and gw_b.dtype == jnp.float32
+  np.testing.assert_allclose(float(lb), (tok * wts).sum(), rtol=2e-2)
+  rel = lambda a, b: np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
+  assert rel(gh_b, dl @ w.T) < 3e-2 and rel(gw_b, np.einsum("btd,btv->dv", h, dl)) < 3e-2
 
 
 def test_float64_model_chunked_equals_naive():

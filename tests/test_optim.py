@@ -97,6 +97,22 @@ def test_muon_update_rms_matches_adamw_scale():
   assert s.max() / s.min() < 2.0
 
 
+@pytest.mark.parametrize("precision,algorithm", [("bf16", True), ("f32", False)])
+def test_muon_newton_schulz_precision(precision, algorithm):
+  """``muon_ns_precision=bf16`` gives Muon's Newton-Schulz matmuls (and only them) bf16 operands
+  with float32 accumulation; ``f32`` leaves them as plain float32 dots."""
+  cfg = cfg_with("optimizer.name=muon", f"optimizer.muon_ns_precision={precision}", *NO_DECAY_NO_CLIP)
+  params = fake_params()
+  tx, _ = optim.make_optimizer(cfg, params)
+  text = jax.jit(tx.update).lower(random_like(params, 0), jax.jit(tx.init)(params), params).as_text()
+  dots = [l for l in text.splitlines() if "dot_general" in l]
+  assert dots  # the Newton-Schulz iteration
+  marked = [("lhs_precision_type = bf16" in l and "accumulation_type = f32" in l) for l in dots]
+  assert all(marked) if algorithm else not any(marked)
+  with pytest.raises(ValueError, match="muon_ns_precision"):
+    cfg_with("optimizer.muon_ns_precision=fp8")
+
+
 @pytest.mark.parametrize("per_head", [True, False])
 def test_muon_per_head_orthogonalisation(per_head):
   cfg = cfg_with("optimizer.name=muon", f"optimizer.muon_per_head={str(per_head).lower()}",

@@ -10,6 +10,8 @@ Pallas kernels run in interpret mode.
 
 from __future__ import annotations
 
+import jax
+
 from pallas_kernels import resolve_implementation
 from pallas_kernels.moe import reference
 from pallas_kernels.moe.reference import permute, unpermute
@@ -44,12 +46,15 @@ def expert_mlp(x, expert_ids, weights, w_gate_up, w_down, activation, *, impleme
   activation: ``(gate, up) -> h``. Sorts the N*k token-expert pairs by expert (stable), runs the
   GLU with two grouped matmuls and scatters back with the routing weights. Returns ``[N, D]``.
   """
-  xs, group_sizes, order = permute(x, expert_ids, w_gate_up.shape[0])
-  h = gmm(xs, w_gate_up, group_sizes, implementation=implementation)
-  f = w_down.shape[1]
-  h = activation(h[:, :f], h[:, f:]).astype(x.dtype)
-  y = gmm(h, w_down, group_sizes, implementation=implementation)
-  return unpermute(y, order, weights)
+  with jax.named_scope("permute"):
+    xs, group_sizes, order = permute(x, expert_ids, w_gate_up.shape[0])
+  with jax.named_scope("experts"):
+    h = gmm(xs, w_gate_up, group_sizes, implementation=implementation)
+    f = w_down.shape[1]
+    h = activation(h[:, :f], h[:, f:]).astype(x.dtype)
+    y = gmm(h, w_down, group_sizes, implementation=implementation)
+  with jax.named_scope("unpermute"):
+    return unpermute(y, order, weights)
 
 
 __all__ = ["gmm", "expert_mlp", "permute", "unpermute", "resolve", "IMPLEMENTATIONS"]
