@@ -62,8 +62,8 @@ def kind_of(name: str) -> str:
   return "other fusions (elementwise, norms, optimizer, reductions)"
 
 
-SCOPES = ("embed", "kda", "mla", "attn_res", "moe", "mlp", "router", "permute", "experts",
-          "unpermute", "shared_experts", "lm_head_loss", "optimizer")
+SCOPES = ("embed", "kda", "mla", "attn_res", "moe", "mlp", "router", "balance", "permute",
+          "experts", "unpermute", "shared_experts", "lm_head_loss", "optimizer")
 
 
 def hlo_scopes(hlo_text: str) -> dict[str, str]:
@@ -86,8 +86,9 @@ def hlo_scopes(hlo_text: str) -> dict[str, str]:
 
 def kernel_times(trace_dir: str) -> tuple[dict, dict, dict, dict]:
   """GPU kernel time in microseconds from the Perfetto trace under ``trace_dir``: ({kind: total},
-  {kernel name: total}, {device: {kind: total}}, {HLO op (or kernel) name: total}), totals over
-  all devices."""
+  {kernel name: total}, {device: {kind: total}}, {HLO op name: total}), totals over all devices.
+  Kernels inside a CUDA graph (``hlo_op`` a ``command_buffer``) count under their kernel name,
+  which for XLA's own fusions is the HLO name with underscores."""
   files = glob.glob(f"{trace_dir}/**/*perfetto_trace.json.gz", recursive=True) or \
       glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
   if not files:
@@ -104,7 +105,8 @@ def kernel_times(trace_dir: str) -> tuple[dict, dict, dict, dict]:
     if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
       kind = kind_of(e["name"])
       by_name[e["name"]] += e["dur"]
-      by_op[e.get("args", {}).get("hlo_op") or e["name"]] += e["dur"]
+      op = e.get("args", {}).get("hlo_op") or ""
+      by_op[e["name"] if not op or op.startswith("command_buffer") else op] += e["dur"]
       by_kind[kind] += e["dur"]
       by_device[gpu[e["pid"]]][kind] += e["dur"]
   return (dict(by_kind), dict(by_name), {d: dict(c) for d, c in sorted(by_device.items())},

@@ -6,8 +6,10 @@
 #   bash benchmarks/h200_round.sh train     # k3_1b step on one GPU: compile-flag trials, profile
 #   bash benchmarks/h200_round.sh both      # both: the kernel runs use the GPU while the steps compile
 #   bash benchmarks/h200_round.sh multi     # k3_1b, 50 steps: one GPU, expert, context, mixed layouts
-#   bash benchmarks/h200_round.sh long      # k3_1b at 128K tokens (one GPU, context, mixed), 256K on
-#                                           # one GPU, and the profiled 16 x 4096 one-GPU step
+#   bash benchmarks/h200_round.sh long      # k3_1b at 128K tokens (one GPU, context, mixed), 256K on one
+#   bash benchmarks/h200_round.sh step      # k3_1b 16 x 4096 on one GPU, remat dots and none, profiled
+#   bash benchmarks/h200_round.sh peers     # KDA vs jla and fla at the three PERF.md shapes
+#   bash benchmarks/h200_round.sh long step peers   # several at once (one lock for timed GPU work)
 #
 # The k3_1b runs compile without XLA's Triton GEMM fusions (85 s instead of 111 s, same step time).
 #
@@ -15,7 +17,6 @@
 # flax, orbax-checkpoint, optax) are carried with the device tool's `carry`. Timed GPU work is
 # serialised by one lock file, so compiles (CPU) overlap with measurements without disturbing them.
 set -u
-WHAT=${1:-both}
 R=/tmp/h200_round; mkdir -p "$R"
 OUT=${OUT:-$R/out}; mkdir -p "$OUT"
 finish() { tar czf "$OUT/h200_round.tar.gz" -C "$R" --exclude='trace*' . 2>/dev/null; }
@@ -54,29 +55,46 @@ kernels() {
 multi() {
   XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 540 python3 benchmarks/multi_gpu.py \
     --config configs/k3_1b.yaml --layouts one,expert,context,context_experts --steps 50 \
-    --out "$R/multi" train.batch_size=8 > "$R/multi.log" 2>&1
+    --out "$R" train.batch_size=8 > "$R/multi.log" 2>&1
 }
 
 long() {
+  # 128K tokens: one GPU, context split, mixed layout; 256K on one GPU (GPU 1).
   XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 540 python3 benchmarks/multi_gpu.py \
     --config configs/k3_1b.yaml --layouts one,context,context_experts --steps 4 --tag 1b_128k \
-    --out "$R/long" train.batch_size=1 data.seq_len=131072 > "$R/long.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 540 \
-    python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 3 --lock "$R/long/.gpu.lock" \
+    --out "$R" train.batch_size=1 data.seq_len=131072 > "$R/long.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=$KGPU XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 540 \
+    python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 3 --lock "$LOCK" \
     --json "$R/1b_256k_one.json" train.batch_size=1 data.seq_len=262144 > "$R/1b_256k_one.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=0 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 540 \
-    python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 12 --lock "$R/long/.gpu.lock" \
-    --profile "$R/trace_16x4096" --json "$R/1b_16x4096.json" > "$R/1b_16x4096.log" 2>&1 &
 }
 
-case "$WHAT" in
-  kernels) kernels ;;
-  train) train ;;
-  both) train; sleep 5; kernels ;;
-  multi) multi ;;
-  long) mkdir -p "$R/long"; long ;;
-  *) echo "usage: $0 kernels|train|both|multi|long"; exit 2 ;;
-esac
+step() {
+  # The one-GPU k3_1b step at 16 x 4096, profiled: remat "dots" (the preset) and no remat.
+  for remat in dots none; do
+    CUDA_VISIBLE_DEVICES=0 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 540 \
+      python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 12 --lock "$LOCK" \
+      --profile "$R/trace_$remat" --json "$R/1b_remat_$remat.json" model.remat=$remat \
+      > "$R/1b_remat_$remat.log" 2>&1 &
+  done
+}
+
+peers() {
+  # KDA at the three PERF.md shapes next to jla and fla, forward and forward+backward.
+  flock "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 170 python3 benchmarks/kda.py --no-parts \
+    --no-decode --shapes 1x16384x32x128,4x4096x32x128,1x65536x16x128 --budget 150 \
+    > "$R/kda_peers.log" 2>&1
+  say "kda peers done"
+}
+
+[ $# -gt 0 ] || set -- both
+for what in "$@"; do  # several modes run side by side; timed GPU work takes the lock in turn
+  case "$what" in
+    kernels|multi|peers) $what & ;;  # these block: run them in the background
+    train|long|step) $what ;;        # these start background jobs of this shell
+    both) train; sleep 5; kernels & ;;
+    *) echo "usage: $0 kernels|train|both|multi|long|step|peers ..."; exit 2 ;;
+  esac
+done
 wait
 say "all done"
-for f in "$R"/*.log "$R"/*/*.log; do echo "== $f"; grep -v "^\s*$" "$f" | grep -v "slow_operation\|\*\*\*\|Very slow" | tail -40; done
+for f in "$R"/*.log; do echo "== $f"; grep -v "^\s*$" "$f" | grep -v "slow_operation\|\*\*\*\|Very slow" | tail -40; done

@@ -87,8 +87,9 @@ class LatentMoE(nnx.Module):
     if m.num_shared_experts:
       with jax.named_scope("shared_experts"):
         y = y + self.shared_experts(xf)
-    stats = {
-        "load": router.expert_load(ids, m.num_experts, vf),
-        "bias_stat": jax.lax.stop_gradient(balance.bias_stat(scores, bias, ids, m, vf)),
-    }
+    with jax.named_scope("balance"):
+      stats = {
+          "load": router.expert_load(ids, m.num_experts, vf),
+          "bias_stat": jax.lax.stop_gradient(balance.bias_stat(scores, bias, ids, m, vf)),
+      }
     return shard(y.reshape(b, t, d), ("batch", "length", "embed")), stats

@@ -35,9 +35,10 @@ def route(scores: jax.Array, bias: jax.Array, cfg: MoEConfig):
 
 def expert_load(ids: jax.Array, num_experts: int, valid: jax.Array | None = None) -> jax.Array:
   """``[E]`` float32: routed token slots per expert (padding tokens excluded)."""
-  w = jnp.ones(ids.shape, jnp.float32) if valid is None else jnp.broadcast_to(
-      valid[:, None], ids.shape).astype(jnp.float32)
-  return jnp.zeros((num_experts,), jnp.float32).at[ids.reshape(-1)].add(w.reshape(-1))
+  hit = ids[..., None] == jnp.arange(num_experts, dtype=ids.dtype)  # [N, k, E]: a reduction, not
+  if valid is not None:                                               # a contended scatter-add
+    hit = hit & valid[:, None, None]
+  return jnp.sum(hit, axis=(0, 1), dtype=jnp.int32).astype(jnp.float32)
 
 
 def _margins(scores, bias, top_k, valid):

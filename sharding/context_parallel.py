@@ -81,10 +81,6 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
   beta ``[B, T, HV]``). The final state is the state after the last token of the whole sequence,
   replicated over the context axis."""
   acc = jnp.promote_types(v.dtype, jnp.float32)
-  if gate is not None:  # gate and beta pre-processing are per token: done before the split
-    g = kda_ops.kda_gate(g, A_log, dt_bias, gate, lower_bound)
-  if beta_is_logit:
-    beta = jax.nn.sigmoid(beta.astype(jnp.promote_types(beta.dtype, jnp.float32)))
   b, t, h, kd = q.shape
   hv, vd = v.shape[2], v.shape[3]
   scale = kd ** -0.5 if scale is None else scale
@@ -97,19 +93,25 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
   tok = logical_spec(("batch", "length", "heads", None))
   row = logical_spec(("batch", "length"))
   st = P(tok[0], tok[2], None, None)  # the state's heads split like the tokens' heads
+  # The gate and beta pre-processing are per token: each piece runs them inside its kernels (the
+  # bounded-gate fast path), with A_log and dt_bias split by heads like the tokens.
   op = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
-            implementation=implementation)
+            implementation=implementation, gate=gate, lower_bound=lower_bound,
+            beta_is_logit=beta_is_logit)
+  gate_params = () if gate is None else (A_log.reshape(hv), dt_bias.reshape(hv, kd))
+  gate_specs = () if gate is None else (P(tok[2]), P(tok[2], None))
 
-  def body(q, k, v, g, beta, seg, s0):
+  def body(q, k, v, g, beta, seg, s0, *gate_params):
+    pk = {} if gate is None else dict(A_log=gate_params[0], dt_bias=gate_params[1].reshape(-1))
     idx = jax.lax.axis_index(AXIS)
     bl, tl = seg.shape
     # A document starting exactly at this piece's first token does not see the previous piece.
     last = jax.lax.all_gather(seg[:, -1], AXIS)  # [C, B]
     fresh = (idx > 0) & (seg[:, 0] != last[jnp.maximum(idx - 1, 0)])  # [B]
-    o0, n = kda_ops.kda(q, k, v, g, beta, output_final_state=True, segment_ids=seg, **op)
+    o0, n = kda_ops.kda(q, k, v, g, beta, output_final_state=True, segment_ids=seg, **op, **pk)
     eye = jnp.broadcast_to(jnp.eye(kd, dtype=acc), (bl, v.shape[2], kd, kd))
     pm, m = kda_ops.kda(q, k, jnp.zeros(v.shape[:3] + (kd,), acc), g, beta, initial_state=eye,
-                        output_final_state=True, segment_ids=seg, **op)
+                        output_final_state=True, segment_ids=seg, **op, **pk)
     m = jnp.where(fresh[:, None, None, None], 0.0, m)
     ms = jax.lax.all_gather(m[None], AXIS, axis=0, tiled=True)  # [C, B, HV, K, K]
     ns = jax.lax.all_gather(n.astype(acc)[None], AXIS, axis=0, tiled=True)  # [C, B, HV, K, V]
@@ -122,11 +124,11 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     final = _compose((s0, s0), (mc[-1], nc[-1]))[1]
     return o.astype(v.dtype), final
 
-  fn = jax.shard_map(body, in_specs=(tok, tok, tok, tok, P(*tok[:3]), row, st),
+  fn = jax.shard_map(body, in_specs=(tok, tok, tok, tok, P(*tok[:3]), row, st, *gate_specs),
                      out_specs=(tok, st), check_vma=False)
   wsc = jax.lax.with_sharding_constraint  # lay the inputs out as the shard_map takes them
   o, final = fn(*(wsc(x, tok) for x in (q, k, v, g)), wsc(beta, P(*tok[:3])), wsc(seq, row),
-                wsc(s0, st))
+                wsc(s0, st), *(wsc(x, sp) for x, sp in zip(gate_params, gate_specs)))
   return o, (final if output_final_state else None)
 
 

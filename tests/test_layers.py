@@ -109,6 +109,16 @@ def test_quantile_balancing_one_update(experts, top_k):
   assert float(load1.max() / load1.mean()) < 1.05
 
 
+def test_expert_load_counts_valid_slots():
+  rng = np.random.default_rng(7)
+  ids = rng.integers(0, 9, size=(37, 3)).astype(np.int32)
+  valid = rng.random(37) > 0.3
+  np.testing.assert_array_equal(router.expert_load(jnp.asarray(ids), 9),
+                                np.bincount(ids.ravel(), minlength=9))
+  np.testing.assert_array_equal(router.expert_load(jnp.asarray(ids), 9, jnp.asarray(valid)),
+                                np.bincount(ids[valid].ravel(), minlength=9))
+
+
 def test_quantile_exact_matches_numpy_and_ignores_padding():
   cfg = MoEConfig(num_experts=6, top_k=2, balancing_iters=1)
   scores = np.asarray(_skewed_scores(50, 6, seed=3), np.float64)

@@ -47,8 +47,9 @@ def test_model_layouts_match_one_device(layouts):
 
 
 def test_kda_context_parallel():
-  """Outputs, final state and gradients (q, v, initial state) for segment splits inside pieces,
-  across piece boundaries and exactly at them, on context=8 and data=2,context=4."""
+  """Outputs, final state and gradients (all inputs, A_log and dt_bias included) for segment
+  splits inside pieces, across piece boundaries and exactly at them, on context=8 and
+  data=2,context=4."""
   out = _run("kda_context")
   assert len(out) == 8
   for case, err in out.items():

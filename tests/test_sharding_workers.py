@@ -105,7 +105,7 @@ def _mesh(**sizes):
 
 def kda_context():
   """Context-parallel KDA vs the single-device op: outputs, final state, gradients of q, k, v,
-  the raw gate input, the beta logits and the initial state."""
+  the raw gate input, the beta logits, the initial state, A_log and dt_bias."""
   import pallas_kernels.kda as kda_ops
   from sharding import context_parallel as cp
   rng = np.random.default_rng(1)
@@ -115,9 +115,10 @@ def kda_context():
   g = jnp.asarray(rng.normal(size=(b, t, hv, kd)))
   beta = jnp.asarray(rng.normal(size=(b, t, hv)))
   s0 = jnp.asarray(rng.normal(size=(b, hv, kd, kd)) * 0.1)
-  gate = dict(use_qk_l2norm=True, A_log=jnp.asarray(rng.normal(size=(hv,)) * 0.3),
-              dt_bias=jnp.asarray(rng.normal(size=(hv * kd,)) * 0.1), gate="bounded",
-              beta_is_logit=True, chunk_size=16, output_final_state=True)
+  a_log = jnp.asarray(rng.normal(size=(hv,)) * 0.3)
+  dt_bias = jnp.asarray(rng.normal(size=(hv * kd,)) * 0.1)
+  gate = dict(use_qk_l2norm=True, gate="bounded", beta_is_logit=True, chunk_size=16,
+              output_final_state=True)
   splits = {  # rank pieces are 8 (context=8) or 16 (context=4) tokens long
       "one_segment": np.ones((b, t), np.int32),
       "crossing": np.array([[1] * 5 + [2] * 30 + [3] * 29, [1] * 50 + [2] * 14], np.int32),
@@ -126,20 +127,21 @@ def kda_context():
       "short_docs": np.repeat(np.arange(1, 23, dtype=np.int32), 3)[None, :t].repeat(b, 0),
   }
 
-  def loss(fn, q, k, v, g, beta, s0, seg):
-    o, s = fn(q, k, v, g, beta, initial_state=s0, segment_ids=seg, **gate)
+  def loss(fn, q, k, v, g, beta, s0, a_log, dt_bias, seg):
+    o, s = fn(q, k, v, g, beta, initial_state=s0, segment_ids=seg, A_log=a_log, dt_bias=dt_bias,
+              **gate)
     return jnp.sum(o * o) + jnp.sum(s * s), (o, s)
 
-  grads = tuple(range(6))  # q, k, v, g, beta, initial state
+  grads = tuple(range(8))  # q, k, v, g, beta, initial state, A_log, dt_bias
   ref = jax.jit(jax.value_and_grad(lambda *a: loss(kda_ops.kda, *a), argnums=grads, has_aux=True))
   par = jax.jit(jax.value_and_grad(lambda *a: loss(cp.kda, *a), argnums=grads, has_aux=True))
   out = {}
   for mname, sizes in (("context8", dict(context=8)), ("data2_context4", dict(data=2, context=4))):
     mesh = _mesh(**sizes)
     for sname, seg in splits.items():
-      (_, (o1, s1)), g1 = ref(q, k, v, g, beta, s0, jnp.asarray(seg))
+      (_, (o1, s1)), g1 = ref(q, k, v, g, beta, s0, a_log, dt_bias, jnp.asarray(seg))
       with jax.set_mesh(mesh):
-        (_, (o2, s2)), g2 = par(q, k, v, g, beta, s0, jnp.asarray(seg))
+        (_, (o2, s2)), g2 = par(q, k, v, g, beta, s0, a_log, dt_bias, jnp.asarray(seg))
       out[f"{mname}/{sname}"] = {"o": _max_rel(o1, o2), "state": _max_rel(s1, s2),
                                  "grad": max(_max_rel(a, c) for a, c in zip(g1, g2))}
   return out

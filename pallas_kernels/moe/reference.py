@@ -68,11 +68,12 @@ def permute(x, expert_ids, num_experts):
   n, k = expert_ids.shape
   flat = expert_ids.reshape(-1).astype(jnp.int32)
   iota = jnp.arange(n * k, dtype=jnp.int32)
-  sorted_ids, order = jax.lax.sort((flat, iota), num_keys=1, is_stable=True)
+  _, order = jax.lax.sort((flat, iota), num_keys=1, is_stable=True)
   inverse = _inverse(order)
   xs = _expand(x, order, inverse, k)
-  ends = jnp.searchsorted(sorted_ids, jnp.arange(num_experts, dtype=jnp.int32), side="right")
-  group_sizes = jnp.diff(ends.astype(jnp.int32), prepend=jnp.int32(0))
+  # Rows per expert as one compare-and-sum reduction (a searchsorted is a loop of small kernels).
+  group_sizes = jnp.sum(flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32), axis=0,
+                        dtype=jnp.int32)
   return xs, group_sizes, order
 
 
