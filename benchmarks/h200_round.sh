@@ -17,6 +17,7 @@
 # flax, orbax-checkpoint, optax) are carried with the device tool's `carry`. Timed GPU work is
 # serialised by one lock file, so compiles (CPU) overlap with measurements without disturbing them.
 set -u
+LIMIT=${LIMIT:-540}  # seconds for each training-step process (keep under the device call's limit)
 R=/tmp/h200_round; mkdir -p "$R"
 OUT=${OUT:-$R/out}; mkdir -p "$OUT"
 finish() { tar czf "$OUT/h200_round.tar.gz" -C "$R" --exclude='trace*' . 2>/dev/null; }
@@ -53,17 +54,17 @@ kernels() {
 }
 
 multi() {
-  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 540 python3 benchmarks/multi_gpu.py \
+  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout $LIMIT python3 benchmarks/multi_gpu.py \
     --config configs/k3_1b.yaml --layouts one,expert,context,context_experts --steps 50 \
     --out "$R" train.batch_size=8 > "$R/multi.log" 2>&1
 }
 
 long() {
   # 128K tokens: one GPU, context split, mixed layout; 256K on one GPU (GPU 1).
-  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 540 python3 benchmarks/multi_gpu.py \
+  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout $LIMIT python3 benchmarks/multi_gpu.py \
     --config configs/k3_1b.yaml --layouts one,context,context_experts --steps 4 --tag 1b_128k \
     --out "$R" train.batch_size=1 data.seq_len=131072 > "$R/long.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=$KGPU XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 540 \
+  CUDA_VISIBLE_DEVICES=$KGPU XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout $LIMIT \
     python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 3 --lock "$LOCK" \
     --json "$R/1b_256k_one.json" train.batch_size=1 data.seq_len=262144 > "$R/1b_256k_one.log" 2>&1 &
 }
@@ -71,7 +72,7 @@ long() {
 step() {
   # The one-GPU k3_1b step at 16 x 4096, profiled: remat "dots" (the preset) and no remat.
   for remat in dots none; do
-    CUDA_VISIBLE_DEVICES=0 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 540 \
+    CUDA_VISIBLE_DEVICES=0 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout $LIMIT \
       python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 12 --lock "$LOCK" \
       --profile "$R/trace_$remat" --json "$R/1b_remat_$remat.json" model.remat=$remat \
       > "$R/1b_remat_$remat.log" 2>&1 &
