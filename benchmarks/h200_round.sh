@@ -6,9 +6,10 @@
 #   bash benchmarks/h200_round.sh train     # k3_1b step on one GPU: compile-flag trials, profile
 #   bash benchmarks/h200_round.sh both      # both: the kernel runs use the GPU while the steps compile
 #   bash benchmarks/h200_round.sh multi     # k3_1b, 50 steps: one GPU, expert, context, mixed layouts
-#   bash benchmarks/h200_round.sh long      # k3_1b at 128K tokens (one GPU, context, mixed), 256K on one
+#   bash benchmarks/h200_round.sh long      # k3_1b at 128K tokens: one GPU, context, mixed layout
 #   bash benchmarks/h200_round.sh step      # k3_1b 16 x 4096 on one GPU, remat dots and none, profiled
 #   bash benchmarks/h200_round.sh peers     # KDA vs jla and fla at the three PERF.md shapes
+#   bash benchmarks/h200_round.sh kdasweep  # KDA variants and warp counts (ours only)
 #   bash benchmarks/h200_round.sh long step peers   # several at once (one lock for timed GPU work)
 #
 # The k3_1b runs compile without XLA's Triton GEMM fusions (85 s instead of 111 s, same step time).
@@ -60,18 +61,15 @@ multi() {
 }
 
 long() {
-  # 128K tokens: one GPU, context split, mixed layout; 256K on one GPU (GPU 1).
+  # 128K tokens: one GPU, context split, mixed layout.
   XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout $LIMIT python3 benchmarks/multi_gpu.py \
     --config configs/k3_1b.yaml --layouts one,context,context_experts --steps 4 --tag 1b_128k \
     --out "$R" train.batch_size=1 data.seq_len=131072 > "$R/long.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=$KGPU XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout $LIMIT \
-    python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 3 --lock "$LOCK" \
-    --json "$R/1b_256k_one.json" train.batch_size=1 data.seq_len=262144 > "$R/1b_256k_one.log" 2>&1 &
 }
 
 step() {
   # The one-GPU k3_1b step at 16 x 4096, profiled: remat "dots" (the preset) and no remat.
-  for remat in dots none; do
+  for remat in ${REMATS:-dots none}; do
     CUDA_VISIBLE_DEVICES=0 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout $LIMIT \
       python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 12 --lock "$LOCK" \
       --profile "$R/trace_$remat" --json "$R/1b_remat_$remat.json" model.remat=$remat \
@@ -87,13 +85,20 @@ peers() {
   say "kda peers done"
 }
 
+kdasweep() {
+  # The KDA kernel variants and warp counts at B1 T16384 H32 (ours only), while the steps compile.
+  flock "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 130 python3 benchmarks/kda.py --sweep \
+    --ours-only --no-decode --budget 100 > "$R/kda_sweep.log" 2>&1
+  say "kda sweep done"
+}
+
 [ $# -gt 0 ] || set -- both
 for what in "$@"; do  # several modes run side by side; timed GPU work takes the lock in turn
   case "$what" in
-    kernels|multi|peers) $what & ;;  # these block: run them in the background
+    kernels|multi|peers|kdasweep) $what & ;;  # these block: run them in the background
     train|long|step) $what ;;        # these start background jobs of this shell
     both) train; sleep 5; kernels & ;;
-    *) echo "usage: $0 kernels|train|both|multi|long|step|peers ..."; exit 2 ;;
+    *) echo "usage: $0 kernels|train|both|multi|long|step|peers|kdasweep ..."; exit 2 ;;
   esac
 done
 wait

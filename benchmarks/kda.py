@@ -3,12 +3,12 @@ next to jla ``kda`` (Mosaic GPU) and fla ``chunk_kda`` / ``fused_recurrent_kda``
 when importable, in the same run, within a time budget (the H200 run takes about 150 s).
 
   python3 benchmarks/kda.py                # check, B1 T16384 H32 K128, parts, decode, fla
-  python3 benchmarks/kda.py --sweep        # also the alternative chunk kernels and residuals
-                                           # (VARIANTS: check, kernel and fwd/fwd+bwd times),
-                                           # warps per chunk kernel and the gate-gradient
-                                           # matrix-unit algorithm (accuracy and time)
+  python3 benchmarks/kda.py --sweep        # also the saved residuals (VARIANTS: check and
+                                           # fwd/fwd+bwd times), warps per chunk kernel and the
+                                           # gate-gradient matrix-unit algorithm (accuracy and
+                                           # time)
   python3 benchmarks/kda.py --sweep --ours-only --no-decode --budget 105
-                                           # the variants next to the default (~140 s)
+                                           # the sweep next to the default (~140 s at most)
   python3 benchmarks/kda.py --budget 135   # seconds after which optional steps are skipped
   python3 benchmarks/kda.py --quick        # a small shape instead (B1 T2048 H8 K128)
   python3 benchmarks/kda.py --ours-only    # no peers
@@ -230,17 +230,10 @@ def time_parts(shape):
   return res, parts
 
 
-# Alternative implementations in pallas_kernels/kda/gpu.py (module settings), checked and timed
-# next to the default by ``--sweep``: the 16-row block ``kda_chunk_a`` / 16-row tile
-# ``kda_chunk_dqkg``, and with them the forward's chunk factors kept for the backward (the
-# difference of the two rows is what keeping them gains).
-VARIANTS = {"rows+tiles": dict(CHUNK_A="rows", CHUNK_DQKG="tiles"),
-            "rows+tiles+residuals": dict(CHUNK_A="rows", CHUNK_DQKG="tiles", SAVE_RESIDUALS=True)}
-# the kernel each setting replaces: (setting, parts name, pallas_call name of the variant,
-# other warp counts to time, (its K slice setting, another width to time at 4 and 8 warps))
-VARIANT_KERNELS = (("CHUNK_A", "chunk_a", "kda_chunk_a_rows", (8,), ("A_ROWS_SLICE_K", 32)),
-                   ("CHUNK_DQKG", "chunk_dqkg", "kda_chunk_dqkg_tiles", (2, 8),
-                    ("DQKG_SLICE_K", 64)))
+# Alternatives in pallas_kernels/kda/gpu.py (module settings), checked and timed next to the
+# default by ``--sweep``: the forward's chunk factors kept for the backward (its fwd+bwd next
+# to the ``ours`` row is what keeping them gains).
+VARIANTS = {"residuals": dict(SAVE_RESIDUALS=True)}
 WARP_SWEEP = {"chunk_dqkg": (4, 16), "chunk_a": (4, 16), "chunk_dwy": (4, 16), "chunk_wu": (2, 8)}
 DQKG_SLICES = (64,)  # K slice widths of chunk_dqkg other than the default
 _P = jax.lax.DotAlgorithmPreset
@@ -261,10 +254,9 @@ def settings(**kw):
       setattr(kda_gpu, k, v)
 
 
-def sweep_variants(parts, shape, tag, left):
-  """Each of ``VARIANTS``: the check (errors vs the float32 recurrence), the kernels it replaces
-  timed alone (next to the default's in the ``ours parts`` row) and ours fwd / fwd+bwd (next
-  to the ``ours`` row); then the replaced kernels at other warp counts and K slices."""
+def sweep_variants(shape, tag, left):
+  """Each of ``VARIANTS``: the check (errors vs the float32 recurrence) and ours fwd / fwd+bwd
+  (next to the ``ours`` row)."""
   for name, kw in VARIANTS.items():
     if left() < 30:
       return
@@ -273,27 +265,19 @@ def sweep_variants(parts, shape, tag, left):
         errs = check(decode=False, tag=name)
         row = {"check_ok": all(v < CHECK_TOL for v in errs.values()),
                "max_err": round(max(errs.values()), 5)}
-        row.update({f"{part} ms": round(_time(parts, part), 4)
-                    for setting, part, *_ in VARIANT_KERNELS if setting in kw})
         row.update({k: round(v, 4) for k, v in time_ours(shape).items()})
         emit(name=f"variant {name} {tag}", **row)
       except Exception as e:  # noqa: BLE001
         print(f"variant {name} FAILED", repr(e)[:1500], flush=True)
-  for setting, part, key, warps, (slice_setting, width) in VARIANT_KERNELS:
-    with settings(**{setting: VARIANTS["rows+tiles"][setting]}):
-      sweep_warps(parts, part, f"{key} {tag}", left, warps, key=key)
-      with settings(**{slice_setting: width}):
-        sweep_warps(parts, part, f"{key} slice {width} {tag}", left, (4, 8), with_default=False,
-                    key=key)
 
 
 def sweep(parts, shape, tag, left):
-  """The variants of the chunk kernels, most promising first: the alternative implementations
+  """The variants of the chunk kernels, most promising first: the saved residuals
   (``sweep_variants``), chunk_dqkg at other warp counts and K slice widths, the gate gradient's
   matrix-unit algorithm (its check errors and the chunk_dqkg time), then the other kernels at
   other warp counts. Each kernel is timed alone; stops when ``left()`` is too small for the
   next step."""
-  sweep_variants(parts, shape, tag, left)
+  sweep_variants(shape, tag, left)
   sweep_warps(parts, "chunk_dqkg", tag, left)
   default = kda_gpu.DQKG_SLICE_K
   for bk in DQKG_SLICES:
@@ -316,10 +300,9 @@ def sweep(parts, shape, tag, left):
     sweep_warps(parts, name, tag, left)
 
 
-def sweep_warps(parts, name, tag, left, warps=None, with_default=True, key=None):
-  """One kernel alone at other warp counts (``WARP_SWEEP``), and at its default; ``key`` is its
-  pallas_call name (``kda_<name>`` if None)."""
-  key = key or "kda_" + name
+def sweep_warps(parts, name, tag, left, warps=None, with_default=True):
+  """One kernel alone at other warp counts (``WARP_SWEEP``), and at its default."""
+  key = "kda_" + name
   default = kda_gpu.WARPS[key]
   row = {}
   for w in warps or WARP_SWEEP[name]:

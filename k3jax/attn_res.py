@@ -24,13 +24,20 @@ def attn_res(sources: Sequence[jax.Array], proj: jax.Array, norm: jax.Array, eps
   """Mixes ``sources`` (each ``[B, T, d]``) with query ``norm * proj`` (each ``[d]``).
 
   Returns ``[B, T, d]`` in the sources' dtype; the softmax and the sum run in float32 (or wider).
+  Each source is read as it is (no stacked float32 copy): one pass per source for its logit,
+  one pass over all of them for the mixture.
   """
   acc = jnp.promote_types(sources[0].dtype, jnp.float32)
-  v = jnp.stack([s.astype(acc) for s in sources])  # [S, B, T, d]
-  w = (norm.astype(acc) * proj.astype(acc))
-  logits = jnp.einsum("sbtd,d->sbt", rms_norm(v, None, eps), w)
-  p = jax.nn.softmax(logits, axis=0)
-  return jnp.einsum("sbt,sbtd->btd", p, v).astype(sources[0].dtype)
+  w = norm.astype(acc) * proj.astype(acc)
+
+  def logit(x):  # w . RMSNorm(x) over d, [B, T]
+    xf = x.astype(acc)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps)
+    return jnp.sum(xf * w, axis=-1) * r
+
+  p = jax.nn.softmax(jnp.stack([logit(x) for x in sources]), axis=0)  # [S, B, T]
+  out = sum(p[i][..., None] * x.astype(acc) for i, x in enumerate(sources))
+  return out.astype(sources[0].dtype)
 
 
 class AttnRes(nnx.Module):

@@ -34,10 +34,11 @@ def cross_entropy(h: jax.Array, w_head: jax.Array, targets: jax.Array, weights: 
   return total, jnp.sum(wf)
 
 
-def _chunk_logits(hc, w, tc):
-  """One chunk: (logits ``[c, V]`` float32, logsumexp ``[c]``, per-token loss ``[c]``)."""
+def _chunk_logits(hc, wh, tc):
+  """One chunk: (logits ``[c, V]`` float32, logsumexp ``[c]``, per-token loss ``[c]``); ``wh``
+  is the head already in hc's dtype (cast once, outside the loop over chunks)."""
   acc = jnp.promote_types(hc.dtype, jnp.float32)
-  logits = jnp.dot(hc, w.astype(hc.dtype), preferred_element_type=acc)
+  logits = jnp.dot(hc, wh, preferred_element_type=acc)
   lse = jax.nn.logsumexp(logits, axis=-1)
   tgt = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
   return logits, lse, lse - tgt
@@ -46,9 +47,11 @@ def _chunk_logits(hc, w, tc):
 @jax.custom_vjp
 def _chunked_loss(hf, w, tf, wf):
   """hf ``[C, c, d]``, w ``[d, V]``, tf ``[C, c]`` int, wf ``[C, c]`` -> sum of weighted losses."""
+  wh = w.astype(hf.dtype)
+
   def body(total, xs):
     hc, tc, wc = xs
-    return total + jnp.sum(_chunk_logits(hc, w, tc)[2] * wc), None
+    return total + jnp.sum(_chunk_logits(hc, wh, tc)[2] * wc), None
 
   total, _ = jax.lax.scan(body, jnp.zeros((), wf.dtype), (hf, tf, wf))
   return total
@@ -56,16 +59,16 @@ def _chunked_loss(hf, w, tf, wf):
 
 def _chunked_loss_fwd(hf, w, tf, wf):
   acc = wf.dtype
-  wc_ = w.astype(hf.dtype)
+  wh = w.astype(hf.dtype)
 
   def body(carry, xs):
     total, dw = carry
     hc, tc, wc = xs
-    logits, lse, tok = _chunk_logits(hc, w, tc)
+    logits, lse, tok = _chunk_logits(hc, wh, tc)
     p = jnp.exp(logits - lse[:, None]) * wc[:, None]
     hit = jnp.arange(logits.shape[-1], dtype=tc.dtype)[None, :] == tc[:, None]
     dl = jnp.where(hit, p - wc[:, None], p).astype(hf.dtype)  # d loss / d logits, [c, V]
-    dh = jnp.dot(dl, wc_.T, preferred_element_type=acc).astype(hf.dtype)
+    dh = jnp.dot(dl, wh.T, preferred_element_type=acc).astype(hf.dtype)
     dw = dw + jnp.dot(hc.T, dl, preferred_element_type=acc)
     return (total + jnp.sum(tok * wc), dw), (dh, tok)
 

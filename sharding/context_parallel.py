@@ -98,7 +98,9 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
   op = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
             implementation=implementation, gate=gate, lower_bound=lower_bound,
             beta_is_logit=beta_is_logit)
-  gate_params = () if gate is None else (A_log.reshape(hv), dt_bias.reshape(hv, kd))
+  # In the accumulation dtype, so that their gradients are summed over the pieces in it.
+  gate_params = () if gate is None else (A_log.astype(acc).reshape(hv),
+                                         dt_bias.astype(acc).reshape(hv, kd))
   gate_specs = () if gate is None else (P(tok[2]), P(tok[2], None))
 
   def body(q, k, v, g, beta, seg, s0, *gate_params):

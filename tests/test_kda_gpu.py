@@ -65,8 +65,7 @@ ORDER = ("q", "k", "v", "g", "beta", "s0", "A_log", "dt_bias")
 
 
 # module settings of pallas_kernels.kda.gpu: the default and each alternative implementation
-VARIANTS = {"default": {}, "rows_tiles": dict(CHUNK_A="rows", CHUNK_DQKG="tiles"),
-            "residuals": dict(SAVE_RESIDUALS=True)}
+VARIANTS = {"default": {}, "residuals": dict(SAVE_RESIDUALS=True)}
 
 
 @pytest.fixture(params=list(VARIANTS))
@@ -79,8 +78,6 @@ def variant(request, monkeypatch):
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_kda_pallas_gpu(case, variant):
-  if variant == "rows_tiles" and case[7] != "bounded":
-    pytest.skip("the row / tile kernels replace the bounded gate's dense kernels only")
   x, seg, opts, chunk = _setup(case)
   args = tuple(jnp.asarray(x[n]) for n in ORDER)
   np_run = lambda y: np_kda(y["q"], y["k"], y["v"], y["g"], y["beta"], y["s0"], np.asarray(seg),
@@ -150,7 +147,6 @@ def test_dense_path_lowers_for_cuda(monkeypatch, variant, shape):
       jax.ShapeDtypeStruct((b, t, h), jnp.bfloat16)]
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(
       lowering_platforms=("cuda",)).as_text()
-  a, dqkg = ("_rows", "_tiles") if variant == "rows_tiles" else ("", "")
-  for name in (f"kda_chunk_a{a}", "kda_chunk_wu", "kda_chunk_dwy", f"kda_chunk_dqkg{dqkg}",
+  for name in ("kda_chunk_a", "kda_chunk_wu", "kda_chunk_dwy", "kda_chunk_dqkg",
                "kda_fwd_recurrence", "kda_bwd_recurrence"):
     assert f'name = "{name}"' in text, f"{name} is not a Triton call of the lowered module"

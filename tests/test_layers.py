@@ -14,24 +14,58 @@ from k3jax.glu import situ_glu
 from k3jax.kda import short_conv
 
 
+def _attn_res_np(srcs, proj, norm, eps=1e-5):
+  """Float64 loop over tokens: softmax over sources of (norm * proj) . RMSNorm(v), mixed."""
+  b_, t_, d = srcs[0].shape
+  out = np.zeros((b_, t_, d))
+  for b in range(b_):
+    for t in range(t_):
+      logits = np.array([np.dot(s[b, t] / np.sqrt(np.mean(s[b, t] ** 2) + eps), norm * proj)
+                         for s in srcs])
+      p = np.exp(logits - logits.max())
+      p /= p.sum()
+      out[b, t] = sum(pi * s[b, t] for pi, s in zip(p, srcs))
+  return out
+
+
 def test_attn_res_matches_numpy_and_zero_query_is_mean():
   rng = np.random.default_rng(0)
   srcs = [rng.normal(size=(2, 5, 16)) * (i + 1) for i in range(4)]
   proj, norm = rng.normal(size=16), rng.normal(size=16)
   got = np.asarray(attn_res([jnp.asarray(s, jnp.float32) for s in srcs], jnp.asarray(proj), jnp.asarray(norm), 1e-5))
-  want = np.zeros((2, 5, 16))
-  for b in range(2):
-    for t in range(5):
-      logits = []
-      for s in srcs:
-        v = s[b, t]
-        logits.append(np.dot(v / np.sqrt(np.mean(v * v) + 1e-5), norm * proj))
-      p = np.exp(np.array(logits) - max(logits))
-      p /= p.sum()
-      want[b, t] = sum(pi * s[b, t] for pi, s in zip(p, srcs))
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got, _attn_res_np(srcs, proj, norm), rtol=1e-5, atol=1e-5)
   mean = attn_res([jnp.asarray(s, jnp.float32) for s in srcs], jnp.zeros(16), jnp.asarray(norm), 1e-5)
   np.testing.assert_allclose(np.asarray(mean), np.mean(srcs, axis=0), rtol=1e-5, atol=1e-5)
+  one = attn_res([jnp.asarray(srcs[0], jnp.bfloat16)], jnp.asarray(proj), jnp.asarray(norm), 1e-5)
+  assert one.dtype == jnp.bfloat16  # a single source is itself
+
+
+def test_attn_res_gradients_match_finite_differences():
+  """Gradients of <out, r> wrt every source, proj and norm against central differences of the
+  float64 loop (directional derivatives along random directions)."""
+  rng = np.random.default_rng(1)
+  srcs = [rng.normal(size=(2, 3, 8)) * (i + 1) for i in range(3)]
+  proj, norm = rng.normal(size=8), rng.normal(size=8)
+  r = rng.normal(size=(2, 3, 8))
+  f = lambda ss, p, n: jnp.sum(attn_res(ss, p, n, 1e-5) * r)
+  grads = jax.grad(f, argnums=(0, 1, 2))([jnp.asarray(s, jnp.float32) for s in srcs],
+                                         jnp.asarray(proj, jnp.float32), jnp.asarray(norm, jnp.float32))
+  args = (srcs, proj, norm)
+  g_np = lambda ss, p, n: np.sum(_attn_res_np(ss, p, n) * r)
+  for i, g in enumerate((*grads[0], grads[1], grads[2])):
+    dirn = rng.normal(size=np.shape(g))
+    h = 1e-5
+
+    def at(step):
+      a = [list(srcs), proj, norm]
+      if i < len(srcs):
+        a[0][i] = srcs[i] + step * dirn
+      else:
+        a[i - len(srcs) + 1] = args[i - len(srcs) + 1] + step * dirn
+      return g_np(*a)
+
+    fd = (at(h) - at(-h)) / (2 * h)
+    np.testing.assert_allclose(float(np.sum(np.asarray(g) * dirn)), fd, rtol=2e-4, atol=2e-4)
 
 
 def test_situ_glu_bounded_and_swiglu_near_origin():

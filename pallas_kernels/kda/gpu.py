@@ -23,8 +23,7 @@ The work is split the way it parallelises (SPEC section 2, chunks of C tokens):
    pre-processed inputs (dense path: ``kda_chunk_dwy`` for the WY factors, ``kda_chunk_dqkg``
    per K slice for dq, dk, dg; other gates: ``_prep_bwd_kernel``); the pre-processing VJP is
    XLA. Nothing is stored between the forward and backward passes but the inputs (unless
-   ``SAVE_RESIDUALS``). ``CHUNK_A`` / ``CHUNK_DQKG`` select 16-row block / tile versions
-   (section 1c) of the dense path's two largest kernels.
+   ``SAVE_RESIDUALS``).
 
 Sub-tile gating: a pair product ``sum_d a_id b_jd exp(G_id - G_jd)`` (i >= j) is split at the
 start ``r`` of the row tile: ``(a e^{G - r}) (b e^{r - G})^T``. Off-diagonal tiles have both
@@ -110,29 +109,24 @@ class _Chunk:
 
   Per tile a: q, k [16, K] (L2-normalised if fused), G [16, K] (cumulative log decay from the
   chunk start), beta [16], seg [16]; r[a] [K] = G before tile a; gl [K] = G at the chunk end.
-  With ``cols`` (a ``pl.ds`` of K channels) every [*, K] is that slice [*, BK] (the L2 norms
-  still over all K).
   """
 
-  def __init__(self, cfg, refs, b, h, hq, c0, n, t, cols=None):
+  def __init__(self, cfg, refs, b, h, hq, c0, n, t):
     q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref = refs
     f32 = jnp.float32
-    kc = slice(None) if cols is None else cols
     self.n = n
     self.q, self.k, self.G, self.beta, self.seg, self.r = [], [], [], [], [], []
     off = None
     for a in range(n):
       rows = pl.ds(c0 + a * SUB, SUB)
-      q = q_ref[b, rows, hq, kc].astype(f32)
-      k = k_ref[b, rows, hq, kc].astype(f32)
+      q = q_ref[b, rows, hq, :].astype(f32)
+      k = k_ref[b, rows, hq, :].astype(f32)
       if cfg.use_qk_l2norm:
-        qf, kf = ((q, k) if cols is None else
-                  (q_ref[b, rows, hq, :].astype(f32), k_ref[b, rows, hq, :].astype(f32)))
-        q = q * jax.lax.rsqrt(jnp.sum(qf * qf, axis=1, keepdims=True) + L2_EPS)
-        k = k * jax.lax.rsqrt(jnp.sum(kf * kf, axis=1, keepdims=True) + L2_EPS)
-      g = g_ref[b, rows, h, kc].astype(f32)
+        q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + L2_EPS)
+        k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + L2_EPS)
+      g = g_ref[b, rows, h, :].astype(f32)
       if cfg.gate is not None:
-        x = g + dtb_ref[h, kc][None, :]
+        x = g + dtb_ref[h, :][None, :]
         e = jnp.exp(alog_ref[h])
         g = (cfg.lower_bound * jax.nn.sigmoid(e * x) if cfg.gate == "bounded"
              else -e * jax.nn.softplus(x))
@@ -191,14 +185,12 @@ def _pair_tile(ch, cfg, a_t, b_t, a, c, mm):
   return jax.lax.fori_loop(0, SUB, col, jnp.zeros((SUB, SUB), jnp.float32))
 
 
-def _pair_grads(ch, cfg, a_side, b_side, dP, mms):
-  """Gradients of ``P = pairs(a_side, b_side)`` given its tiles dP(a, c) (c <= a; a function, so
-  that a tile can be loaded where it is used).
+def _pair_grads(ch, cfg, a_side, b_side, dP, mm):
+  """Gradients of ``P = pairs(a_side, b_side)`` given the tile grid dP[a][c] (c <= a).
 
-  ``mms`` are the matrix products to use for (da, db). Returns (da, db) lists of [16, K] tiles:
+  ``mm`` is the matrix product to use. Returns (da, db) lists of [16, K] tiles:
   da_i = sum_j dP_ij b_j e^{G_i - G_j}, db_j = sum_i dP_ij a_i e^{G_i - G_j}.
   """
-  mma, mmb = mms
   n = ch.n
   da = [None] * n
   db = [jnp.zeros_like(ch.k[0]) for _ in range(n)]
@@ -206,12 +198,11 @@ def _pair_grads(ch, cfg, a_side, b_side, dP, mms):
     acc = jnp.zeros_like(ch.k[0])
     for c in range(a + 1):
       if c < a or cfg.dense_diag:
-        d = dP(a, c)
-        acc = acc + mma(d, ch.neg(b_side[c], a, c))
-        db[c] = db[c] + ch.neg(mmb(d, ch.pos(a_side[a], a), ta=True), a, c)
+        acc = acc + mm(dP[a][c], ch.neg(b_side[c], a, c))
+        db[c] = db[c] + ch.neg(mm(dP[a][c], ch.pos(a_side[a], a), ta=True), a, c)
     da[a] = ch.pos(acc, a)
     if not cfg.dense_diag:  # diagonal tile pair by pair
-      G, A, B, D = ch.G[a], a_side[a], b_side[a], dP(a, a)
+      G, A, B, D = ch.G[a], a_side[a], b_side[a], dP[a][a]
       cid = jnp.arange(SUB)[None, :]
       rid = jnp.arange(SUB)[:, None]
 
@@ -367,11 +358,11 @@ def _prep_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, alog_ref, dtb_ref, se
     t = dec * ch.k[a] * dkd
     dG[a] = dG[a] - t
     dgl = dgl + jnp.sum(t, axis=0)
-  da, db = _pair_grads(ch, cfg, ch.k, ch.k, lambda a, c: dpkk[a][c], (mmx, mmx))
+  da, db = _pair_grads(ch, cfg, ch.k, ch.k, dpkk, mmx)
   for a in range(n):
     dk[a] = dk[a] + da[a] + db[a]
     dG[a] = dG[a] + ch.k[a] * (da[a] - db[a])
-  da, db = _pair_grads(ch, cfg, ch.q, ch.k, lambda a, c: dpqk[a][c], (mmx, mmx))
+  da, db = _pair_grads(ch, cfg, ch.q, ch.k, dpqk, mmx)
   for a in range(n):
     dq[a] = dq[a] + da[a]
     dk[a] = dk[a] + db[a]
@@ -446,7 +437,6 @@ class _Dense:
     seg = seg_ref[b, self.rows]
     prev = seg_ref[b, jnp.maximum(c0 - 1, 0)]
     last = seg_ref[b, c0 + c - 1]
-    self.seg, self.seg_prev, self.seg_last = seg, prev, last
     self.cont = (seg == prev).astype(f32)  # continues the incoming state
     self.last = (seg == last).astype(f32)  # in the chunk's last segment
     self.cont_last = (last == prev).astype(f32)
@@ -454,12 +444,11 @@ class _Dense:
     self.incl = same & (self.rid >= cid)
     self.strict = same & (self.rid > cid)
     self.rq = self.rk = None
-    if cfg.use_qk_l2norm and k_ref is not None:
+    if cfg.use_qk_l2norm and q_ref is not None:
       norm = lambda ref: jax.lax.rsqrt(sum(
           jnp.sum(jnp.square(self._load(ref, s)), axis=1, keepdims=True)
           for s in range(self.ns)) + L2_EPS)
-      self.rk = norm(k_ref)
-      self.rq = None if q_ref is None else norm(q_ref)
+      self.rq, self.rk = norm(q_ref), norm(k_ref)
 
   def cols(self, s):
     """K channels of slice s (static or traced)."""
@@ -469,14 +458,11 @@ class _Dense:
     return ref[self.b, self.rows, self.hq, self.cols(s)].astype(jnp.float32)
 
   def slice(self, s):
-    """q (None if its ref is), k (normalised if fused), G (cumulative log decay from the chunk
-    start): [C, BK]."""
+    """q, k (normalised if fused), G (cumulative log decay from the chunk start): [C, BK]."""
     cfg, (q_ref, k_ref, g_ref, _, alog_ref, dtb_ref, _) = self.cfg, self.refs
-    q = None if q_ref is None else self._load(q_ref, s)
-    k = self._load(k_ref, s)
-    if self.rk is not None:
-      k = k * self.rk
-      q = None if q is None else q * self.rq
+    q, k = self._load(q_ref, s), self._load(k_ref, s)
+    if self.rq is not None:
+      q, k = q * self.rq, k * self.rk
     g = g_ref[self.b, self.rows, self.h, self.cols(s)].astype(jnp.float32)
     if cfg.gate is not None:
       x = g + dtb_ref[self.h, self.cols(s)][None, :]
@@ -715,120 +701,11 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
   dg_ref[b, rows, h, cols] = dg
 
 
-# ------------------------------------------------------------------------------------------
-# 1c. 16-row versions of ``kda_chunk_a`` and ``kda_chunk_dqkg`` (bounded gate)
-# ------------------------------------------------------------------------------------------
-# The dense kernels form each [C, C] pair product as C/16 full [C, C] x [C, BK] products with
-# one operand masked to a 16-row block, so 3/4 of their matrix-unit work (C = 64) multiplies
-# zeros, and they keep several [C, C] / [C, BK] float32 tiles live. These versions (chosen by
-# ``CHUNK_A`` / ``CHUNK_DQKG``; same inputs, outputs and reference points r_I, G just before
-# 16-row block I, as the dense path) compute only the nonzero blocks:
-#   ``_rows_a_kernel``     one program per 16-row block I of a chunk (grid axis 2): rows I of
-#                          P_kk and A_qk as [16, BK] x [BK, C] products, accumulators [16, C];
-#   ``_tiles_dqkg_kernel`` the chunk as C/16 row tiles (``_Chunk``) of one K slice, the
-#                          C/16 (C/16 + 1) / 2 [16, 16] tiles of dP on and below the diagonal
-#                          (``_pair_grads``), [16, 16] x [16, BK] products.
-# Matrix-unit multiply-adds per (chunk, head) at C = 64, K = 128 (a three-pass product counted
-# three times): chunk_a 1.05 M in 16 products (dense 4.2 M in 16), chunk_dqkg 4.7 M in 352
-# (dense 18.9 M in 136; the state terms, 2.1 M of both, are unchanged). ptxas (sm_90a, triton
-# 3.5.1 wheel, B1 T256 H2 K128): ``kda_chunk_a_rows`` 168 registers at 4 warps, 115 at 8, no
-# spills (dense: 200 at 8 warps, 492 B of spills at 4); ``kda_chunk_dqkg_tiles`` 176 B of spills
-# at 4 warps, 56 B at 8 (dense 884 B / 136 B); 64-wide slices 2.5 KB / 192 B.
-
-CHUNK_A = "dense"  # "dense" (_dense_a_kernel) or "rows" (_rows_a_kernel)
-CHUNK_DQKG = "dense"  # "dense" (_dense_dqkg_kernel) or "tiles" (_tiles_dqkg_kernel)
-A_ROWS_SLICE_K = 64  # K channels per step of ``_rows_a_kernel``'s loop over K
-
-
-def _rows_a_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
-                   pkk_ref, a_ref, qg_ref, kd_ref, kg_ref, gc_ref, *, cfg, hv, group, t, slice_k):
-  """Grid (NC, B*HV, C/16): :func:`_dense_a_kernel`'s outputs for row block I = program id 2:
-  rows I of pkk, A_qk ``[B, Tp, HV, C]`` and of QG, KD, KG ``[B, Tp, HV, K]`` (gC from block 0).
-  Per K slice of ``slice_k`` channels: the whole chunk's column factor k e^{r_I - G} [C, BK]
-  (zero after block I), the row tile's q_I e^{G_I - r_I}, k_I e^{G_I - r_I} [16, BK] (a
-  one-tile ``_Chunk``) and one [16, BK] x [BK, C] product for each of P_kk and A_qk."""
-  ci, b, h = _ids(hv)
-  blk = pl.program_id(2)
-  c, c0 = cfg.chunk, ci * cfg.chunk
-  f32, dt = jnp.float32, jnp.dtype(cfg.dtype)
-  mm = functools.partial(_mm, dt=dt)
-  refs = (q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref)
-  ch = _Dense(cfg, (None,) + refs[1:], b, h, h // group, c0, t, q_ref.shape[-1], slice_k)
-  rows = pl.ds(c0 + blk * SUB, SUB)
-  seg = seg_ref[b, rows]
-  cont = (seg == ch.seg_prev).astype(f32)[:, None]
-  last = (seg == ch.seg_last).astype(f32)[:, None]
-  pkk = aqk = jnp.zeros((SUB, c), f32)
-  for s in range(ch.ns):
-    cols = ch.cols(s)
-    _, k, G = ch.slice(s)
-    r = ch.row(G, blk * SUB - 1)[None, :]  # G before block I (0 for I = 0)
-    gl = ch.row(G, c - 1)[None, :]
-    col = k * jnp.where(ch.rid < (blk + 1) * SUB, jnp.exp(jnp.minimum(r - G, _MAX_EXP)), 0.0)
-    tile = _Chunk(cfg, refs, b, h, h // group, c0 + blk * SUB, 1, t, cols=cols)
-    q_i, k_i, e = tile.q[0], tile.k[0], jnp.exp(tile.G[0])  # e^{G_I - r_I}
-    pkk = pkk + mm(k_i * e, col, tb=True)
-    aqk = aqk + mm(q_i * e, col, tb=True)
-    eg = jnp.exp(r + tile.G[0])
-    qg_ref[b, rows, h, cols] = (cfg.scale * cont * q_i * eg).astype(dt)
-    kd_ref[b, rows, h, cols] = (last * k_i * jnp.exp(gl - r - tile.G[0])).astype(dt)
-    kg_ref[b, rows, h, cols] = (eg * k_i).astype(dt)
-
-    @pl.when(blk == 0)
-    def _():
-      gc_ref[b, ci, h, cols] = ch.cont_last * jnp.exp(gl[0])
-
-  rid = blk * SUB + jnp.arange(SUB)[:, None]
-  same = seg[:, None] == ch.seg[None, :]
-  cid = jnp.arange(c)[None, :]
-  pkk_ref[b, rows, h, :] = jnp.where(same & (rid > cid), pkk, 0.0)
-  a_ref[b, rows, h, :] = jnp.where(same & (rid >= cid), cfg.scale * aqk, 0.0).astype(dt)
-
-
-def _tiles_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref, h_ref, dh_ref,
-                       vn_ref, do_ref, dy_ref, dpkk_ref, dpqk_ref, dq_ref, dk_ref, dg_ref, *,
-                       cfg, hv, group, t, gate_dot, slice_k):
-  """Grid (NC, B*HV, K slices): :func:`_dense_dqkg_kernel`'s dq, dk, dg ``[B, Tp, HV, K]`` of
-  one ``slice_k``-wide K slice from 16-row tiles: the pair-product gradients by
-  :func:`_pair_grads` on the [16, 16] tiles of dpqk / dpkk, the state terms per tile
-  ([16, V] x [V, BK] products)."""
-  ci, b, h = _ids(hv)
-  c0, n = ci * cfg.chunk, cfg.chunk // SUB
-  f32 = jnp.float32
-  cols = pl.ds(pl.program_id(2) * slice_k, slice_k)
-  ch = _Chunk(cfg, (q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref), b, h,
-              h // group, c0, n, t, cols=cols)
-  rows = [pl.ds(c0 + a * SUB, SUB) for a in range(n)]
-  tiles = lambda ref: lambda a, c: ref[b, rows[a], h, pl.ds(c * SUB, SUB)]
-  mms = lambda dots: tuple(functools.partial(_mm, precision=d) for d in dots)
-  daq, dbq = _pair_grads(ch, cfg, ch.q, ch.k, tiles(dpqk_ref), mms(gate_dot[0]))
-  dak, dbk = _pair_grads(ch, cfg, ch.k, ch.k, tiles(dpkk_ref), mms(gate_dot[1]))
-  st, dst = h_ref[b, ci, h, cols, :], dh_ref[b, ci, h, cols, :]  # [BK, V]
-  dgl = ch.cont_last * jnp.exp(ch.gl) * jnp.sum(st * dst, axis=1)
-  dG = [None] * n
-  for a in range(n):
-    q, k, G = ch.q[a], ch.k[a], ch.G[a]
-    eg = jnp.exp(G)
-    dq = (cfg.scale * ch.cont[a][:, None] * eg
-          * _mm(do_ref[b, rows[a], h, :].astype(f32), st, tb=True) + daq[a])
-    # W's factor k e^G (gradient dY) and KD = k e^{G_C - G} (from the state gradient)
-    dky = ch.beta[a][:, None] * eg * dy_ref[b, rows[a], h, cols]
-    dkd = (ch.last[a][:, None] * jnp.exp(ch.gl[None, :] - G)
-           * _mm(vn_ref[b, rows[a], h, :].astype(f32), dst, tb=True))
-    dq_ref[b, rows[a], h, cols] = dq
-    dk_ref[b, rows[a], h, cols] = dbq[a] + dak[a] + dbk[a] + dky + dkd
-    dG[a] = q * dq + k * (dak[a] - dbk[a] - dbq[a] + dky - dkd)
-    dgl = dgl + jnp.sum(k * dkd, axis=0)
-  for a, dg in enumerate(_tile_dg(dG, dgl)):
-    dg_ref[b, rows[a], h, cols] = dg
-
-
 # Warps per chunk-local kernel (by pallas_call name; `benchmarks/kda.py --sweep` times others).
 # kda_chunk_dqkg: 4 warps 6.69 ms, 8 warps 7.28 ms, 16 warps 15.16 ms (H200, B1 T16384 H32 K128,
 # 2026-11-30).
 WARPS = {"kda_chunk_prep": 4, "kda_chunk_prep_bwd": 4, "kda_chunk_a": 8, "kda_chunk_wu": 4,
-         "kda_chunk_dwy": 8, "kda_chunk_dqkg": 4, "kda_chunk_a_rows": 4,
-         "kda_chunk_dqkg_tiles": 4}
+         "kda_chunk_dwy": 8, "kda_chunk_dqkg": 4}
 
 
 def _call(kern, name, grid, out_shape, *args):
@@ -842,20 +719,15 @@ def _tok(x, d, dtype):
 
 
 def _chunk_a(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t):
-  """``kda_chunk_a``: (pkk, aqk, qg, kd, kg, gc), see :func:`_dense_a_kernel` (or
-  :func:`_rows_a_kernel` if ``CHUNK_A == "rows"``)."""
+  """``kda_chunk_a``: (pkk, aqk, qg, kd, kg, gc), see :func:`_dense_a_kernel`."""
   bsz, tp, h, kd = q.shape
   hv, c = v.shape[2], cfg.chunk
   dt, f32 = jnp.dtype(cfg.dtype), jnp.float32
-  out = [_tok(v, c, f32), _tok(v, c, dt), _tok(v, kd, dt), _tok(v, kd, dt), _tok(v, kd, dt),
-         jax.ShapeDtypeStruct((bsz, tp // c, hv, kd), f32)]
-  args = (q, k, g, beta, A_log, dt_bias, seg)
-  if CHUNK_A == "rows":
-    kern = functools.partial(_rows_a_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
-                             slice_k=min(kd, A_ROWS_SLICE_K))
-    return _call(kern, "kda_chunk_a_rows", (tp // c, bsz * hv, c // SUB), out, *args)
   kern = functools.partial(_dense_a_kernel, cfg=cfg, hv=hv, group=hv // h, t=t)
-  return _call(kern, "kda_chunk_a", (tp // c, bsz * hv, 2), out, *args)
+  return _call(kern, "kda_chunk_a", (tp // c, bsz * hv, 2),
+               [_tok(v, c, f32), _tok(v, c, dt), _tok(v, kd, dt), _tok(v, kd, dt),
+                _tok(v, kd, dt), jax.ShapeDtypeStruct((bsz, tp // c, hv, kd), f32)],
+               q, k, g, beta, A_log, dt_bias, seg)
 
 
 def _chunk_wu(cfg, pkk, kg, v, beta, seg, t, keep):
@@ -880,16 +752,13 @@ def _chunk_dwy(cfg, v, beta, seg, x, pkk, kg, hs, dvn, do, vn, t):
 
 
 def _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, dpqk, t):
-  """``kda_chunk_dqkg``: (dq, dk, dg), see :func:`_dense_dqkg_kernel` (or
-  :func:`_tiles_dqkg_kernel` if ``CHUNK_DQKG == "tiles"``)."""
+  """``kda_chunk_dqkg``: (dq, dk, dg), see :func:`_dense_dqkg_kernel`."""
   bsz, tp, h, kd = q.shape
   hv = v.shape[2]
   bk = min(kd, DQKG_SLICE_K)
-  body, name = ((_tiles_dqkg_kernel, "kda_chunk_dqkg_tiles") if CHUNK_DQKG == "tiles"
-                else (_dense_dqkg_kernel, "kda_chunk_dqkg"))
-  kern = functools.partial(body, cfg=cfg, hv=hv, group=hv // h, t=t, gate_dot=GATE_DOT,
-                           slice_k=bk)
-  return _call(kern, name, (tp // cfg.chunk, bsz * hv, kd // bk),
+  kern = functools.partial(_dense_dqkg_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
+                           gate_dot=GATE_DOT, slice_k=bk)
+  return _call(kern, "kda_chunk_dqkg", (tp // cfg.chunk, bsz * hv, kd // bk),
                [_tok(v, kd, jnp.float32)] * 3,
                q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, dpqk)
 
