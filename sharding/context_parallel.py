@@ -149,24 +149,61 @@ def _half_tables(c: int):
   return perm_a, perm_b, recv_a, recv_b
 
 
-def _masked_attention(q, k, v, q_pos, q_seg, k_seg, scale):
+def _masked_attention(q, k, v, q_pos, q_seg, k_seg, scale, block: int = 4096):
   """q ``[B, Tq, H, Dk]`` at positions ``q_pos [Tq]`` against all keys ``[B, S, H, Dk]`` (key j at
-  position j); causal and same-segment. Rows without a visible key give zeros."""
+  position j); causal and same-segment. Rows without a visible key give zeros.
+
+  Blockwise over the keys (``block`` at a time), so no ``[Tq, S]`` score matrix is ever whole:
+  a first scan finds each row's maximum score (no gradient: softmax does not depend on it), a
+  second sums ``exp(s - max)`` and ``exp(s - max) v`` with that fixed maximum. Both scans only
+  add into their carries and their bodies are rematerialised, so the backward pass keeps one
+  block's scores at a time too.
+  """
   acc = jnp.promote_types(q.dtype, jnp.float32)
-  s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=acc) * scale
-  mask = (jnp.arange(k.shape[1])[None, :] <= q_pos[:, None])[None]
-  mask = (mask & (q_seg[:, :, None] == k_seg[:, None, :]))[:, None]
-  s = jnp.where(mask, s, -jnp.inf)
-  p = jnp.where(mask, jax.nn.softmax(s, axis=-1), 0.0)
-  return jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v, preferred_element_type=acc).astype(q.dtype)
+  b, s_len, h, _ = k.shape
+  block = min(block, s_len)
+  nb = -(-s_len // block)
+  pad = nb * block - s_len  # padded keys sit past every query position: masked by causality
+  blocks = lambda x: jnp.moveaxis(jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+                                  .reshape(b, nb, block, *x.shape[2:]), 1, 0)
+  xs = (blocks(k), blocks(v), blocks(k_seg), jnp.arange(nb * block).reshape(nb, block))
+
+  def scores(kc, sc, pc):  # [B, H, Tq, block] with masked entries -inf
+    s = jnp.einsum("bthd,bshd->bhts", q, kc, preferred_element_type=acc) * scale
+    mask = (pc[None, :] <= q_pos[:, None])[None] & (q_seg[:, :, None] == sc[:, None, :])
+    return jnp.where(mask[:, None], s, -jnp.inf)
+
+  @jax.checkpoint
+  def row_max(m, x):
+    kc, _, sc, pc = x
+    return jnp.maximum(m, jnp.max(scores(kc, sc, pc), axis=-1)), None
+
+  m0 = jnp.full((b, h, q.shape[1]), -jnp.inf, acc)
+  m, _ = jax.lax.scan(row_max, m0, jax.lax.stop_gradient(xs))
+  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+
+  @jax.checkpoint
+  def accumulate(carry, x):
+    l, o = carry
+    kc, vc, sc, pc = x
+    p = jnp.exp(scores(kc, sc, pc) - m[..., None])  # exp(-inf) = 0 where masked
+    o = o + jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), vc, preferred_element_type=acc)
+    return (l + jnp.sum(p, axis=-1), o), None
+
+  init = (jnp.zeros(m.shape, acc), jnp.zeros(q.shape[:3] + v.shape[-1:], acc))
+  (l, o), _ = jax.lax.scan(accumulate, init, xs)
+  l = jnp.moveaxis(l, 1, 2)[..., None]  # [B, Tq, H, 1]
+  return jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0).astype(q.dtype)
 
 
-def mla_attention(q, latent, w_kv, *, segment_ids=None, scale, nope_dim: int, balanced=True):
+def mla_attention(q, latent, w_kv, *, segment_ids=None, scale, nope_dim: int, balanced=True,
+                  block: int = 4096):
   """Causal MLA attention with the sequence split over the ``context`` axis.
 
   q: ``[B, T, H, nope + rope]``; latent: ``[B, T, R + rope]`` (normalised ``c`` then the shared
   ``k_r``); w_kv: ``[R, H, nope + v]`` (``kv_b_proj`` per head: nope then v); segment_ids
-  ``[B, T]`` or None. Only the latent crosses ranks. Returns ``[B, T, H, v]`` in q's dtype.
+  ``[B, T]`` or None; block: keys per step of the blockwise attention. Only the latent crosses
+  ranks. Returns ``[B, T, H, v]`` in q's dtype.
   """
   b, t, h, dq = q.shape
   r = w_kv.shape[0]
@@ -199,7 +236,7 @@ def mla_attention(q, latent, w_kv, *, segment_ids=None, scale, nope_dim: int, ba
       qq = q
       q_pos = idx * q.shape[1] + jnp.arange(q.shape[1])
     q_seg = jnp.take(seg_all, q_pos, axis=1)
-    o = _masked_attention(qq, keys, vals, q_pos, q_seg, seg_all, scale)
+    o = _masked_attention(qq, keys, vals, q_pos, q_seg, seg_all, scale, block)
     if balanced:
       inv = lambda perm: [(d, s) for s, d in perm]
       o = jnp.concatenate([jax.lax.ppermute(o[:, :half], AXIS, inv(perm_a)),

@@ -172,13 +172,13 @@ def mla_context():
   (_, o1), g1 = ref(q, lat, w)
   out = {}
   for mname, sizes in (("context4", dict(data=2, context=4)), ("context8", dict(context=8))):
-    for balanced in (True, False):
+    for balanced, block in ((True, 4096), (False, 4096), (True, 12)):  # 12: 3 key blocks, padded
       fn = lambda q, lat, w: cp.mla_attention(q, lat, w, segment_ids=seg, scale=scale,
-                                              nope_dim=nope, balanced=balanced)
+                                              nope_dim=nope, balanced=balanced, block=block)
       with jax.set_mesh(_mesh(**sizes)):
         (_, o2), g2 = jax.jit(jax.value_and_grad(lambda *a: loss(fn, *a), argnums=(0, 1, 2),
                                                  has_aux=True))(q, lat, w)
-      out[f"{mname}/balanced={balanced}"] = {"o": _max_rel(o1, o2),
+      out[f"{mname}/balanced={balanced}/block={block}"] = {"o": _max_rel(o1, o2),
                                              "grad": max(_max_rel(a, c) for a, c in zip(g1, g2))}
   return out
 
