@@ -242,6 +242,7 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
   signals = _Signals()
   record: dict = {}
   last_time, last_step, compile_s = time.perf_counter(), step, None
+  contexts: list[float] = []  # mean attention context of each step's rows since the last log
   in_mesh = jax.set_mesh(mesh)
   in_mesh.__enter__()
   try:
@@ -250,7 +251,9 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
       if now.index != stage.index:
         stage, it = now, iter(data.dataset("train", now.seq_len, seed=cfg.data.seed + now.index))
         metrics.say(f"stage {now.index}: seq_len {now.seq_len} from step {step}")
-      batch = place(next(it), batch_sharding)
+      host_batch = next(it)
+      contexts.append(flops_lib.mean_causal_context(host_batch["segment_ids"]))
+      batch = place(host_batch, batch_sharding)
       t0 = time.perf_counter()
       params, opt_state, biases, out = step_fn(params, opt_state, biases, jnp.int32(step), rng,
                                                batch)
@@ -275,7 +278,9 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
         elapsed = time.perf_counter() - last_time
         tokens = (step - last_step) * cfg.train.batch_size * stage.seq_len
         tps = tokens / elapsed if elapsed > 0 and step > last_step else None
-        fpt = flops_lib.train_flops_per_token(cfg.model, stage.seq_len)
+        fpt = flops_lib.train_flops_per_token(cfg.model, stage.seq_len,
+                                              sum(contexts) / max(len(contexts), 1))
+        contexts.clear()
         record = {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"],
                   "lr": out["lr"], "tokens_per_s": tps,
                   "mfu": (fpt * tps / peak) if (peak and tps) else None,

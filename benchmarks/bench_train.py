@@ -211,10 +211,12 @@ def main(argv=None):
 
     data = data_lib.Data(cfg)
     it = iter(data.dataset("train", t))
-    times, losses = [], []
+    times, losses, contexts = [], [], []
     with exclusive(args.lock):
       for i in range(args.steps):
-        batch = train.place(next(it), sh)
+        host_batch = next(it)
+        contexts.append(flops.mean_causal_context(host_batch["segment_ids"]))
+        batch = train.place(host_batch, sh)
         s0 = time.perf_counter()
         params, opt_state, biases, m = compiled(params, opt_state, biases, jnp.int32(i), rng, batch)
         jax.block_until_ready(m)
@@ -223,18 +225,21 @@ def main(argv=None):
         losses.append(float(m["loss"]))
       step_s = statistics.median(times)
       tps = b * t / step_s
-      fpt = flops.train_flops_per_token(cfg.model, t)
+      context = sum(contexts) / len(contexts)  # keys per query: documents are packed
+      fpt = flops.train_flops_per_token(cfg.model, t, context)
       peak, note = flops.device_peak_flops(cfg.train.peak_tflops)
       mfu = fpt * tps / peak if peak else None
       print(f"losses {' '.join(f'{x:.4f}' for x in losses)}")
       print(f"step {step_s * 1e3:.1f} ms (median of {len(times)}; min {min(times) * 1e3:.1f}), "
             f"{tps:,.0f} tokens/s, {fpt / 1e9:.2f} GFLOP/token -> {fpt * tps / 1e12:.1f} TFLOP/s, "
             f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'} ({note})", flush=True)
-      breakdown = flops.forward_flops_per_token(cfg.model, t)
-      print("model FLOPs per token (forward): " + ", ".join(
+      breakdown = flops.forward_flops_per_token(cfg.model, t, context)
+      print(f"mean attention context {context:,.0f} keys per query (packed documents); "
+            "model FLOPs per token (forward): " + ", ".join(
           f"{k} {v / breakdown['total']:.0%}" for k, v in breakdown.items() if k != "total"))
       result.update(losses=losses, step_ms=step_s * 1e3, step_ms_min=min(times) * 1e3,
-                    tokens_per_s=tps, gflop_per_token=fpt / 1e9, mfu=mfu, peak_note=note)
+                    tokens_per_s=tps, gflop_per_token=fpt / 1e9, mfu=mfu, peak_note=note,
+                    mean_attention_context=context)
       mem = peak_memory()
       if mem:
         result["peak_gib_per_device"] = mem

@@ -3,10 +3,9 @@ next to jla ``kda`` (Mosaic GPU) and fla ``chunk_kda`` / ``fused_recurrent_kda``
 when importable, in the same run, within a time budget (the H200 run takes about 150 s).
 
   python3 benchmarks/kda.py                # check, B1 T16384 H32 K128, parts, decode, fla
-  python3 benchmarks/kda.py --sweep        # also the saved residuals (VARIANTS: check and
-                                           # fwd/fwd+bwd times), warps per chunk kernel and the
-                                           # gate-gradient matrix-unit algorithm (accuracy and
-                                           # time)
+  python3 benchmarks/kda.py --sweep        # also warps per chunk kernel, chunk_dqkg K slices
+                                           # and the gate-gradient matrix-unit algorithm
+                                           # (accuracy and time)
   python3 benchmarks/kda.py --sweep --ours-only --no-decode --budget 105
                                            # the sweep next to the default (~140 s at most)
   python3 benchmarks/kda.py --budget 135   # seconds after which optional steps are skipped
@@ -30,7 +29,6 @@ JAX times: median over repeats of 5 back-to-back calls; fla times: triton's do_b
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import sys
@@ -230,10 +228,6 @@ def time_parts(shape):
   return res, parts
 
 
-# Alternatives in pallas_kernels/kda/gpu.py (module settings), checked and timed next to the
-# default by ``--sweep``: the forward's chunk factors kept for the backward (its fwd+bwd next
-# to the ``ours`` row is what keeping them gains).
-VARIANTS = {"residuals": dict(SAVE_RESIDUALS=True)}
 WARP_SWEEP = {"chunk_dqkg": (4, 16), "chunk_a": (4, 16), "chunk_dwy": (4, 16), "chunk_wu": (2, 8)}
 DQKG_SLICES = (64,)  # K slice widths of chunk_dqkg other than the default
 _P = jax.lax.DotAlgorithmPreset
@@ -241,43 +235,11 @@ GATE_DOTS = {"all_x3": ((_P.BF16_BF16_F32_X3,) * 2,) * 2,  # gate-gradient varia
              "all_bf16": ((_P.BF16_BF16_F32,) * 2,) * 2}
 
 
-@contextlib.contextmanager
-def settings(**kw):
-  """pallas_kernels.kda.gpu module settings changed inside the block."""
-  old = {k: getattr(kda_gpu, k) for k in kw}
-  for k, v in kw.items():
-    setattr(kda_gpu, k, v)
-  try:
-    yield
-  finally:
-    for k, v in old.items():
-      setattr(kda_gpu, k, v)
-
-
-def sweep_variants(shape, tag, left):
-  """Each of ``VARIANTS``: the check (errors vs the float32 recurrence) and ours fwd / fwd+bwd
-  (next to the ``ours`` row)."""
-  for name, kw in VARIANTS.items():
-    if left() < 30:
-      return
-    with settings(**kw):
-      try:
-        errs = check(decode=False, tag=name)
-        row = {"check_ok": all(v < CHECK_TOL for v in errs.values()),
-               "max_err": round(max(errs.values()), 5)}
-        row.update({k: round(v, 4) for k, v in time_ours(shape).items()})
-        emit(name=f"variant {name} {tag}", **row)
-      except Exception as e:  # noqa: BLE001
-        print(f"variant {name} FAILED", repr(e)[:1500], flush=True)
-
-
 def sweep(parts, shape, tag, left):
-  """The variants of the chunk kernels, most promising first: the saved residuals
-  (``sweep_variants``), chunk_dqkg at other warp counts and K slice widths, the gate gradient's
-  matrix-unit algorithm (its check errors and the chunk_dqkg time), then the other kernels at
-  other warp counts. Each kernel is timed alone; stops when ``left()`` is too small for the
-  next step."""
-  sweep_variants(shape, tag, left)
+  """The variants of the chunk kernels, most promising first: chunk_dqkg at other warp counts
+  and K slice widths, the gate gradient's matrix-unit algorithm (its check errors and the
+  chunk_dqkg time), then the other kernels at other warp counts. Each kernel is timed alone;
+  stops when ``left()`` is too small for the next step."""
   sweep_warps(parts, "chunk_dqkg", tag, left)
   default = kda_gpu.DQKG_SLICE_K
   for bk in DQKG_SLICES:

@@ -2,7 +2,9 @@
 
 Counted (forward, 2 FLOPs per multiply-add): every matmul a token goes through (projections,
 the top-k routed experts plus shared experts, the dense MLP, the router, the LM head), the short
-convolutions, the KDA chunked-recurrence work and causal MLA attention over rows of ``seq_len``.
+convolutions, the KDA chunked-recurrence work and causal MLA attention over the keys a token
+really sees: its own document's earlier tokens (``mean_causal_context`` of the batch's segment
+ids; ``(seq_len + 1) / 2`` for rows of one document).
 Not counted: embedding lookup, norms, activations, Block AttnRes mixing, softmax, the optimizer.
 A training step counts 3x the forward (forward plus a backward of twice its cost); the recompute
 of rematerialisation is not counted (model FLOPs, not hardware FLOPs).
@@ -16,6 +18,7 @@ KDA per token and head with chunk size C, key dim K and value dim V:
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from k3jax.config import ModelConfig
 
@@ -49,13 +52,27 @@ def _kda_layer(m: ModelConfig) -> dict[str, float]:
   return {"matmul": 2.0 * proj, "conv": 2.0 * conv, "kda_chunk": float(chunk)}
 
 
-def _mla_layer(m: ModelConfig, seq_len: int) -> dict[str, float]:
+def mean_causal_context(segment_ids) -> float:
+  """Mean number of keys a token attends to (itself and its document's earlier tokens) in packed
+  rows ``segment_ids [B, T]`` (documents are runs of one id > 0; padding, id 0, not counted)."""
+  seg = np.asarray(segment_ids)
+  keys = tokens = 0
+  for row in seg.reshape(-1, seg.shape[-1]):
+    starts = np.r_[0, np.flatnonzero(np.diff(row)) + 1]
+    lengths = np.diff(np.r_[starts, row.size])[row[starts] > 0].astype(np.int64)
+    keys += int(np.sum(lengths * (lengths + 1) // 2))
+    tokens += int(np.sum(lengths))
+  return keys / max(tokens, 1)
+
+
+def _mla_layer(m: ModelConfig, seq_len: int, context: float | None) -> dict[str, float]:
   a = m.mla
   d, h, qk, v = m.hidden_size, a.num_heads, a.qk_head_dim, a.v_head_dim
   q = d * a.q_lora_rank + a.q_lora_rank * h * qk if a.q_lora_rank else d * h * qk
   kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * h * (a.qk_nope_head_dim + v)
   out = h * v * d + (d * h * v if a.output_gate else 0)
-  context = (seq_len + 1) / 2  # mean number of keys a query sees under a causal mask
+  if context is None:
+    context = (seq_len + 1) / 2  # mean number of keys a query sees under a causal mask
   return {"matmul": 2.0 * (q + kv + out), "attention": 2.0 * h * (qk + v) * context}
 
 
@@ -71,12 +88,14 @@ def _mlp_layer(m: ModelConfig, i: int) -> dict[str, float]:
   return {"matmul": 2.0 * (d * e.num_experts + shared + latent), "moe_experts": 2.0 * routed}
 
 
-def forward_flops_per_token(m: ModelConfig, seq_len: int) -> dict[str, float]:
+def forward_flops_per_token(m: ModelConfig, seq_len: int, context: float | None = None
+                            ) -> dict[str, float]:
   """Forward FLOPs per token by kind (``matmul``, ``moe_experts``, ``kda_chunk``, ``attention``,
-  ``conv``, ``lm_head``) and their ``total``, for rows of ``seq_len`` tokens."""
+  ``conv``, ``lm_head``) and their ``total``, for rows of ``seq_len`` tokens whose queries see
+  ``context`` keys on average (default: one causal document per row)."""
   out: dict[str, float] = {"lm_head": 2.0 * m.hidden_size * m.vocab_size}
   for i in range(m.num_layers):
-    parts = _mla_layer(m, seq_len) if m.layer_kind(i) == "mla" else _kda_layer(m)
+    parts = _mla_layer(m, seq_len, context) if m.layer_kind(i) == "mla" else _kda_layer(m)
     for name, parts_i in (("mixer", parts), ("mlp", _mlp_layer(m, i))):
       for k, v in parts_i.items():
         out[k] = out.get(k, 0.0) + v
@@ -84,9 +103,9 @@ def forward_flops_per_token(m: ModelConfig, seq_len: int) -> dict[str, float]:
   return out
 
 
-def train_flops_per_token(m: ModelConfig, seq_len: int) -> float:
+def train_flops_per_token(m: ModelConfig, seq_len: int, context: float | None = None) -> float:
   """Model FLOPs of one training token: 3x the forward."""
-  return 3.0 * forward_flops_per_token(m, seq_len)["total"]
+  return 3.0 * forward_flops_per_token(m, seq_len, context)["total"]
 
 
 def device_peak_flops(override_tflops: float = 0.0) -> tuple[float | None, str]:

@@ -149,7 +149,7 @@ def _half_tables(c: int):
   return perm_a, perm_b, recv_a, recv_b
 
 
-def _masked_attention(q, k, v, q_pos, q_seg, k_seg, scale, block: int = 4096):
+def _masked_attention(q, k, v, q_pos, q_seg, k_seg, scale, block: int = 1024):
   """q ``[B, Tq, H, Dk]`` at positions ``q_pos [Tq]`` against all keys ``[B, S, H, Dk]`` (key j at
   position j); causal and same-segment. Rows without a visible key give zeros.
 
@@ -197,7 +197,7 @@ def _masked_attention(q, k, v, q_pos, q_seg, k_seg, scale, block: int = 4096):
 
 
 def mla_attention(q, latent, w_kv, *, segment_ids=None, scale, nope_dim: int, balanced=True,
-                  block: int = 4096):
+                  block: int = 1024):
   """Causal MLA attention with the sequence split over the ``context`` axis.
 
   q: ``[B, T, H, nope + rope]``; latent: ``[B, T, R + rope]`` (normalised ``c`` then the shared

@@ -64,20 +64,8 @@ def _run(impl, chunk, seg, opts, q, k, v, g, beta, s0, A_log, dt_bias):
 ORDER = ("q", "k", "v", "g", "beta", "s0", "A_log", "dt_bias")
 
 
-# module settings of pallas_kernels.kda.gpu: the default and each alternative implementation
-VARIANTS = {"default": {}, "residuals": dict(SAVE_RESIDUALS=True)}
-
-
-@pytest.fixture(params=list(VARIANTS))
-def variant(request, monkeypatch):
-  from pallas_kernels.kda import gpu
-  for name, value in VARIANTS[request.param].items():
-    monkeypatch.setattr(gpu, name, value)
-  return request.param
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_kda_pallas_gpu(case, variant):
+def test_kda_pallas_gpu(case):
   x, seg, opts, chunk = _setup(case)
   args = tuple(jnp.asarray(x[n]) for n in ORDER)
   np_run = lambda y: np_kda(y["q"], y["k"], y["v"], y["g"], y["beta"], y["s0"], np.asarray(seg),
@@ -125,8 +113,8 @@ def test_bad_head_dim_is_rejected():
 
 @pytest.mark.parametrize("shape", [(1, 100, 2, 128), (1, 16384, 32, 128)],
                          ids=["T100", "benchmark_T16384_H32"])
-def test_dense_path_lowers_for_cuda(monkeypatch, variant, shape):
-  """The bounded-gate kernels of each variant (forward and backward, bf16, K=128, two K slices)
+def test_dense_path_lowers_for_cuda(monkeypatch, shape):
+  """The bounded-gate kernels (forward and backward, bf16, K=128, two K slices)
   lower through Pallas' Triton path for an H200 without a GPU (catches lowering errors on CPU),
   also at the benchmark shape (inputs as shapes only)."""
   from pallas_kernels.kda import gpu
