@@ -7,7 +7,7 @@
 #   bash benchmarks/h200_round.sh both      # both: the kernel runs use the GPU while the steps compile
 #   bash benchmarks/h200_round.sh multi     # k3_1b, 50 steps: one GPU, expert, context, mixed layouts
 #   bash benchmarks/h200_round.sh long      # k3_1b at 128K tokens: one GPU, context, mixed layout
-#   bash benchmarks/h200_round.sh step      # k3_1b 16 x 4096 on one GPU, remat dots and none, profiled
+#   bash benchmarks/h200_round.sh step      # k3_1b 16 x 4096 on one GPU, remat dots and dots_kernels
 #   bash benchmarks/h200_round.sh peers     # KDA vs jla and fla at the three PERF.md shapes
 #   bash benchmarks/h200_round.sh kdasweep  # KDA variants and warp counts (ours only)
 #   bash benchmarks/h200_round.sh long step peers   # several at once (one lock for timed GPU work)
@@ -68,9 +68,13 @@ long() {
 }
 
 step() {
-  # The one-GPU k3_1b step at 16 x 4096, profiled: remat "dots" (the preset) and no remat.
-  for remat in ${REMATS:-dots none}; do
-    CUDA_VISIBLE_DEVICES=0 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout $LIMIT \
+  # The one-GPU k3_1b step at 16 x 4096, profiled, under each remat policy, one per GPU in turn
+  # (XLA's autotuning while another process compiles would otherwise disturb the timed steps).
+  # Do not time it beside `long`, whose compiles autotune on both GPUs.
+  local i=0 gpu
+  for remat in ${REMATS:-dots dots_kernels}; do
+    gpu=$(( i % NGPU )); i=$(( i + 1 ))
+    CUDA_VISIBLE_DEVICES=$gpu XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout $LIMIT \
       python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 12 --lock "$LOCK" \
       --profile "$R/trace_$remat" --json "$R/1b_remat_$remat.json" model.remat=$remat \
       > "$R/1b_remat_$remat.log" 2>&1 &
@@ -79,8 +83,8 @@ step() {
 
 peers() {
   # KDA at the three PERF.md shapes next to jla and fla, forward and forward+backward.
-  flock "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 170 python3 benchmarks/kda.py --no-parts \
-    --no-decode --shapes 1x16384x32x128,4x4096x32x128,1x65536x16x128 --budget 150 \
+  flock "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 250 python3 benchmarks/kda.py --no-parts \
+    --no-decode --shapes 1x16384x32x128,4x4096x32x128,1x65536x16x128 --budget 230 \
     > "$R/kda_peers.log" 2>&1
   say "kda peers done"
 }

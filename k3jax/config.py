@@ -109,7 +109,9 @@ class ModelConfig:
   init_std: float = 0.02
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
-  remat: str = "none"  # "none", "full", "dots": rematerialisation policy per decoder layer
+  # Rematerialisation per decoder layer: "none", "full", "dots" (keep matmul outputs), or
+  # "dots_kernels" (also keep the outputs of the Pallas kernels: KDA, MLA, grouped matmuls).
+  remat: str = "none"
   kda: KDAConfig = KDAConfig()
   mla: MLAConfig = MLAConfig()
   moe: MoEConfig = MoEConfig()
@@ -355,7 +357,7 @@ def validate(cfg: Config) -> None:
   _one_of(m.activation, ("situ", "silu"), "model.activation")
   _one_of(m.param_dtype, ("float32", "bfloat16", "float64"), "model.param_dtype")
   _one_of(m.compute_dtype, ("float32", "bfloat16", "float64"), "model.compute_dtype")
-  _one_of(m.remat, ("none", "full", "dots"), "model.remat")
+  _one_of(m.remat, ("none", "full", "dots", "dots_kernels"), "model.remat")
   for name in ("vocab_size", "hidden_size", "num_layers", "dense_intermediate"):
     _check(getattr(m, name) > 0, f"model.{name}", "must be positive")
   for name in ("mla_layers", "dense_layers"):

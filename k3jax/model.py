@@ -21,6 +21,11 @@ _ACT = ("batch", "length", "embed")
 _REMAT_POLICIES = {
     "full": None,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # The Pallas kernels' outputs too: the backward then reruns no forward kernel of the layer
+    # (under "dots" each KDA forward kernel runs three times per step).
+    "dots_kernels": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        lambda prim, *_, **__: prim.name == "pallas_call"),
 }
 
 

@@ -157,3 +157,48 @@ def test_tiny_model_loss_falls_with_adamw():
     losses.append(float(loss))
   assert np.isfinite(losses).all()
   assert losses[-1] < 0.5 * losses[0], losses
+
+
+def _kernel_counts(jaxpr) -> dict:
+  """pallas_call names and how often they appear in a jaxpr (nested jaxprs included)."""
+  from jax.extend import core
+  counts: dict = {}
+
+  def walk(j):
+    for e in j.eqns:
+      if e.primitive.name == "pallas_call":
+        info = e.params.get("name_and_src_info")
+        name = getattr(info, "name", None) or e.params.get("name") or "?"
+        counts[name] = counts.get(name, 0) + 1
+      for v in e.params.values():
+        for x in v if isinstance(v, (tuple, list)) else (v,):
+          if isinstance(x, core.ClosedJaxpr):
+            walk(x.jaxpr)
+          elif isinstance(x, core.Jaxpr):
+            walk(x)
+
+  walk(jaxpr)
+  return counts
+
+
+@pytest.mark.parametrize("remat, runs", [("dots", 3), ("dots_kernels", 2)])
+def test_remat_dots_kernels_keeps_kernel_outputs(monkeypatch, remat, runs):
+  """Under ``remat: dots`` the gradient runs each KDA forward kernel three times per layer
+  (forward, layer recompute, the kernel's own backward recompute); ``dots_kernels`` keeps the
+  Pallas outputs, so the layer recompute does not rerun them. Traced for the GPU kernels (no
+  lowering, no GPU)."""
+  from k3jax.train_step import _loss
+  from k3jax.latent_moe import RouterBias
+  from pallas_kernels.kda import gpu
+  monkeypatch.setattr(gpu, "_interpret", lambda: False)
+  cfg = tiny_config("model.kda.implementation=pallas_gpu", f"model.remat={remat}")
+  model = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0)))
+  graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
+  params, biases = nnx.to_pure_dict(params), nnx.to_pure_dict(biases)
+  batch = {k: jax.ShapeDtypeStruct((1, 64), jnp.float32 if k == "weights" else jnp.int32)
+           for k in ("input_ids", "targets", "segment_ids", "positions", "weights")}
+  jaxpr = jax.make_jaxpr(jax.grad(lambda p, b: _loss(graphdef, p, biases, b)[0]))(params, batch)
+  counts = _kernel_counts(jaxpr.jaxpr)
+  n_kda = sum(cfg.model.layer_kind(i) == "kda" for i in range(cfg.model.num_layers))
+  assert counts["kda_chunk_a"] == runs * n_kda and counts["kda_fwd_recurrence"] == runs * n_kda
+  assert counts["kda_chunk_dqkg"] == n_kda  # one backward per layer either way
