@@ -80,6 +80,11 @@ class LatentMoE(nnx.Module):
       y = expert_parallel.moe_dispatch(xe, ids, weights, w1, w2, self.act,
                                        capacity_factor=m.capacity_factor,
                                        implementation=m.implementation)
+    elif expert_parallel.token_spec()[0] is not None:  # tokens split, experts whole
+      per_row = lambda a: a.reshape(b, t, a.shape[-1])
+      y = expert_parallel.local_experts(per_row(xe), per_row(ids), per_row(weights), w1, w2,
+                                        self.act, implementation=m.implementation)
+      y = y.reshape(b * t, -1)
     else:
       y = moe_ops.expert_mlp(xe, ids, weights, w1, w2, self.act, implementation=m.implementation)
     if m.latent_dim:

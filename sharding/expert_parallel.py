@@ -171,4 +171,30 @@ def moe_dispatch(x, expert_ids, weights, w_gate_up, w_down, activation, *, capac
   return fn(x, expert_ids, weights, w_gate_up, w_down)
 
 
-__all__ = ["configure", "axes", "active", "moe_dispatch", "capacity", "token_spec"]
+def local_experts(x, expert_ids, weights, w_gate_up, w_down, activation, *, implementation=None):
+  """Routed experts when the mesh splits the tokens but not the experts: each device runs
+  :func:`pallas_kernels.moe.expert_mlp` on its own tokens, as the activations lie, with the whole
+  (gathered) expert weights. Left to the SPMD partitioner, the sort over all token-expert pairs
+  would gather them, and every device would run every token's experts.
+
+  x: ``[B, T, L]``; expert_ids, weights: ``[B, T, k]``; weights of the experts as in
+  ``expert_mlp``. Returns ``[B, T, L]``.
+  """
+  tok = logical_spec(("batch", "length", None))
+  w1_spec = logical_spec(("expert", "latent", "mlp"))
+  w2_spec = logical_spec(("expert", "mlp", "latent"))
+
+  def body(x, ids, wts, w1, w2):
+    b, t, width = x.shape
+    flat = lambda a: a.reshape(b * t, a.shape[-1])
+    y = moe_ops.expert_mlp(flat(x), flat(ids), flat(wts), _gather_weight(w1, w1_spec),
+                           _gather_weight(w2, w2_spec), activation, implementation=implementation)
+    return y.reshape(b, t, width)
+
+  fn = jax.shard_map(body, in_specs=(tok, tok, tok, w1_spec, w2_spec), out_specs=tok,
+                     check_vma=False)
+  return fn(x, expert_ids, weights, w_gate_up, w_down)
+
+
+__all__ = ["configure", "axes", "active", "moe_dispatch", "local_experts", "capacity",
+           "token_spec"]

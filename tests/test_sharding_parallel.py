@@ -65,6 +65,14 @@ def test_mla_context_parallel():
     assert max(err.values()) < TOL, (case, err)
 
 
+def test_moe_sorts_only_local_tokens():
+  """With the tokens split and the experts whole (data or context parallel), each device routes
+  its own tokens: the token-expert sort has the local size, not the global one (the SPMD
+  partitioner would otherwise gather all pairs and run every token's experts everywhere)."""
+  out = _run("moe_local_sort")
+  assert out["data8"] == [out["pairs"] // 8] and out["context8"] == [out["pairs"] // 8], out
+
+
 def test_expert_parallel_dispatch():
   """Skewed routing (three hot experts) so MoonEP must place redundant copies; the gradients of
   the expert weights include the copies' gradients reduced back to their home rank."""

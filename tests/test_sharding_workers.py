@@ -99,6 +99,39 @@ def model_layouts(only: str = ""):
 
 
 
+def moe_local_sort():
+  """Sizes of the token-expert sorts in the compiled gradient of the tiny model on data=8 and on
+  context=8 meshes (experts whole): each device sorts only its own tokens' pairs."""
+  import re
+  from flax import nnx
+  from k3jax.config import load
+  from k3jax.latent_moe import RouterBias
+  from k3jax.model import K3Model
+  from k3jax.train_step import _loss
+  import sharding
+
+  cfg = load("configs/k3_tiny.yaml", [])
+  model = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0)))
+  graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
+  params, biases = nnx.to_pure_dict(params), nnx.to_pure_dict(biases)
+  b, t = 8, 64
+  out = {"pairs": b * t * cfg.model.moe.top_k}
+  for name, sizes in (("data8", dict(data=8)), ("context8", dict(data=1, context=8))):
+    mesh_cfg = MeshConfig(**sizes)
+    sharding.configure(mesh_cfg)
+    mesh = mesh_lib.make_mesh(mesh_cfg)
+    with jax.set_mesh(mesh):
+      sh = mesh_lib.batch_sharding(mesh)
+      batch = {k: jax.ShapeDtypeStruct((b, t), jnp.float32 if k == "weights" else jnp.int32,
+                                       sharding=sh)
+               for k in ("input_ids", "targets", "segment_ids", "positions", "weights")}
+      grad = jax.jit(jax.grad(lambda p, bs, bt: _loss(graphdef, p, bs, bt)[0]))
+      text = grad.lower(params, biases, batch).compile().as_text()
+    out[name] = sorted({int(n) for n in re.findall(r"= \(?s32\[(\d+)\][^\n]*? sort\(", text)})
+  sharding.configure(MeshConfig())
+  return out
+
+
 def _mesh(**sizes):
   return mesh_lib.make_mesh(MeshConfig(**{"data": 1, **sizes}))
 
