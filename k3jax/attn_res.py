@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.nn import constant, param, rms_norm
+from k3jax.nn import constant, param
 
 
 def attn_res(sources: Sequence[jax.Array], proj: jax.Array, norm: jax.Array, eps: float) -> jax.Array:

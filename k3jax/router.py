@@ -35,8 +35,9 @@ def route(scores: jax.Array, bias: jax.Array, cfg: MoEConfig):
 
 def expert_load(ids: jax.Array, num_experts: int, valid: jax.Array | None = None) -> jax.Array:
   """``[E]`` float32: routed token slots per expert (padding tokens excluded)."""
-  hit = ids[..., None] == jnp.arange(num_experts, dtype=ids.dtype)  # [N, k, E]: a reduction, not
-  if valid is not None:                                               # a contended scatter-add
+  # A compare-and-sum reduction over [N, k, E], not a scatter-add contending for E counters.
+  hit = ids[..., None] == jnp.arange(num_experts, dtype=ids.dtype)
+  if valid is not None:
     hit = hit & valid[:, None, None]
   return jnp.sum(hit, axis=(0, 1), dtype=jnp.int32).astype(jnp.float32)
 
