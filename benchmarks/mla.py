@@ -10,10 +10,10 @@ TB/s of cache traffic, and writes a markdown table (and JSON) under $OUT when se
   PYTHONPATH=. python3 benchmarks/mla.py [--sweep {none,prefill,decode,all}] [--cudnn-mask]
                                          [--budget SECONDS] [--decode-only]
 
-``--decode-only``: the decode kernels (Mosaic GPU ``mosaic``, its transposed form ``mosaic_t``,
-then Triton) each checked against the reference, then timed at N = 256, 64, 1 (the Mosaic ones
-also with 2x and 4x their default split count at N = 256, 64); skips what is left after
-``--budget`` seconds (default 90 here, to finish within two minutes).
+``--decode-only``: the decode kernels (Mosaic GPU ``mosaic``, then Triton) each checked against
+the reference, then timed at N = 256, 64, 1 (the Mosaic one also with 2x and 4x its default
+split count at N = 256, 64); skips what is left after ``--budget`` seconds (default 90 here, to
+finish within two minutes).
 """
 
 from __future__ import annotations
@@ -109,17 +109,12 @@ DECODE_VARIANTS = {
                                    if n > 1 else None),
     "mosaic 4x splits": lambda n: ({"gpu_kernel": "mosaic", "num_splits": 4 * _mosaic_splits(n)}
                                    if n > 1 else None),
-    "mosaic_t": lambda n: {"gpu_kernel": "mosaic_t"},
-    "mosaic_t 2x splits": lambda n: ({"gpu_kernel": "mosaic_t",
-                                      "num_splits": 2 * _mosaic_splits(n)} if n > 1 else None),
-    "mosaic_t 4x splits": lambda n: ({"gpu_kernel": "mosaic_t",
-                                      "num_splits": 4 * _mosaic_splits(n)} if n > 1 else None),
 }
 
 
 def _mosaic_splits(n):
-  """The Mosaic kernels' default split count at the timed shapes (2 row blocks of 64 or 48 rows,
-  1024 steps)."""
+  """The Mosaic kernel's default split count at the timed shapes (2 row blocks of 64 rows, 1024
+  steps)."""
   return decode._default_splits(n, 2, 65536 // 64, "gpu", decode.MGPU_WAVES)
 
 
@@ -330,12 +325,12 @@ def markdown(blocks, dec_cfg):
 
 
 def decode_only(budget):
-  """Per kernel (Mosaic GPU, its transposed form, Triton): check it, then time its variants at
+  """Per kernel (Mosaic GPU, Triton): check it, then time its variants at
   N = 256, 64, 1. A variant that fails its check is still timed (its rows say so); a watchdog
   ends the process 15 s after the budget, so a kernel that hangs on the card costs only what
   follows it."""
   faulthandler.dump_traceback_later(budget + 15, exit=True)
-  for kernel in ("mosaic", "mosaic_t", "triton"):
+  for kernel in ("mosaic", "triton"):
     ok = check_decode((kernel,))
     if any("error" in r for r in ROWS if r.get("check", "").startswith(f"decode {kernel} ")):
       continue  # it does not build: timing would only repeat the error

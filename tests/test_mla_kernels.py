@@ -157,31 +157,29 @@ def test_decode_gpu_ragged_paged(tn, splits):
                              rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kernel", ["mosaic", "mosaic_t"])
 @pytest.mark.parametrize("tn,h,splits", [(1, 16, 2), (3, 24, None)])
-def test_decode_gpu_mosaic_ragged_paged(kernel, tn, h, splits):
-  """The Mosaic GPU kernels in GPU interpret mode (bf16): 1-4 steps of 64 tokens per request,
-  rows (tn * h) in one or two programs (64 rows; mosaic_t: 48, so with tn=3 the first program
-  holds new tokens 0 and 1, the second token 2 and 24 padding rows), split-K with an empty split
-  (splits=2: the 37-token request's second split has no step)."""
+def test_decode_gpu_mosaic_ragged_paged(tn, h, splits):
+  """The Mosaic GPU kernel in GPU interpret mode (bf16): 1-4 steps of 64 tokens per request,
+  rows (tn * h) in one or two 64-row programs (with tn=3 new token 2 straddles them: the second
+  program holds its last 8 rows and 56 padding rows), split-K with an empty split (splits=2: the
+  37-token request's second split has no step)."""
   q, cache, table, lengths = _paged(11 + tn, 3, tn, h, 128, 64, 64, lengths=(37, 200, 130))
   q, cache = jnp.asarray(q, jnp.bfloat16), jnp.asarray(cache, jnp.bfloat16)
   got = decode.mla_decode(q, cache, jnp.asarray(table), jnp.asarray(lengths), kv_lora_rank=128,
-                          scale=0.1, backend="gpu", gpu_kernel=kernel, num_splits=splits)
+                          scale=0.1, backend="gpu", gpu_kernel="mosaic", num_splits=splits)
   want = np_paged_decode(np.asarray(q, np.float32), np.asarray(cache, np.float32), table,
                          lengths, 128, 0.1)
   np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2)
   assert np.linalg.norm(np.asarray(got, np.float32) - want) < 5e-3 * np.linalg.norm(want)
 
 
-@pytest.mark.parametrize("kernel", ["mosaic", "mosaic_t"])
-def test_decode_mosaic_lowers_for_cuda_and_checks_inputs(kernel):
+def test_decode_mosaic_lowers_for_cuda_and_checks_inputs():
   """CUDA lowering at the real shapes (H96, 576 = 512 + 64, page 64; Tn 2 and the benchmark's
   N256 Tn1): Mosaic GPU's layout inference and its shared-memory limit (227 KiB) are checked."""
   sds = jax.ShapeDtypeStruct
   bf16 = jnp.bfloat16
   dec = lambda q, c, t, l: decode.mla_decode(q, c, t, l, kv_lora_rank=512, scale=192 ** -0.5,
-                                             backend="gpu", gpu_kernel=kernel, interpret=False)
+                                             backend="gpu", gpu_kernel="mosaic", interpret=False)
   for n, tn in ((4, 2), (256, 1)):
     args = (sds((n, tn, 96, 576), bf16), sds((64, 64, 576), bf16), sds((n, 16), jnp.int32),
             sds((n,), jnp.int32))
@@ -191,7 +189,7 @@ def test_decode_mosaic_lowers_for_cuda_and_checks_inputs(kernel):
   with pytest.raises(ValueError, match="mosaic"):
     decode.mla_decode(jnp.zeros((1, 1, 2, 192)), jnp.zeros((4, 64, 192)),
                       jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32), kv_lora_rank=128,
-                      scale=1.0, backend="gpu", gpu_kernel=kernel)
+                      scale=1.0, backend="gpu", gpu_kernel="mosaic")
 
 
 def test_decode_tpu_ragged_paged():

@@ -11,9 +11,6 @@ range yields a partial output and log-sum-exp ``[N, splits, rows]``, merged at t
 The Mosaic GPU kernel (``gpu_kernel="mosaic"``, Hopper: TMA and wgmma) is FlashMLA's layout:
 64 query rows per program, the ``[64 tokens, R + Dr]`` cache tile shared by ``Q K^T`` and (its
 first R columns) ``P V``, the ``[64, R]`` accumulator split over two warpgroups by value columns.
-``gpu_kernel="mosaic_t"`` is its transposed form, ``S^T = K Q^T`` with the query rows as the wgmma
-N dimension (48-row programs: H = 96 without padding) and the score work shared by both
-consumer warpgroups.
 """
 
 from __future__ import annotations
@@ -199,16 +196,16 @@ def _mgpu_stream(table_ref, cache_ref, k_smem, k_ready, k_free, *, n, start, cou
     plgpu.barrier_wait(k_free.at[lax.rem(k, stages)])
 
 
-def _mgpu_visible(shape, row_dim, first_row, first_token, length, tn: int, heads: int):
-  """Bool ``shape`` (WGMMA layout), query rows along ``row_dim`` from ``first_row``, cache tokens
-  along the other from ``first_token``: query row r (new token t = #{i in 1..tn-1: r >= i*heads},
-  at position length - tn + t) sees token c iff c <= its position and c < length."""
+def _mgpu_visible(shape, first_row, first_token, length, tn: int, heads: int):
+  """Bool ``shape`` ``[rows, tokens]`` (WGMMA layout), query rows from ``first_row``, cache tokens
+  from ``first_token``: query row r (new token t = #{i in 1..tn-1: r >= i*heads}, at position
+  length - tn + t) sees token c iff c <= its position and c < length."""
   iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-  row = first_row + iota(row_dim)
+  row = first_row + iota(0)
   qpos = jnp.full(shape, length - tn, jnp.int32)
   for t in range(1, tn):
     qpos = qpos + jnp.where(row >= t * heads, 1, 0)
-  kpos = first_token + iota(1 - row_dim)
+  kpos = first_token + iota(1)
   return (kpos <= qpos) & (kpos < length)
 
 
@@ -255,8 +252,8 @@ def _mgpu_kernel(lens_ref, table_ref, q_ref, cache_ref, o_ref, lse_ref, q_smem, 
 
       s = pl.run_scoped(qk, plgpu.ACC((MGPU_ROWS, MGPU_STEP), jnp.float32)) * (scale * LOG2E)
       if masked:
-        s = jnp.where(_mgpu_visible(s.shape, 0, rb * MGPU_ROWS, (start + k) * MGPU_STEP, length,
-                                    tn, heads), s, -jnp.inf)
+        s = jnp.where(_mgpu_visible(s.shape, rb * MGPU_ROWS, (start + k) * MGPU_STEP, length, tn,
+                                    heads), s, -jnp.inf)
       m_new = jnp.maximum(m, s.max(axis=1))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m - m_safe)
@@ -322,186 +319,39 @@ def _mgpu_kernel(lens_ref, table_ref, q_ref, cache_ref, o_ref, lse_ref, q_smem, 
         acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_ref.dtype)
 
 
-MGPU_T_ROWS = 48  # query rows per program of the transposed kernel: its wgmma N (96 = 2 x 48)
-MGPU_T_QK0 = 256  # score columns (of R + Dr) on warpgroup 0, at most half; 1 takes the rest
-
-
-def _mgpu_t_kernel(lens_ref, table_ref, q_ref, cache_ref, o_ref, lse_ref, q_smem, k_smem, p_smem,
-                   sx_smem, alpha_smem, lse_smem, q_bar, k_ready, k_free, s_ready, p_ready, p_free,
-                   *, scale: float, kv_lora_rank: int, qk0: int, tn: int, heads: int,
-                   per_page: int, steps_per_split: int, stages: int, interpret: bool):
-  """One program: ``B = MGPU_T_ROWS`` query rows of one request over one split, transposed.
-
-  Scores are ``S^T = K Q^T`` ``[64 tokens, B]``: the streamed cache tile is the wgmma A operand
-  (M = 64 tokens) and the query rows are N, so no row is padded to 64. The ``D = R + Dr`` score
-  contraction is split over the two consumer warpgroups: warpgroup 1 takes columns ``[qk0, D)``
-  and hands its float32 partial through SMEM; warpgroup 0 takes ``[0, qk0)``, adds the two,
-  runs the online softmax over the token axis (the max across its 4 warps each step, the sum
-  kept per element and reduced once at the end) and hands P (bf16, stored ``[B, 64]``) and the
-  per-row rescale to warpgroup 1. Each accumulates ``O^T = V^T P^T`` ``[R/2, B]`` float32 for
-  its half of the value columns (A = the transposed value columns of the same SMEM tile).
-  Warpgroup 2 streams the cache (``_mgpu_stream``). Outputs: ``o^T [R, B]``
-  float32 (normalised) and the base-2 lse ``[B]`` (``-inf`` where this split saw no key).
-
-  Barriers: ``k_ready``/``k_free`` per slot, ``s_ready`` (1 -> 0: partial scores), ``p_ready``
-  (0 -> 1: P and the rescale; a last one hands 1/l), ``p_free`` (1 -> 0: P read). Warpgroup 1
-  writes the next partial only after ``p_ready``, so after warpgroup 0 has read this one. (It
-  does not compute step k+1's partial before step k's ``P V``: with two slots that would stall
-  ``P V`` on the next tile's arrival and leave no copy in flight.)
-  """
-  rb, s_idx, n, wg, length, start, count = _mgpu_program(lens_ref, steps_per_split)
-  bn, d = q_smem.shape
-  half = kv_lora_rank // 2
-  rows = pl.ds(rb * bn, bn)
-  col_layout = plgpu.Layout.WGMMA.reduce(0)
-  zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-
-  def partial_scores(kv, lo, width):
-    """``K[:, lo:lo+width] Q[:, lo:lo+width]^T`` -> ``[64, B]`` float32."""
-    def qk(s_ref):
-      plgpu.wgmma(s_ref, kv.at[:, pl.ds(lo, width)], q_smem.at[:, pl.ds(lo, width)].T)
-      return s_ref[...]
-    return pl.run_scoped(qk, plgpu.ACC((MGPU_STEP, bn), jnp.float32))
-
-  def values(acc, alpha, kv, lo):
-    """``acc * alpha + V[:, lo:lo+R/2]^T P^T`` -> ``[R/2, B]``."""
-    return _wgmma_add(acc * lax.broadcast_in_dim(alpha, acc.shape, [1]),
-                      kv.at[:, pl.ds(lo, half)].T, p_smem.T, interpret)
-
-  @pl.when(wg == 2)
-  def _producer():
-    _mgpu_stream(table_ref, cache_ref, k_smem, k_ready, k_free, n=n, start=start, count=count,
-                 per_page=per_page)
-
-  @pl.when(wg == 0)
-  def _softmax_wg():
-    _mgpu_load_q(q_ref.at[n, rows], q_smem, q_bar)
-
-    def step(k, carry, masked):
-      acc, m, lp = carry
-      slot = lax.rem(k, stages)
-      plgpu.barrier_wait(k_ready.at[slot])
-      kv = k_smem.at[slot]
-      s = partial_scores(kv, 0, qk0)
-      plgpu.barrier_wait(s_ready)
-      s = (s + plgpu.load(sx_smem, layout=plgpu.Layout.WGMMA)) * (scale * LOG2E)
-      if masked:
-        s = jnp.where(_mgpu_visible(s.shape, 1, rb * bn, (start + k) * MGPU_STEP, length, tn,
-                                    heads), s, -jnp.inf)
-      m_new = jnp.maximum(m, s.max(axis=0))
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m - m_safe)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [1]))
-      lp = lp * lax.broadcast_in_dim(alpha, s.shape, [1]) + p  # summed over tokens at the end
-
-      @pl.when(k > 0)
-      def _():
-        plgpu.barrier_wait(p_free)
-
-      p_smem.T[...] = p.astype(p_smem.dtype)
-      alpha_smem[...] = alpha
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(p_ready)
-      acc = values(acc, alpha, kv, 0)
-      plgpu.barrier_arrive(k_free.at[slot])
-      return acc, m_new, lp
-
-    init = (zeros((half, bn)),
-            plgpu.layout_cast(jnp.full((bn,), -jnp.inf, jnp.float32), col_layout),
-            zeros((MGPU_STEP, bn)))
-    full = jnp.clip(lax.div(length - tn + 1, MGPU_STEP) - start, 0, count)
-    carry = lax.fori_loop(0, full, functools.partial(step, masked=False), init)
-    acc, m, lp = lax.fori_loop(full, count, functools.partial(step, masked=True), carry)
-    l = lp.sum(axis=0)
-    seen = l > 0.0
-    inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-
-    @pl.when(count > 0)
-    def _():
-      plgpu.barrier_wait(p_free)
-
-    alpha_smem[...] = inv
-    plgpu.barrier_arrive(p_ready)
-    o_ref.at[n, s_idx, pl.ds(0, half), rows][...] = (
-        acc * lax.broadcast_in_dim(inv, acc.shape, [1])).astype(o_ref.dtype)
-    lse_smem[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)) * LOG2E, -jnp.inf)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[n, s_idx, rows])
-    plgpu.wait_smem_to_gmem(0)
-
-  @pl.when(wg == 1)
-  def _value_wg():
-    plgpu.set_max_registers(232, action="increase")
-    plgpu.barrier_wait(q_bar)
-
-    def step(k, acc):
-      slot = lax.rem(k, stages)
-      plgpu.barrier_wait(k_ready.at[slot])
-      kv = k_smem.at[slot]
-      sx_smem[...] = partial_scores(kv, qk0, d - qk0)
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(s_ready)
-      plgpu.barrier_wait(p_ready)
-      acc = values(acc, plgpu.load(alpha_smem, layout=col_layout), kv, half)
-      plgpu.barrier_arrive(p_free)
-      plgpu.barrier_arrive(k_free.at[slot])
-      return acc
-
-    acc = lax.fori_loop(0, count, step, zeros((half, bn)))
-    plgpu.barrier_wait(p_ready)
-    inv = plgpu.load(alpha_smem, layout=col_layout)
-    o_ref.at[n, s_idx, pl.ds(half, half), rows][...] = (
-        acc * lax.broadcast_in_dim(inv, acc.shape, [1])).astype(o_ref.dtype)
-
-
 def _mgpu_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, tn, heads, num_splits,
-                 stages, interpret, transposed=False):
-  """Runs ``_mgpu_kernel`` (64-row programs) or, ``transposed``, ``_mgpu_t_kernel`` (48-row
-  programs, ``S^T = K Q^T``) over (request, split, row block) and merges the splits."""
+                 stages, interpret):
+  """Runs ``_mgpu_kernel`` over (request, split, row block) and merges the splits."""
   n, rp, d = q.shape
   ps = cache.shape[1]
-  bn = MGPU_T_ROWS if transposed else MGPU_ROWS
-  nr = rp // bn
+  nr = rp // MGPU_ROWS
   per_page = ps // MGPU_STEP
   steps = page_table.shape[1] * per_page
   ns = num_splits or _default_splits(n, nr, steps, "gpu", MGPU_WAVES)
   sps = -(-steps // ns)
   swz = lambda: (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  common = dict(scale=scale, kv_lora_rank=kv_lora_rank, tn=tn, heads=heads, per_page=per_page,
-                steps_per_split=sps, stages=stages, interpret=interpret)
-  if transposed:
-    kernel = functools.partial(_mgpu_t_kernel, qk0=min(MGPU_T_QK0, d // 128 * 64), **common)
-    kernel.__name__ = "mla_decode_mgpu_t"  # the kernel's name in profiles and HLO
-    o_shape = (n, ns, kv_lora_rank, rp)
-    partial_scores = [plgpu.SMEM((MGPU_STEP, bn), jnp.float32)]  # warpgroup 1's partial scores
-    # the token-axis max crosses warps: 6 KiB lets the 6 registers per thread of a [48]-row
-    # result go through SMEM in one round (two warpgroup barriers), 1 KiB would take six
-    reduction_bytes, handoffs = 6144, 3
-  else:
-    kernel = functools.partial(_mgpu_kernel, **common)
-    kernel.__name__ = "mla_decode_mgpu"
-    o_shape = (n, ns, rp, kv_lora_rank)
-    partial_scores, reduction_bytes, handoffs = [], 0, 2
+  kernel = functools.partial(
+      _mgpu_kernel, scale=scale, kv_lora_rank=kv_lora_rank, tn=tn, heads=heads,
+      per_page=per_page, steps_per_split=sps, stages=stages, interpret=interpret)
+  kernel.__name__ = "mla_decode_mgpu"  # the kernel's name in profiles and HLO
   o_part, lse_part = plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct(o_shape, jnp.float32),
+      out_type=(jax.ShapeDtypeStruct((n, ns, rp, kv_lora_rank), jnp.float32),
                 jax.ShapeDtypeStruct((n, ns, rp), jnp.float32)),
       scratch_types=(
-          plgpu.SMEM((bn, d), q.dtype, transforms=swz()),
+          plgpu.SMEM((MGPU_ROWS, d), q.dtype, transforms=swz()),
           plgpu.SMEM((stages, MGPU_STEP, d), q.dtype, transforms=swz()),
-          plgpu.SMEM((bn, MGPU_STEP), q.dtype, transforms=swz()),
-          *partial_scores,
-          plgpu.SMEM((bn,), jnp.float32),
-          plgpu.SMEM((bn,), jnp.float32),
+          plgpu.SMEM((MGPU_ROWS, MGPU_STEP), q.dtype, transforms=swz()),
+          plgpu.SMEM((MGPU_ROWS,), jnp.float32),
+          plgpu.SMEM((MGPU_ROWS,), jnp.float32),
           plgpu.Barrier(),
           plgpu.Barrier(num_barriers=stages),
           plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-          *[plgpu.Barrier() for _ in range(handoffs)]),
+          plgpu.Barrier(),
+          plgpu.Barrier()),
       grid=_mgpu_grid(n, ns, nr), grid_names=MGPU_GRID, num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=reduction_bytes),
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=plgpu.InterpretGPUParams() if interpret else None)(lengths, page_table, q, cache)
-  if transposed:
-    o_part = o_part.transpose(0, 1, 3, 2)
   return _merge(o_part, lse_part)
 
 
@@ -590,10 +440,9 @@ def mla_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, backend, n
   step (a power of two dividing page_size; default 64 on GPU, 512 on TPU); ``warps``/``stages``:
   Triton launch parameters (``stages``: also the Mosaic kernel's cache ring, 2 fills its SMEM).
   ``gpu_kernel``: ``"triton"``, ``"mosaic"`` (Mosaic GPU: bf16/f16, rows in 64-row programs,
-  64-token steps; ``block_rows``, ``step_tokens`` and ``warps`` do not apply), ``"mosaic_t"``
-  (the transposed Mosaic GPU kernel: 48-row programs, the score contraction split over both
-  consumer warpgroups; same conditions) or ``"auto"`` (``"mosaic"`` where its conditions hold,
-  1.7x Triton's cache bandwidth on the H200; else Triton).
+  64-token steps; ``block_rows``, ``step_tokens`` and ``warps`` do not apply) or ``"auto"``
+  (``"mosaic"`` where its conditions hold, 1.7x Triton's cache bandwidth on the H200; else
+  Triton).
   Interpret mode by default off the matching platform.
   """
   if backend not in ("gpu", "tpu"):
@@ -610,14 +459,14 @@ def mla_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, backend, n
   if not 0 < kv_lora_rank < d or kv_lora_rank % 16 or (d - kv_lora_rank) % 16 or ps % 16:
     raise ValueError(f"mla_decode: kv_lora_rank ({kv_lora_rank}), the rope dim "
                      f"({d - kv_lora_rank}) and page_size ({ps}) must be positive multiples of 16")
-  if backend == "gpu" and gpu_kernel not in ("triton", "mosaic", "mosaic_t", "auto"):
+  if backend == "gpu" and gpu_kernel not in ("triton", "mosaic", "auto"):
     raise ValueError(f"mla_decode: unknown gpu_kernel {gpu_kernel!r}; expected 'triton', "
-                     "'mosaic', 'mosaic_t' or 'auto'")
+                     "'mosaic' or 'auto'")
   mosaic_ok = (q.dtype in (jnp.bfloat16, jnp.float16) and cache.dtype == q.dtype
                and kv_lora_rank % 128 == 0 and kv_lora_rank <= 512 and d % 64 == 0 and ps % 64 == 0)
   if gpu_kernel == "auto":
     gpu_kernel = "mosaic" if mosaic_ok else "triton"
-  mosaic = backend == "gpu" and gpu_kernel in ("mosaic", "mosaic_t")
+  mosaic = backend == "gpu" and gpu_kernel == "mosaic"
   if mosaic and not mosaic_ok:
     raise ValueError(f"mla_decode(mosaic): needs bf16/f16 q and cache of one dtype (got {q.dtype}, "
                      f"{cache.dtype}), kv_lora_rank a multiple of 128 up to 512 (got "
@@ -626,7 +475,7 @@ def mla_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, backend, n
     interpret = default_backend() != backend
   rows = tn * h
   if mosaic:
-    bm = MGPU_T_ROWS if gpu_kernel == "mosaic_t" else MGPU_ROWS
+    bm = MGPU_ROWS
   else:
     bm = min(block_rows, max(16, pl.next_power_of_2(rows))) if backend == "gpu" else 16
   rp = -(-rows // bm) * bm
@@ -640,8 +489,7 @@ def mla_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, backend, n
   if mosaic:
     o = _mgpu_decode(
         qr, cache, page_table, lengths, kv_lora_rank=kv_lora_rank, scale=scale, tn=tn, heads=h,
-        num_splits=num_splits, stages=stages, interpret=interpret,
-        transposed=gpu_kernel == "mosaic_t")
+        num_splits=num_splits, stages=stages, interpret=interpret)
   elif backend == "gpu":
     o = _gpu_decode(qr, cache, page_table, lengths, qoff, kv_lora_rank=kv_lora_rank, scale=scale,
                     num_splits=num_splits, block_rows=bm, step_tokens=step_tokens or 64,
