@@ -5,7 +5,7 @@
 #   bash benchmarks/h200_round.sh kernels   # KDA variants, MLA decode variants, MoE tilings (GPU 1 or 0)
 #   bash benchmarks/h200_round.sh train     # k3_1b step on one GPU: compile-flag trials, profile
 #   bash benchmarks/h200_round.sh both      # both: the kernel runs use the GPU while the steps compile
-#   bash benchmarks/h200_round.sh multi     # k3_1b, 50 steps: one GPU, expert, context, mixed layouts
+#   bash benchmarks/h200_round.sh multi     # k3_1b, 50 steps: one GPU, data, expert, context, mixed
 #   bash benchmarks/h200_round.sh long      # k3_1b at 128K tokens: one GPU, context, mixed layout
 #   bash benchmarks/h200_round.sh step      # k3_1b 16 x 4096 on one GPU, remat dots and dots_kernels
 #   bash benchmarks/h200_round.sh peers     # KDA vs jla and fla at the three PERF.md shapes
@@ -56,7 +56,7 @@ kernels() {
 
 multi() {
   XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout $LIMIT python3 benchmarks/multi_gpu.py \
-    --config configs/k3_1b.yaml --layouts one,expert,context,context_experts --steps 50 \
+    --config configs/k3_1b.yaml --layouts one,data,expert,context,context_experts --steps 50 \
     --out "$R" train.batch_size=8 > "$R/multi.log" 2>&1
 }
 
