@@ -338,7 +338,7 @@ def time_fla_decode(n):
   return do_bench(f, warmup=25, rep=100, return_mode="median")
 
 
-def time_decode(n, block_v=64, num_warps=4, dot_reduce=False):
+def time_decode(n, block_v=64, num_warps=4):
   h, kd = 32, 128
   q, k, v, f, beta, a_log, dt_bias = inputs(n, 1, h, kd)
   g = -jax.random.uniform(jax.random.key(5), (n, 1, h, kd), jnp.float32)
@@ -346,7 +346,7 @@ def time_decode(n, block_v=64, num_warps=4, dot_reduce=False):
   pool = jax.random.normal(jax.random.key(6), (n, h, kd, kd), jnp.float32)
   slots = jnp.arange(n, dtype=jnp.int32)
   step = jax.jit(lambda q, k, v, g, b, s: kda_gpu_decode(q, k, v, g, b, s, slots, block_v,
-                                                           num_warps, dot_reduce),
+                                                           num_warps),
                  donate_argnums=(5,))
   o, pool = step(q, k, v, g, beta, pool)
   jax.block_until_ready(pool)
@@ -362,12 +362,12 @@ def time_decode(n, block_v=64, num_warps=4, dot_reduce=False):
   return ms, 2 * n * h * kd * kd * 4 / ms / 1e9
 
 
-def kda_gpu_decode(q, k, v, g, b, s, slots, block_v, num_warps, dot_reduce=False):
+def kda_gpu_decode(q, k, v, g, b, s, slots, block_v, num_warps):
   from pallas_kernels.kda import decode
   return decode._decode_gpu(q, k, v, g, b, s, slots, scale=q.shape[-1] ** -0.5,
                             use_qk_l2norm=True, A_log=None, dt_bias=None, gate=None,
                             lower_bound=LB, beta_is_logit=False, block_v=block_v,
-                            num_warps=num_warps, dot_reduce=dot_reduce)
+                            num_warps=num_warps)
 
 
 def _round(x, bits):
@@ -461,18 +461,17 @@ def main():
   print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-# (V tile, warps, K reductions as one matrix-unit product); V tiles 32 and 16 were slower
-DECODE_CONFIGS = ((64, 4, False), (128, 4, False), (128, 8, False), (64, 8, False),
-                  (64, 4, True), (128, 8, True))
+# (V tile, warps); V tiles 32 and 16 and the K reductions as one matrix-unit product were slower
+DECODE_CONFIGS = ((64, 4), (128, 4), (128, 8), (64, 8))
 
 
 def decode():
   for n in DECODE_N:
     best = None
-    for bv, nw, dr in DECODE_CONFIGS:
-      tag = f"bv{bv} w{nw}" + " dot_reduce" * dr
+    for bv, nw in DECODE_CONFIGS:
+      tag = f"bv{bv} w{nw}"
       try:
-        ms, tbps = time_decode(n, bv, nw, dr)
+        ms, tbps = time_decode(n, bv, nw)
         emit(name=f"ours decode N{n} H32 K128 {tag}", ms=round(ms, 4), tbps=round(tbps, 2))
         best = min(best or (ms, tag), (ms, tag))
       except Exception as e:  # noqa: BLE001

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import pallas_kernels.moe as moe_ops
 from k3jax import router
 from k3jax.config import ModelConfig
 from k3jax.glu import GLU, glu_activation
@@ -76,17 +75,10 @@ class LatentMoE(nnx.Module):
       ids, weights = router.route(scores, bias, m)
     xe = self.routed_expert_down_proj(xf) if m.latent_dim else xf
     w1, w2 = self.experts.w_gate_up[...].astype(x.dtype), self.experts.w_down[...].astype(x.dtype)
-    if expert_parallel.active():
-      y = expert_parallel.moe_dispatch(xe, ids, weights, w1, w2, self.act,
-                                       capacity_factor=m.capacity_factor,
-                                       implementation=m.implementation)
-    elif expert_parallel.token_spec()[0] is not None:  # tokens split, experts whole
-      per_row = lambda a: a.reshape(b, t, a.shape[-1])
-      y = expert_parallel.local_experts(per_row(xe), per_row(ids), per_row(weights), w1, w2,
-                                        self.act, implementation=m.implementation)
-      y = y.reshape(b * t, -1)
-    else:
-      y = moe_ops.expert_mlp(xe, ids, weights, w1, w2, self.act, implementation=m.implementation)
+    per_row = lambda a: a.reshape(b, t, a.shape[-1])
+    y = expert_parallel.routed_experts(per_row(xe), per_row(ids), per_row(weights), w1, w2,
+                                       self.act, capacity_factor=m.capacity_factor,
+                                       implementation=m.implementation).reshape(b * t, -1)
     if m.latent_dim:
       y = self.routed_expert_up_proj(self.routed_expert_norm(y))
     if m.num_shared_experts:

@@ -8,9 +8,10 @@
   (``0.2 * sqrt(max(fan_in, fan_out))``), Nesterov momentum; AdamW on everything that is not a
   hidden-layer matrix: norms, biases, ``A_log``, ``dt_bias``, Block AttnRes vectors, the embedding,
   ``lm_head`` and the short-conv kernels. The Newton-Schulz matmuls take bf16 operands with
-  float32 accumulation (``optimizer.muon_ns_precision``), as in Moonlight and Keller Jordan's Muon. Expert weights ``[E, L, 2F]`` / ``[E, F, L]`` are
-  orthogonalised per expert (and gate/up separately); with ``optimizer.muon_per_head`` the
-  attention projections are orthogonalised per head (``[d, H*K]`` viewed as ``[d, H, K]``).
+  float32 accumulation (``optimizer.muon_ns_precision``), as in Moonlight and Keller Jordan's
+  Muon. Expert weights ``[E, L, 2F]`` / ``[E, F, L]`` are orthogonalised per expert (and
+  gate/up separately); with ``optimizer.muon_per_head`` the attention projections are
+  orthogonalised per head (``[d, H*K]`` viewed as ``[d, H, K]``).
 
 Weight decay (decoupled, scaled by the learning rate) applies to matrices only: never to norms,
 biases, ``A_log``, ``dt_bias`` or the AttnRes vectors.

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import MoEConfig
+from pallas_kernels.moe import reference as moe_reference
 
 
 def route(scores: jax.Array, bias: jax.Array, cfg: MoEConfig):
@@ -35,11 +36,7 @@ def route(scores: jax.Array, bias: jax.Array, cfg: MoEConfig):
 
 def expert_load(ids: jax.Array, num_experts: int, valid: jax.Array | None = None) -> jax.Array:
   """``[E]`` float32: routed token slots per expert (padding tokens excluded)."""
-  # A compare-and-sum reduction over [N, k, E], not a scatter-add contending for E counters.
-  hit = ids[..., None] == jnp.arange(num_experts, dtype=ids.dtype)
-  if valid is not None:
-    hit = hit & valid[:, None, None]
-  return jnp.sum(hit, axis=(0, 1), dtype=jnp.int32).astype(jnp.float32)
+  return moe_reference.expert_counts(ids, num_experts, valid).astype(jnp.float32)
 
 
 def _margins(scores, bias, top_k, valid):

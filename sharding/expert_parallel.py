@@ -196,5 +196,24 @@ def local_experts(x, expert_ids, weights, w_gate_up, w_down, activation, *, impl
   return fn(x, expert_ids, weights, w_gate_up, w_down)
 
 
-__all__ = ["configure", "axes", "active", "moe_dispatch", "local_experts", "capacity",
-           "token_spec"]
+def routed_experts(x, expert_ids, weights, w_gate_up, w_down, activation, *, capacity_factor=0.0,
+                   implementation=None):
+  """The routed experts laid out for the current mesh: x ``[B, T, L]``, expert_ids and weights
+  ``[B, T, k]`` -> ``[B, T, L]``. Experts split: :func:`moe_dispatch` (all-to-all); only the
+  tokens split: :func:`local_experts`; one device: :func:`pallas_kernels.moe.expert_mlp`."""
+  if not active() and token_spec()[0] is not None:
+    return local_experts(x, expert_ids, weights, w_gate_up, w_down, activation,
+                         implementation=implementation)
+  b, t, width = x.shape
+  flat = lambda a: a.reshape(b * t, a.shape[-1])
+  if active():
+    y = moe_dispatch(flat(x), flat(expert_ids), flat(weights), w_gate_up, w_down, activation,
+                     capacity_factor=capacity_factor, implementation=implementation)
+  else:
+    y = moe_ops.expert_mlp(flat(x), flat(expert_ids), flat(weights), w_gate_up, w_down,
+                           activation, implementation=implementation)
+  return y.reshape(b, t, width)
+
+
+__all__ = ["configure", "axes", "active", "moe_dispatch", "local_experts", "routed_experts",
+           "capacity", "token_spec"]

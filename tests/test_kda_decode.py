@@ -60,11 +60,9 @@ def test_decode_rejects_bad_state():
                implementation="pallas_gpu")
 
 
-@pytest.mark.parametrize("block_v,num_warps,dot_reduce", [(32, 4, False), (128, 8, False),
-                                                         (64, 4, True)])
-def test_decode_gpu_tiles(block_v, num_warps, dot_reduce):
-  """The variants the benchmark sweeps: 4 V tiles of 32, one of 128, the K reductions as one
-  matrix-unit product."""
+@pytest.mark.parametrize("block_v,num_warps", [(32, 4), (128, 8)])
+def test_decode_gpu_tiles(block_v, num_warps):
+  """The tilings the benchmark sweeps: 4 V tiles of 32, one of 128."""
   n, tn, h, kd, vd = 2, 2, 1, 32, 128
   r = np.random.default_rng(block_v)
   f = lambda *s: r.standard_normal(s).astype(np.float32)
@@ -75,7 +73,7 @@ def test_decode_gpu_tiles(block_v, num_warps, dot_reduce):
       *(jnp.asarray(x) for x in (q, k, v, g, beta, pool)), jnp.asarray(slots), scale=0.3,
       use_qk_l2norm=True, A_log=jnp.asarray(A_log), dt_bias=jnp.asarray(dt_bias),
       gate="bounded", lower_bound=-5.0, beta_is_logit=True, block_v=block_v,
-      num_warps=num_warps, dot_reduce=dot_reduce)
+      num_warps=num_warps)
   o_np, pool_np = np_decode(q, k, v, g, beta, pool, slots, scale=0.3, l2=True, gate="bounded",
                             A_log=A_log, dt_bias=dt_bias, lb=-5.0, logit=True)
   np.testing.assert_allclose(o, o_np, rtol=1e-5, atol=1e-5)

@@ -24,8 +24,7 @@ from pallas_kernels.kda.reference import L2_EPS
 
 
 def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_ref, s_ref,
-                   o_ref, so_ref, *, tn, group, bv, scale, l2, gate, lower_bound, beta_logit,
-                   dot_reduce):
+                   o_ref, so_ref, *, tn, group, bv, scale, l2, gate, lower_bound, beta_logit):
   n, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   f32 = jnp.float32
   slot = slots_ref[n]
@@ -47,26 +46,15 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_r
     if beta_logit:
       beta = jax.nn.sigmoid(beta)
     s = s * jnp.exp(g)[:, None]
-    if dot_reduce:  # k^T S and q^T S in one float32 matrix-unit product, o from the old S
-      rid = jnp.arange(16)[:, None]
-      qk = jnp.where(rid == 0, q[None, :], jnp.where(rid == 1, k[None, :], 0.0))  # [16, K]
-      r = jnp.dot(qk, s, precision=jax.lax.Precision.HIGHEST, preferred_element_type=f32)
-      qs, pred = (jnp.sum(jnp.where(rid == i, r, 0.0), axis=0) for i in (0, 1))
-      delta = beta * (v_ref[n, t, h, vs].astype(f32) - pred)
-      s = s + k[:, None] * delta[None, :]
-      o = qs + jnp.sum(q * k) * delta
-    else:
-      pred = jnp.sum(k[:, None] * s, axis=0)
-      s = s + k[:, None] * (beta * (v_ref[n, t, h, vs].astype(f32) - pred))[None, :]
-      o = jnp.sum(q[:, None] * s, axis=0)
+    pred = jnp.sum(k[:, None] * s, axis=0)
+    s = s + k[:, None] * (beta * (v_ref[n, t, h, vs].astype(f32) - pred))[None, :]
+    o = jnp.sum(q[:, None] * s, axis=0)
     o_ref[n, t, h, vs] = (scale * o).astype(o_ref.dtype)
   so_ref[slot, h, :, vs] = s
 
 
 def _decode_gpu(q, k, v, g, beta, state, slots, *, scale, use_qk_l2norm, A_log, dt_bias, gate,
-                lower_bound, beta_is_logit, block_v=64, num_warps=4, dot_reduce=False):
-  """``dot_reduce``: the two reductions over K per token as one small float32 matrix-unit
-  product (a variant the benchmark times)."""
+                lower_bound, beta_is_logit, block_v=64, num_warps=4):
   n, tn, h, kd = q.shape
   hv, vd = v.shape[2], v.shape[3]
   bv = min(block_v, vd)
@@ -74,7 +62,7 @@ def _decode_gpu(q, k, v, g, beta, state, slots, *, scale, use_qk_l2norm, A_log, 
     A_log, dt_bias = jnp.zeros((hv,), jnp.float32), jnp.zeros((hv * kd,), jnp.float32)
   kern = functools.partial(_decode_kernel, tn=tn, group=hv // h, bv=bv, scale=float(scale),
                            l2=bool(use_qk_l2norm), gate=gate, lower_bound=float(lower_bound),
-                           beta_logit=bool(beta_is_logit), dot_reduce=dot_reduce)
+                           beta_logit=bool(beta_is_logit))
   return pl.pallas_call(
       kern,
       out_shape=[jax.ShapeDtypeStruct((n, tn, hv, vd), v.dtype),

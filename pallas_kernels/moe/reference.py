@@ -71,10 +71,17 @@ def permute(x, expert_ids, num_experts):
   _, order = jax.lax.sort((flat, iota), num_keys=1, is_stable=True)
   inverse = _inverse(order)
   xs = _expand(x, order, inverse, k)
-  # Rows per expert as one compare-and-sum reduction (a searchsorted is a loop of small kernels).
-  group_sizes = jnp.sum(flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32), axis=0,
-                        dtype=jnp.int32)
-  return xs, group_sizes, order
+  return xs, expert_counts(expert_ids, num_experts), order
+
+
+def expert_counts(expert_ids, num_experts, valid=None):
+  """``[E]`` int32: token-expert pairs per expert, for expert_ids ``[N, k]`` (only the tokens
+  where ``valid [N]`` is true, when given). One compare-and-sum reduction: no scatter-add
+  contending for E counters, no searchsorted loop of small kernels."""
+  hit = expert_ids[..., None] == jnp.arange(num_experts, dtype=expert_ids.dtype)  # [N, k, E]
+  if valid is not None:
+    hit = hit & valid[:, None, None]
+  return jnp.sum(hit, axis=(0, 1), dtype=jnp.int32)
 
 
 def _inverse(order):
