@@ -10,6 +10,7 @@
 #   bash benchmarks/h200_round.sh step      # k3_1b 16 x 4096 on one GPU, remat dots and dots_kernels
 #   bash benchmarks/h200_round.sh peers     # KDA vs jla and fla at the three PERF.md shapes
 #   bash benchmarks/h200_round.sh kdasweep  # KDA variants and warp counts (ours only)
+#   bash benchmarks/h200_round.sh ncu       # Nsight Compute: our KDA kernels and jla's, fwd+bwd
 #   bash benchmarks/h200_round.sh long step peers   # several at once (one lock for timed GPU work)
 #
 # The k3_1b runs compile without XLA's Triton GEMM fusions (85 s instead of 111 s, same step time).
@@ -96,13 +97,28 @@ kdasweep() {
   say "kda sweep done"
 }
 
+ncu() {
+  # Hardware counters of one KDA forward+backward at B1 T16384 H32 (ours, then jla's kernels).
+  local sec="--section SpeedOfLight --section Occupancy --section LaunchStats \
+    --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis"
+  flock "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 200 ncu --clock-control none $sec \
+    -k regex:kda_ -c 12 python3 benchmarks/kda_ncu.py ours > "$R/ncu_ours.log" 2>&1
+  say "ncu ours done"
+  flock "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 200 ncu --clock-control none \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    -k regex:vg_ -c 20 \
+    python3 benchmarks/kda_ncu.py jla > "$R/ncu_jla.log" 2>&1
+  say "ncu jla done"
+}
+
 [ $# -gt 0 ] || set -- both
 for what in "$@"; do  # several modes run side by side; timed GPU work takes the lock in turn
   case "$what" in
-    kernels|multi|peers|kdasweep) $what & ;;  # these block: run them in the background
+    kernels|multi|peers|kdasweep|ncu) $what & ;;  # these block: run them in the background
     train|long|step) $what ;;        # these start background jobs of this shell
     both) train; sleep 5; kernels & ;;
-    *) echo "usage: $0 kernels|train|both|multi|long|step|peers|kdasweep ..."; exit 2 ;;
+    *) echo "usage: $0 kernels|train|both|multi|long|step|peers|kdasweep|ncu ..."; exit 2 ;;
   esac
 done
 wait
