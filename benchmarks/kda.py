@@ -229,23 +229,37 @@ def time_parts(shape):
 
 
 WARP_SWEEP = {"chunk_dqkg": (4, 16), "chunk_a": (4, 16), "chunk_dwy": (4, 16), "chunk_wu": (2, 8)}
-DQKG_SLICES = (64,)  # K slice widths of chunk_dqkg other than the default
 _P = jax.lax.DotAlgorithmPreset
 GATE_DOTS = {"all_x3": ((_P.BF16_BF16_F32_X3,) * 2,) * 2,  # gate-gradient variants
              "all_bf16": ((_P.BF16_BF16_F32,) * 2,) * 2}
 
 
+DQKG_VARIANTS = {"state_dot=bf16": {"STATE_DOT": "bfloat16"},  # chunk_dqkg module settings
+                 "slice16": {"DQKG_SLICE_K": 16},
+                 "slice16 state_dot=bf16": {"DQKG_SLICE_K": 16, "STATE_DOT": "bfloat16"}}
+
+
 def sweep(parts, shape, tag, left):
-  """The variants of the chunk kernels, most promising first: chunk_dqkg at other warp counts
-  and K slice widths, the gate gradient's matrix-unit algorithm (its check errors and the
-  chunk_dqkg time), then the other kernels at other warp counts. Each kernel is timed alone;
-  stops when ``left()`` is too small for the next step."""
-  sweep_warps(parts, "chunk_dqkg", tag, left)
-  default = kda_gpu.DQKG_SLICE_K
-  for bk in DQKG_SLICES:
-    kda_gpu.DQKG_SLICE_K = bk
-    sweep_warps(parts, "chunk_dqkg", f"slice {bk} {tag}", left, (4, 8), with_default=False)
-  kda_gpu.DQKG_SLICE_K = default
+  """The variants of the chunk kernels, most promising first: chunk_dqkg's variants
+  (``DQKG_VARIANTS``, with their check errors when they change the roundings) at 4 and 8 warps,
+  the gate gradient's matrix-unit algorithm (its check errors and the chunk_dqkg time), then
+  the other kernels at other warp counts. Each kernel is timed alone; stops when ``left()`` is
+  too small for the next step."""
+  for name, settings in DQKG_VARIANTS.items():
+    if left() < 25:
+      return
+    old = {k: getattr(kda_gpu, k) for k in settings}
+    for k, val in settings.items():
+      setattr(kda_gpu, k, val)
+    try:
+      if "STATE_DOT" in settings:
+        errs = check(decode=False, tag=name)
+        emit(name=f"sweep {name} check", **{k: round(errs[k], 5) for k in ("dq", "dk", "df")})
+      sweep_warps(parts, "chunk_dqkg", f"{name} {tag}", left, (4, 8), with_default=False)
+    except Exception as e:  # noqa: BLE001
+      print(f"sweep {name} FAILED", repr(e)[:800], flush=True)
+    for k, val in old.items():
+      setattr(kda_gpu, k, val)
   default = kda_gpu.GATE_DOT
   for name, dot in GATE_DOTS.items():
     if left() < 25:

@@ -641,6 +641,9 @@ def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, d
 # 0.25. ``benchmarks/kda.py --sweep`` measures accuracy and time of others on the card.
 GATE_DOT = ((_X3, _X3), (jax.lax.DotAlgorithmPreset.BF16_BF16_F32,) * 2)
 DQKG_SLICE_K = 32  # K channels per program of ``kda_chunk_dqkg`` (fewer: fewer live registers)
+# Operand type of ``kda_chunk_dqkg``'s products with the states (dO S^T, V' dS^T): None keeps
+# float32 operands; "bfloat16" halves their registers (the forward's o = QG S uses bf16 S too).
+STATE_DOT = None
 
 
 def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref, h_ref, dh_ref,
@@ -676,8 +679,10 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
       db = db + col * mmb(p, la, ta=True)
     return da * e_row, db
 
+  sdt = None if STATE_DOT is None else jnp.dtype(STATE_DOT)
   # q's side first (from the state and from P_qk), so that q and dq are done early
-  dq = cfg.scale * ch.cont[:, None] * jnp.exp(G) * mm(ld(do_ref), state(h_ref), tb=True)
+  dq = cfg.scale * ch.cont[:, None] * jnp.exp(G) * mm(do_ref[b, rows, h, :], state(h_ref),
+                                                      tb=True, dt=sdt or f32)
   daq, dk = pairs(q, dpqk_ref, gate_dot[0])
   dq = dq + daq
   dq_ref[b, rows, h, cols] = dq
@@ -689,7 +694,8 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
   gl = ch.row(G, c - 1)
   dky = beta * jnp.exp(G) * dy_ref[b, rows, h, cols]
   dst = state(dh_ref)
-  dkd = ch.last[:, None] * jnp.exp(gl[None, :] - G) * mm(ld(vn_ref), dst, tb=True)
+  dkd = ch.last[:, None] * jnp.exp(gl[None, :] - G) * mm(vn_ref[b, rows, h, :], dst, tb=True,
+                                                         dt=sdt or f32)
   dk = dk + dky + dkd
   dG = dG + k * (dky - dkd)
   dgl = (ch.cont_last * jnp.exp(gl) * jnp.sum(state(h_ref) * dst, axis=1)
