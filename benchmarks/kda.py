@@ -29,6 +29,7 @@ JAX times: median over repeats of 5 back-to-back calls; fla times: triton's do_b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -151,7 +152,8 @@ def time_chunked(shape):
 
 def _cfg(kd):
   return kda_gpu._Config(scale=kd ** -0.5, chunk=64, use_qk_l2norm=True, gate="bounded",
-                         lower_bound=LB, beta_is_logit=True, dense_diag=True, dtype="bfloat16")
+                         lower_bound=LB, beta_is_logit=True,
+                         diag_rows=kda_gpu.diag_rows("bounded", LB, 64), dtype="bfloat16")
 
 
 class Parts:
@@ -234,32 +236,26 @@ GATE_DOTS = {"all_x3": ((_P.BF16_BF16_F32_X3,) * 2,) * 2,  # gate-gradient varia
              "all_bf16": ((_P.BF16_BF16_F32,) * 2,) * 2}
 
 
-DQKG_VARIANTS = {"state_dot=bf16": {"STATE_DOT": "bfloat16"},  # chunk_dqkg module settings
-                 "slice16": {"DQKG_SLICE_K": 16},
-                 "slice16 state_dot=bf16": {"DQKG_SLICE_K": 16, "STATE_DOT": "bfloat16"}}
+DQKG_SLICES = (16,)  # K slice widths of chunk_dqkg other than the default
 
 
 def sweep(parts, shape, tag, left):
-  """The variants of the chunk kernels, most promising first: chunk_dqkg's variants
-  (``DQKG_VARIANTS``, with their check errors when they change the roundings) at 4 and 8 warps,
-  the gate gradient's matrix-unit algorithm (its check errors and the chunk_dqkg time), then
-  the other kernels at other warp counts. Each kernel is timed alone; stops when ``left()`` is
-  too small for the next step."""
-  for name, settings in DQKG_VARIANTS.items():
-    if left() < 25:
-      return
-    old = {k: getattr(kda_gpu, k) for k in settings}
-    for k, val in settings.items():
-      setattr(kda_gpu, k, val)
-    try:
-      if "STATE_DOT" in settings:
-        errs = check(decode=False, tag=name)
-        emit(name=f"sweep {name} check", **{k: round(errs[k], 5) for k in ("dq", "dk", "df")})
-      sweep_warps(parts, "chunk_dqkg", f"{name} {tag}", left, (4, 8), with_default=False)
-    except Exception as e:  # noqa: BLE001
-      print(f"sweep {name} FAILED", repr(e)[:800], flush=True)
-    for k, val in old.items():
-      setattr(kda_gpu, k, val)
+  """The variants of the chunk kernels, most promising first: the dense path's reference
+  blocks of 16 rows instead of the default (chunk_a, chunk_dqkg), chunk_dqkg at other warp
+  counts and K slice widths, the gate gradient's matrix-unit algorithm (its check errors and the
+  chunk_dqkg time), then the other kernels at other warp counts. Each kernel is timed alone;
+  stops when ``left()`` is too small for the next step."""
+  cfg = parts.cfg
+  parts.cfg = dataclasses.replace(cfg, diag_rows=16)
+  emit(name=f"sweep diag_rows=16 (default {cfg.diag_rows}) {tag}",
+       **{n: round(_time(parts, n), 4) for n in ("chunk_a", "chunk_dqkg")})
+  parts.cfg = cfg
+  sweep_warps(parts, "chunk_dqkg", tag, left, (8,))
+  default = kda_gpu.DQKG_SLICE_K
+  for bk in DQKG_SLICES:
+    kda_gpu.DQKG_SLICE_K = bk
+    sweep_warps(parts, "chunk_dqkg", f"slice {bk} {tag}", left, (4,), with_default=False)
+  kda_gpu.DQKG_SLICE_K = default
   default = kda_gpu.GATE_DOT
   for name, dot in GATE_DOTS.items():
     if left() < 25:

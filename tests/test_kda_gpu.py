@@ -38,12 +38,21 @@ CASES = [
     # segments and a partial last chunk at chunk 32
     ("bounded_chunk16_T9_segments", 9, 1, 1, 32, 16, 16, "bounded", True, (4,)),
     ("bounded_chunk32_grouped_T45", 45, 1, 2, 64, 16, 32, "bounded", True, (1, 31, 32)),
+    # optional (lower bound, shift of the raw gate, gradient tolerance): the gate near its lower
+    # bound (most steps below -4.5), so the 32-row reference blocks come near their largest
+    # exponents (+-80); a lower bound of -8 takes 16-row blocks. The gate's gradients are then
+    # sums of terms e^80 apart: float32 keeps them to ~1e-3 (the previous kernels, 16-row blocks
+    # referenced at their start, to 4e-2 for dg and 7e-4 for dA_log).
+    ("bounded_saturated_chunk64", 80, 1, 1, 64, 16, 64, "bounded", True, (50,), -5.0, 4.0, 2e-3),
+    ("bounded_lb8_chunk64", 70, 1, 1, 32, 16, 64, "bounded", True, (20,), -8.0, 3.0, 2e-3),
 ]
 
 
 def _setup(case):
-  name, t, h, hv, kd, vd, chunk, gate, fused, cuts = case
+  name, t, h, hv, kd, vd, chunk, gate, fused, cuts, *extra = case
+  lb, shift, tol = extra or (-5.0, 0.0, 2e-4)
   x = make(len(name), 1, t, h, hv, kd, vd)
+  x["g"] += shift
   if gate is None:  # unfused: g is the log decay, beta in (0, 1), q/k pre-normalised
     x["g"] = -np.exp(x["g"] - 1.0)
     x["beta"] = 1 / (1 + np.exp(-x["beta"]))
@@ -51,9 +60,9 @@ def _setup(case):
   seg = np.zeros((1, t), np.int32)
   for c in cuts:
     seg[:, c:] += 1
-  opts = dict(scale=kd ** -0.5, use_qk_l2norm=fused, gate=gate, lower_bound=-5.0,
+  opts = dict(scale=kd ** -0.5, use_qk_l2norm=fused, gate=gate, lower_bound=lb,
               beta_is_logit=fused)
-  return x, jnp.asarray(seg), opts, chunk
+  return x, jnp.asarray(seg), opts, chunk, tol
 
 
 def _run(impl, chunk, seg, opts, q, k, v, g, beta, s0, A_log, dt_bias):
@@ -66,11 +75,12 @@ ORDER = ("q", "k", "v", "g", "beta", "s0", "A_log", "dt_bias")
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_kda_pallas_gpu(case):
-  x, seg, opts, chunk = _setup(case)
+  x, seg, opts, chunk, tol = _setup(case)
   args = tuple(jnp.asarray(x[n]) for n in ORDER)
   np_run = lambda y: np_kda(y["q"], y["k"], y["v"], y["g"], y["beta"], y["s0"], np.asarray(seg),
                             l2=opts["use_qk_l2norm"], gate=opts["gate"], A_log=y["A_log"],
-                            dt_bias=y["dt_bias"], lb=-5.0, beta_logit=opts["beta_is_logit"],
+                            dt_bias=y["dt_bias"], lb=opts["lower_bound"],
+                            beta_logit=opts["beta_is_logit"],
                             scale=opts["scale"])
   o_np, s_np = np_run(x)
   wo = np.random.default_rng(1).standard_normal(o_np.shape)
@@ -91,7 +101,7 @@ def test_kda_pallas_gpu(case):
   # gradients of every input against the naive recurrence (autodiff through a scan)
   ref = jax.jit(jax.grad(loss("naive"), argnums=tuple(range(n_args)), has_aux=True))(*args)[0]
   for name, a, r in zip(ORDER, grads, ref):
-    np.testing.assert_allclose(a, r, rtol=2e-4, atol=2e-4 * float(jnp.abs(r).max()),
+    np.testing.assert_allclose(a, r, rtol=tol, atol=tol * float(jnp.abs(r).max()),
                                err_msg=f"d{name}")
 
   # and a directional derivative against central differences of the float64 loop
@@ -138,3 +148,14 @@ def test_dense_path_lowers_for_cuda(monkeypatch, shape):
   for name in ("kda_chunk_a", "kda_chunk_wu", "kda_chunk_dwy", "kda_chunk_dqkg",
                "kda_fwd_recurrence", "kda_bwd_recurrence"):
     assert f'name = "{name}"' in text, f"{name} is not a Triton call of the lowered module"
+
+
+def test_diag_rows():
+  """Reference blocks of the dense path: the largest whose exponents stay within e^85."""
+  from pallas_kernels.kda.gpu import diag_rows
+  assert diag_rows("bounded", -5.0, 64) == 32  # K3: 16 * 5 = 80
+  assert diag_rows("bounded", -2.0, 64) == 64
+  assert diag_rows("bounded", -2.0, 32) == 32
+  assert diag_rows("bounded", -8.0, 64) == 16
+  assert diag_rows("bounded", -11.0, 64) == 0  # general path
+  assert diag_rows("softplus", -5.0, 64) == 0

@@ -24,11 +24,13 @@ The work is split the way it parallelises (SPEC section 2, chunks of C tokens):
    per K slice for dq, dk, dg; other gates: ``_prep_bwd_kernel``); the pre-processing VJP is
    XLA. Nothing is stored between the forward and backward passes but the inputs.
 
-Sub-tile gating: a pair product ``sum_d a_id b_jd exp(G_id - G_jd)`` (i >= j) is split at the
-start ``r`` of the row tile: ``(a e^{G - r}) (b e^{r - G})^T``. Off-diagonal tiles have both
-factors <= 1. Diagonal 16x16 tiles are dense products only for the bounded gate (``g >
-lower_bound`` keeps ``e^{r - G} <= e^{-16 lower_bound}`` inside float32); otherwise they are
-formed pair by pair.
+Sub-tile gating: a pair product ``sum_d a_id b_jd exp(G_id - G_jd)`` (i >= j) is split at a
+reference ``r`` of the row block: ``(a e^{G - r}) (b e^{r - G})^T``. The general path takes
+``r`` at the start of each 16-row tile (off-diagonal tiles have both factors <= 1) and forms the
+diagonal tiles pair by pair. The bounded gate's dense path (``g > lower_bound``) takes ``r`` at
+the middle row of blocks of ``diag_rows`` rows: every factor inside a block stays within
+``e^{(diag_rows / 2) |lower_bound|} <= e^85`` (float32), so whole blocks are dense products
+(32-row blocks for K3's lower bound -5).
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kda.reference import L2_EPS, kda_gate, l2norm, restart_mask
 
-SUB = 16  # sub-tile rows of the gated pair products
-_MAX_EXP = 85.0  # largest exponent a dense diagonal sub-tile may need (float32 max ~ e^88)
+SUB = 16  # sub-tile rows of the general path's pair products and of the inverse's blocks
+_MAX_EXP = 85.0  # largest exponent a dense diagonal block may need (float32 max ~ e^88)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +57,7 @@ class _Config:
   gate: str | None
   lower_bound: float
   beta_is_logit: bool
-  dense_diag: bool
+  diag_rows: int  # rows per reference block of the dense path (0: the general path)
   dtype: str  # matrix-unit operand dtype of the kernels
 
 
@@ -65,6 +67,15 @@ def _interpret() -> bool:
 
 def _pow2(n: int) -> bool:
   return n >= 16 and n & (n - 1) == 0
+
+
+def diag_rows(gate: str | None, lower_bound: float, chunk: int) -> int:
+  """Rows per reference block of the bounded gate's dense path: the largest block (at most the
+  chunk) whose middle-row reference keeps every exponent within ``_MAX_EXP``; 0 when even 16
+  rows do not (or the gate is not bounded): then the general path."""
+  if gate != "bounded":
+    return 0
+  return next((n for n in (64, 32, SUB) if n <= chunk and n / 2 * -lower_bound <= _MAX_EXP), 0)
 
 
 def _v_tile(n_rows: int, vd: int) -> int:
@@ -164,14 +175,14 @@ class _Chunk:
     return x * jnp.exp(self.G[a] - self.r[a][None, :])
 
   def neg(self, x, a, c):
-    """x_c * exp(r_a - G_c) (c <= a): <= 1 for c < a, <= exp(-16 lower_bound) for c == a."""
+    """x_c * exp(r_a - G_c) (c < a): <= 1."""
     return x * jnp.exp(self.r[a][None, :] - self.G[c])
 
 
-def _pair_tile(ch, cfg, a_t, b_t, a, c, mm):
+def _pair_tile(ch, a_t, b_t, a, c, mm):
   """[16, 16] tile (a, c), c <= a, of ``P_ij = sum_d a_id b_jd exp(G_id - G_jd)`` (unmasked);
   ``mm`` is the matrix product to use."""
-  if c < a or cfg.dense_diag:
+  if c < a:
     return mm(ch.pos(a_t, a), ch.neg(b_t, a, c), tb=True)
   G = ch.G[a]
   cid = jnp.arange(SUB)[None, :]
@@ -184,7 +195,7 @@ def _pair_tile(ch, cfg, a_t, b_t, a, c, mm):
   return jax.lax.fori_loop(0, SUB, col, jnp.zeros((SUB, SUB), jnp.float32))
 
 
-def _pair_grads(ch, cfg, a_side, b_side, dP, mm):
+def _pair_grads(ch, a_side, b_side, dP, mm):
   """Gradients of ``P = pairs(a_side, b_side)`` given the tile grid dP[a][c] (c <= a).
 
   ``mm`` is the matrix product to use. Returns (da, db) lists of [16, K] tiles:
@@ -196,26 +207,26 @@ def _pair_grads(ch, cfg, a_side, b_side, dP, mm):
   for a in range(n):
     acc = jnp.zeros_like(ch.k[0])
     for c in range(a + 1):
-      if c < a or cfg.dense_diag:
+      if c < a:
         acc = acc + mm(dP[a][c], ch.neg(b_side[c], a, c))
         db[c] = db[c] + ch.neg(mm(dP[a][c], ch.pos(a_side[a], a), ta=True), a, c)
     da[a] = ch.pos(acc, a)
-    if not cfg.dense_diag:  # diagonal tile pair by pair
-      G, A, B, D = ch.G[a], a_side[a], b_side[a], dP[a][a]
-      cid = jnp.arange(SUB)[None, :]
-      rid = jnp.arange(SUB)[:, None]
+    # the diagonal tile pair by pair
+    G, A, B, D = ch.G[a], a_side[a], b_side[a], dP[a][a]
+    cid = jnp.arange(SUB)[None, :]
+    rid = jnp.arange(SUB)[:, None]
 
-      def col(j, carry):
-        da_t, db_t = carry
-        e = jnp.exp(jnp.minimum(G - _row(G, j)[None, :], 0.0))
-        dcol = jnp.sum(jnp.where(cid == j, D, 0.0), axis=1)[:, None]  # dP[:, j]
-        da_t = da_t + dcol * _row(B, j)[None, :] * e
-        dbj = jnp.sum(dcol * A * e, axis=0)
-        return da_t, db_t + jnp.where(rid == j, dbj[None, :], 0.0)
+    def col(j, carry):
+      da_t, db_t = carry
+      e = jnp.exp(jnp.minimum(G - _row(G, j)[None, :], 0.0))
+      dcol = jnp.sum(jnp.where(cid == j, D, 0.0), axis=1)[:, None]  # dP[:, j]
+      da_t = da_t + dcol * _row(B, j)[None, :] * e
+      dbj = jnp.sum(dcol * A * e, axis=0)
+      return da_t, db_t + jnp.where(rid == j, dbj[None, :], 0.0)
 
-      dad, dbd = jax.lax.fori_loop(0, SUB, col, (jnp.zeros_like(A), jnp.zeros_like(A)))
-      da[a] = da[a] + dad
-      db[a] = db[a] + dbd
+    dad, dbd = jax.lax.fori_loop(0, SUB, col, (jnp.zeros_like(A), jnp.zeros_like(A)))
+    da[a] = da[a] + dad
+    db[a] = db[a] + dbd
   return da, db
 
 
@@ -247,7 +258,7 @@ def _chunk_setup(cfg, ch, mm):
   akk = [[None] * n for _ in range(n)]
   for a in range(n):
     for c in range(a + 1):
-      pkk[a][c] = jnp.where(ch.mask(a, c, True), _pair_tile(ch, cfg, ch.k[a], ch.k[c], a, c, mm),
+      pkk[a][c] = jnp.where(ch.mask(a, c, True), _pair_tile(ch, ch.k[a], ch.k[c], a, c, mm),
                             0.0)
       akk[a][c] = ch.beta[a][:, None] * pkk[a][c]
   return pkk, _inverse(akk, n)
@@ -281,7 +292,7 @@ def _prep_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_re
       cols = pl.ds(c * SUB, SUB)
       if c <= a:
         t = jnp.where(ch.mask(a, c, False),
-                      cfg.scale * _pair_tile(ch, cfg, ch.q[a], ch.k[c], a, c, mm), 0.0)
+                      cfg.scale * _pair_tile(ch, ch.q[a], ch.k[c], a, c, mm), 0.0)
       else:
         t = jnp.zeros((SUB, SUB), jnp.float32)
       a_ref[b, rows, h, cols] = t.astype(dt)
@@ -357,11 +368,11 @@ def _prep_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, alog_ref, dtb_ref, se
     t = dec * ch.k[a] * dkd
     dG[a] = dG[a] - t
     dgl = dgl + jnp.sum(t, axis=0)
-  da, db = _pair_grads(ch, cfg, ch.k, ch.k, dpkk, mmx)
+  da, db = _pair_grads(ch, ch.k, ch.k, dpkk, mmx)
   for a in range(n):
     dk[a] = dk[a] + da[a] + db[a]
     dG[a] = dG[a] + ch.k[a] * (da[a] - db[a])
-  da, db = _pair_grads(ch, cfg, ch.q, ch.k, dpqk, mmx)
+  da, db = _pair_grads(ch, ch.q, ch.k, dpqk, mmx)
   for a in range(n):
     dq[a] = dq[a] + da[a]
     dk[a] = dk[a] + db[a]
@@ -391,10 +402,11 @@ def _tile_dg(dG, tail):
 # ------------------------------------------------------------------------------------------
 # The whole chunk is one tile of C rows; the K axis is walked in slices of ``SLICE_K``
 # channels (the decay is per channel, so every slice is independent until the [C, C] sums).
-# Pair products use one reference point per 16-row block ``I`` (``r_I``: G just before the
-# block): rows of block I take ``a e^{G - r_I}`` (<= 1), columns up to block I take
-# ``b e^{r_I - G}`` (<= 1 before the block, <= e^{-16 lower_bound} inside it), so a [C, C]
-# product is the sum of C/16 full products whose left operand is masked to one row block.
+# Pair products use one reference point per block ``I`` of ``diag_rows`` rows (``r_I``: G at
+# the block's middle row): rows of block I take ``a e^{G - r_I}``, columns up to block I take
+# ``b e^{r_I - G}`` (<= 1 before the block); inside the block both stay within
+# e^{(diag_rows / 2) |lower_bound|}. So a [C, C] product is the sum of C / diag_rows full
+# products whose left operand is masked to one row block.
 #
 # The work is split into short kernels with their intermediates in HBM, so that no program
 # holds more than a few [C, C] / [C, BK] float32 tiles and many programs are in flight:
@@ -476,18 +488,19 @@ class _Dense:
     return jnp.sum(jnp.where(self.rid == i, x, 0.0), axis=0)
 
   def blocks(self, G):
-    """e^{G - r} [C, BK] with each row's own 16-row block reference, and per block I a
-    function returning (row mask [C, 1], column factor e^{r_I - G} [C, BK] zeroed after
-    block I); the column factors are formed one at a time, where they are used."""
-    refs = [jnp.zeros((G.shape[1],), G.dtype)] + [self.row(G, i * SUB - 1)
-                                                  for i in range(1, self.cfg.chunk // SUB)]
-    ref_rows = jnp.zeros_like(G)
-    for i, r in enumerate(refs):
-      ref_rows = jnp.where(self.rid >= i * SUB, r[None, :], ref_rows)
+    """e^{G - r} [C, BK] with each row's own block reference (G at the middle row of its block
+    of ``diag_rows`` rows), and per block I a function returning (row mask [C, 1], column
+    factor e^{r_I - G} [C, BK] zeroed after block I); the column factors are formed one at a
+    time, where they are used."""
+    n = self.cfg.diag_rows
+    refs = [self.row(G, i * n + n // 2 - 1) for i in range(self.cfg.chunk // n)]
+    ref_rows = jnp.broadcast_to(refs[0][None, :], G.shape)
+    for i in range(1, len(refs)):
+      ref_rows = jnp.where(self.rid >= i * n, refs[i][None, :], ref_rows)
 
     def block(i):
-      rows = (self.rid >= i * SUB) & (self.rid < (i + 1) * SUB)
-      col = jnp.where(self.rid < (i + 1) * SUB,
+      rows = (self.rid >= i * n) & (self.rid < (i + 1) * n)
+      col = jnp.where(self.rid < (i + 1) * n,
                       jnp.exp(jnp.minimum(refs[i][None, :] - G, _MAX_EXP)), 0.0)
       return rows, col
 
@@ -640,10 +653,9 @@ def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, d
 # 2.8e-3, P_qk single-pass TF32 6.6e-3 / 8.1e-3 / 3.3e-2, P_qk single-pass bf16 4.6e-2 / 5.6e-2 /
 # 0.25. ``benchmarks/kda.py --sweep`` measures accuracy and time of others on the card.
 GATE_DOT = ((_X3, _X3), (jax.lax.DotAlgorithmPreset.BF16_BF16_F32,) * 2)
-DQKG_SLICE_K = 32  # K channels per program of ``kda_chunk_dqkg`` (fewer: fewer live registers)
-# Operand type of ``kda_chunk_dqkg``'s products with the states (dO S^T, V' dS^T): None keeps
-# float32 operands; "bfloat16" halves their registers (the forward's o = QG S uses bf16 S too).
-STATE_DOT = None
+# K channels per program of ``kda_chunk_dqkg``: 32 (H200, B1 T16384 H32 K128: 64 1.7x slower,
+# 16 1.2x slower, 2026-11-30 / 12-01).
+DQKG_SLICE_K = 32
 
 
 def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref, h_ref, dh_ref,
@@ -679,10 +691,13 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
       db = db + col * mmb(p, la, ta=True)
     return da * e_row, db
 
-  sdt = None if STATE_DOT is None else jnp.dtype(STATE_DOT)
+  # The products with the states (dO S^T, V' dS^T) take operands of the kernels' dtype, like
+  # the forward's QG S: bf16 halves their registers (chunk_dqkg 4.87 instead of 6.76 ms on the
+  # H200 at B1 T16384 H32, dq / dk / df errors unchanged at 3.2e-3, 2026-12-01).
+  sdt = jnp.dtype(cfg.dtype)
   # q's side first (from the state and from P_qk), so that q and dq are done early
   dq = cfg.scale * ch.cont[:, None] * jnp.exp(G) * mm(do_ref[b, rows, h, :], state(h_ref),
-                                                      tb=True, dt=sdt or f32)
+                                                      tb=True, dt=sdt)
   daq, dk = pairs(q, dpqk_ref, gate_dot[0])
   dq = dq + daq
   dq_ref[b, rows, h, cols] = dq
@@ -695,7 +710,7 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
   dky = beta * jnp.exp(G) * dy_ref[b, rows, h, cols]
   dst = state(dh_ref)
   dkd = ch.last[:, None] * jnp.exp(gl[None, :] - G) * mm(vn_ref[b, rows, h, :], dst, tb=True,
-                                                         dt=sdt or f32)
+                                                         dt=sdt)
   dk = dk + dky + dkd
   dG = dG + k * (dky - dkd)
   dgl = (ch.cont_last * jnp.exp(gl) * jnp.sum(state(h_ref) * dst, axis=1)
@@ -707,10 +722,11 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
 
 
 # Warps per chunk-local kernel (by pallas_call name; `benchmarks/kda.py --sweep` times others).
-# kda_chunk_dqkg: 4 warps 6.69 ms, 8 warps 7.28 ms, 16 warps 15.16 ms (H200, B1 T16384 H32 K128,
-# 2026-11-30).
+# H200, B1 T16384 H32 K128: kda_chunk_dqkg 4 warps 6.69 ms, 8 7.28, 16 15.16 (2026-11-30);
+# kda_chunk_dwy 4 warps 1.74 ms, 8 2.05, 16 4.55; kda_chunk_a 4 2.20, 8 2.18, 16 2.94;
+# kda_chunk_wu 2 1.34, 4 0.54, 8 1.06 (2026-12-01).
 WARPS = {"kda_chunk_prep": 4, "kda_chunk_prep_bwd": 4, "kda_chunk_a": 8, "kda_chunk_wu": 4,
-         "kda_chunk_dwy": 8, "kda_chunk_dqkg": 4}
+         "kda_chunk_dwy": 4, "kda_chunk_dqkg": 4}
 
 
 def _call(kern, name, grid, out_shape, *args):
@@ -777,7 +793,7 @@ def _prepare(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t, keep=False):
   hv, vd = v.shape[2], v.shape[3]
   c = cfg.chunk
   dt = jnp.dtype(cfg.dtype)
-  if not cfg.dense_diag:
+  if not cfg.diag_rows:
     kern = functools.partial(_prep_kernel, cfg=cfg, hv=hv, group=hv // h, t=t)
     return _call(kern, "kda_chunk_prep", (tp // c, bsz * hv),
                  [_tok(v, kd, dt), _tok(v, vd, dt), _tok(v, kd, dt), _tok(v, c, dt),
@@ -794,7 +810,7 @@ def _prepare_bwd(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, dvn, do
   bsz, tp, h, kd = q.shape
   hv, vd = v.shape[2], v.shape[3]
   f32 = jnp.float32
-  if not cfg.dense_diag:
+  if not cfg.diag_rows:
     kern = functools.partial(_prep_bwd_kernel, cfg=cfg, hv=hv, group=hv // h, t=t)
     return _call(kern, "kda_chunk_prep_bwd", (tp // cfg.chunk, bsz * hv),
                  [_tok(v, kd, f32), _tok(v, kd, f32), _tok(v, vd, f32), _tok(v, kd, f32),
@@ -993,7 +1009,7 @@ def kda(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None, use_qk
   dtype = jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32
   cfg = _Config(scale=float(scale), chunk=chunk_size, use_qk_l2norm=bool(use_qk_l2norm),
                 gate=gate, lower_bound=float(lower_bound), beta_is_logit=bool(beta_is_logit),
-                dense_diag=gate == "bounded" and -SUB * float(lower_bound) <= _MAX_EXP,
+                diag_rows=diag_rows(gate, float(lower_bound), chunk_size),
                 dtype=jnp.dtype(dtype).name)
   tp = -(-t // chunk_size) * chunk_size
   seg = jnp.cumsum(restart_mask(segment_ids, bsz, t).astype(jnp.int32), axis=1)
