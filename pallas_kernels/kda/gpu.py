@@ -78,10 +78,14 @@ def diag_rows(gate: str | None, lower_bound: float, chunk: int) -> int:
   return next((n for n in (64, 32, SUB) if n <= chunk and n / 2 * -lower_bound <= _MAX_EXP), 0)
 
 
+RECUR_PROGRAMS = 128  # (batch, head, V tile) programs the sequential passes aim for
+
+
 def _v_tile(n_rows: int, vd: int) -> int:
-  """V-tile width: enough (batch, head, tile) programs to fill ~132 SMs, at least 16 wide."""
+  """V-tile width: at least ``RECUR_PROGRAMS`` (batch, head, tile) programs (132 SMs), at least
+  16 wide."""
   bv = min(vd, 64)
-  while bv > 16 and n_rows * (vd // bv) < 128:
+  while bv > 16 and n_rows * (vd // bv) < RECUR_PROGRAMS:
     bv //= 2
   return bv
 
@@ -540,11 +544,12 @@ def _ids(hv):
 
 
 def _dense_a_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
-                    pkk_ref, a_ref, qg_ref, kd_ref, kg_ref, gc_ref, *, cfg, hv, group, t):
-  """Grid (NC, B*HV, 2): program 0 of the last axis writes pkk ``[B, Tp, HV, C]`` float32
-  (strict, same segment, no beta), KD, KG ``[B, Tp, HV, K]`` (``cfg.dtype``) and gC
-  ``[B, NC, HV, K]`` float32; program 1 writes A_qk ``[B, Tp, HV, C]`` and QG (one [C, C]
-  accumulator per program)."""
+                    pkk_ref, a_ref, qg_ref, kd_ref, kg_ref, gc_ref, *, cfg, hv, group, t, merged):
+  """Writes pkk ``[B, Tp, HV, C]`` float32 (strict, same segment, no beta), KD, KG
+  ``[B, Tp, HV, K]`` (``cfg.dtype``), gC ``[B, NC, HV, K]`` float32, A_qk ``[B, Tp, HV, C]``
+  and QG. Grid (NC, B*HV, 2) with one [C, C] accumulator per program (program 0 of the last
+  axis P_kk and the key factors, program 1 A_qk and QG), or, if ``merged``, grid (NC, B*HV)
+  with both in one program sharing the gate, its cumulative sum and the column factors."""
   ci, b, h = _ids(hv)
   c = cfg.chunk
   dt = jnp.dtype(cfg.dtype)
@@ -553,35 +558,41 @@ def _dense_a_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
   mm = functools.partial(_mm, dt=dt)
   rows = ch.rows
 
-  def pairs(with_q):
-    """The pair products of k (or q, if ``with_q``) with k: [C, C], and per slice the
-    factors written next to them."""
-    acc = jnp.zeros((c, c), jnp.float32)
+  def pairs(sides):
+    """The pair products of k (or q, for a side True) with k: [C, C] per side, and per slice
+    the factors written next to them."""
+    accs = [jnp.zeros((c, c), jnp.float32) for _ in sides]
     for s in range(ch.ns):
       cols = ch.cols(s)
       q, k, G = ch.slice(s)
       blocks, e_row = ch.blocks(G)
-      la = (q if with_q else k) * e_row
+      las = [(q if with_q else k) * e_row for with_q in sides]
       for block in blocks:
         rws, col = block()
-        acc = acc + mm(jnp.where(rws, la, 0.0), k * col, tb=True)
+        kc = k * col
+        accs = [acc + mm(jnp.where(rws, la, 0.0), kc, tb=True) for acc, la in zip(accs, las)]
       eg = jnp.exp(G)
-      if with_q:
+      if True in sides:
         qg_ref[b, rows, h, cols] = (cfg.scale * ch.cont[:, None] * q * eg).astype(dt)
-      else:
+      if False in sides:
         gl = ch.row(G, c - 1)
         kd_ref[b, rows, h, cols] = (ch.last[:, None] * k * jnp.exp(gl[None, :] - G)).astype(dt)
         kg_ref[b, rows, h, cols] = (eg * k).astype(dt)
         gc_ref[b, ci, h, cols] = ch.cont_last * jnp.exp(gl)
-    return acc
+    return accs
 
-  @pl.when(pl.program_id(2) == 0)
-  def _():
-    pkk_ref[b, rows, h, :] = jnp.where(ch.strict, pairs(False), 0.0)
+  def write(side, acc):
+    if side:
+      a_ref[b, rows, h, :] = jnp.where(ch.incl, cfg.scale * acc, 0.0).astype(dt)
+    else:
+      pkk_ref[b, rows, h, :] = jnp.where(ch.strict, acc, 0.0)
 
-  @pl.when(pl.program_id(2) == 1)
-  def _():
-    a_ref[b, rows, h, :] = jnp.where(ch.incl, cfg.scale * pairs(True), 0.0).astype(dt)
+  if merged:
+    for side, acc in zip((False, True), pairs((False, True))):
+      write(side, acc)
+    return
+  for side in (False, True):
+    pl.when(pl.program_id(2) == int(side))(lambda side=side: write(side, pairs((side,))[0]))
 
 
 def _dense_wu_kernel(pkk_ref, kg_ref, v_ref, beta_ref, seg_ref, w_ref, u_ref, *x_ref, cfg, hv,
@@ -739,13 +750,18 @@ def _tok(x, d, dtype):
   return jax.ShapeDtypeStruct(x.shape[:3] + (d,), dtype)
 
 
+# kda_chunk_a as one program per chunk computing P_kk and A_qk together (else two).
+CHUNK_A_MERGED = False
+
+
 def _chunk_a(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t):
   """``kda_chunk_a``: (pkk, aqk, qg, kd, kg, gc), see :func:`_dense_a_kernel`."""
   bsz, tp, h, kd = q.shape
   hv, c = v.shape[2], cfg.chunk
   dt, f32 = jnp.dtype(cfg.dtype), jnp.float32
-  kern = functools.partial(_dense_a_kernel, cfg=cfg, hv=hv, group=hv // h, t=t)
-  return _call(kern, "kda_chunk_a", (tp // c, bsz * hv, 2),
+  kern = functools.partial(_dense_a_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
+                           merged=CHUNK_A_MERGED)
+  return _call(kern, "kda_chunk_a", (tp // c, bsz * hv) + (() if CHUNK_A_MERGED else (2,)),
                [_tok(v, c, f32), _tok(v, c, dt), _tok(v, kd, dt), _tok(v, kd, dt),
                 _tok(v, kd, dt), jax.ShapeDtypeStruct((bsz, tp // c, hv, kd), f32)],
                q, k, g, beta, A_log, dt_bias, seg)
