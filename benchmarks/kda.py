@@ -241,8 +241,7 @@ DQKG_SLICES = (16,)  # K slice widths of chunk_dqkg other than the default
 
 def sweep(parts, shape, tag, left):
   """The variants of the chunk kernels, most promising first: the dense path's reference
-  blocks of 16 rows instead of the default (chunk_a, chunk_dqkg), chunk_a merged into one
-  program per chunk, the sequential passes with twice the programs, chunk_dqkg at other warp
+  blocks of 16 rows instead of the default (chunk_a, chunk_dqkg), chunk_dqkg at other warp
   counts and K slice widths, the gate gradient's matrix-unit algorithm (its check errors and the
   chunk_dqkg time), then the other kernels at other warp counts. Each kernel is timed alone;
   stops when ``left()`` is too small for the next step."""
@@ -251,19 +250,6 @@ def sweep(parts, shape, tag, left):
   emit(name=f"sweep diag_rows=16 (default {cfg.diag_rows}) {tag}",
        **{n: round(_time(parts, n), 4) for n in ("chunk_a", "chunk_dqkg")})
   parts.cfg = cfg
-  for name, value, kernels in (("CHUNK_A_MERGED", True, ("chunk_a",)),
-                               ("RECUR_PROGRAMS", 256, ("recur_fwd", "recur_fwd_store",
-                                                        "recur_bwd"))):
-    default = getattr(kda_gpu, name)
-    setattr(kda_gpu, name, value)
-    try:
-      emit(name=f"sweep {name}={value} (default {default}) {tag}",
-           **{n: round(_time(parts, n), 4) for n in kernels})
-      if name == "CHUNK_A_MERGED":
-        sweep_warps(parts, "chunk_a", f"{name} {tag}", left, (4, 16), with_default=False)
-    except Exception as e:  # noqa: BLE001
-      print(f"sweep {name}={value} FAILED", repr(e)[:800], flush=True)
-    setattr(kda_gpu, name, default)
   sweep_warps(parts, "chunk_dqkg", tag, left, (8,))
   default = kda_gpu.DQKG_SLICE_K
   for bk in DQKG_SLICES:

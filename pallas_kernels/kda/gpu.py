@@ -78,14 +78,11 @@ def diag_rows(gate: str | None, lower_bound: float, chunk: int) -> int:
   return next((n for n in (64, 32, SUB) if n <= chunk and n / 2 * -lower_bound <= _MAX_EXP), 0)
 
 
-RECUR_PROGRAMS = 128  # (batch, head, V tile) programs the sequential passes aim for
-
-
 def _v_tile(n_rows: int, vd: int) -> int:
-  """V-tile width: at least ``RECUR_PROGRAMS`` (batch, head, tile) programs (132 SMs), at least
-  16 wide."""
+  """V-tile width: enough (batch, head, tile) programs to fill ~132 SMs, at least 16 wide (twice
+  the programs: 1.5x slower at B1 T16384 H32 on the H200, 2026-12-01)."""
   bv = min(vd, 64)
-  while bv > 16 and n_rows * (vd // bv) < RECUR_PROGRAMS:
+  while bv > 16 and n_rows * (vd // bv) < 128:
     bv //= 2
   return bv
 
@@ -414,17 +411,16 @@ def _tile_dg(dG, tail):
 #
 # The work is split into short kernels with their intermediates in HBM, so that no program
 # holds more than a few [C, C] / [C, BK] float32 tiles and many programs are in flight:
-#   forward  ``kda_chunk_a``    gate, cumsum, P_kk [C, C] (strict, float32), KD, KG = k e^G,
-#                               gC; and on a second program per chunk A_qk, QG;
+#   forward  ``kda_chunk_a``    gate, cumsum, P_kk [C, C] (strict, float32), A_qk, KD,
+#                               KG = k e^G, QG, gC;
 #            ``kda_chunk_wu``   X = (I + diag(beta) P_kk)^-1 (float32, kept for the backward),
 #                               W = X diag(beta) KG, U = X diag(beta) v;
 #   backward ``kda_chunk_dwy``  the WY part: dP_kk, dP_qk [C, C], dY = X^T dW [C, K], dv, dbeta;
 #            ``kda_chunk_dqkg`` one program per ``DQKG_SLICE_K``-wide K slice: dq, dk, dg from
 #                               the pair products, the states and dY.
-# ptxas (sm_90a, triton 3.5.1 wheel, B1 T256 H2 K128) at the default warps: kda_chunk_a 200
-# registers at 8 warps and kda_chunk_wu 234 at 4, no spills; kda_chunk_dwy 160 B of spills at 8
-# warps (232 B at 4); kda_chunk_dqkg 136 B at 8 warps with 32-wide slices (1.3 KB with 64-wide
-# ones); no serialised wgmma (the single kernels had 816 B / 4.4 KB and serialised wgmma).
+# Nsight Compute on the H200 (B1 T16384 H32 K128, 2026-12-01): every chunk kernel runs one
+# program per SM (registers: 232-255), kda_chunk_a without spills; kda_chunk_dqkg and
+# kda_chunk_dwy spill (35M / 16M local-memory requests).
 
 SLICE_K = 64  # K channels per slice of the dense path
 
@@ -544,12 +540,12 @@ def _ids(hv):
 
 
 def _dense_a_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
-                    pkk_ref, a_ref, qg_ref, kd_ref, kg_ref, gc_ref, *, cfg, hv, group, t, merged):
-  """Writes pkk ``[B, Tp, HV, C]`` float32 (strict, same segment, no beta), KD, KG
-  ``[B, Tp, HV, K]`` (``cfg.dtype``), gC ``[B, NC, HV, K]`` float32, A_qk ``[B, Tp, HV, C]``
-  and QG. Grid (NC, B*HV, 2) with one [C, C] accumulator per program (program 0 of the last
-  axis P_kk and the key factors, program 1 A_qk and QG), or, if ``merged``, grid (NC, B*HV)
-  with both in one program sharing the gate, its cumulative sum and the column factors."""
+                    pkk_ref, a_ref, qg_ref, kd_ref, kg_ref, gc_ref, *, cfg, hv, group, t):
+  """Grid (NC, B*HV): writes pkk ``[B, Tp, HV, C]`` float32 (strict, same segment, no beta),
+  A_qk ``[B, Tp, HV, C]``, QG, KD, KG ``[B, Tp, HV, K]`` (``cfg.dtype``) and gC
+  ``[B, NC, HV, K]`` float32. Both pair products in one program share the gate, its cumulative
+  sum and the column factors (1.09 ms at B1 T16384 H32 on the H200, against 1.71 ms for one
+  program per product, 2026-12-01)."""
   ci, b, h = _ids(hv)
   c = cfg.chunk
   dt = jnp.dtype(cfg.dtype)
@@ -557,42 +553,25 @@ def _dense_a_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
               h // group, ci * c, t, q_ref.shape[-1])
   mm = functools.partial(_mm, dt=dt)
   rows = ch.rows
-
-  def pairs(sides):
-    """The pair products of k (or q, for a side True) with k: [C, C] per side, and per slice
-    the factors written next to them."""
-    accs = [jnp.zeros((c, c), jnp.float32) for _ in sides]
-    for s in range(ch.ns):
-      cols = ch.cols(s)
-      q, k, G = ch.slice(s)
-      blocks, e_row = ch.blocks(G)
-      las = [(q if with_q else k) * e_row for with_q in sides]
-      for block in blocks:
-        rws, col = block()
-        kc = k * col
-        accs = [acc + mm(jnp.where(rws, la, 0.0), kc, tb=True) for acc, la in zip(accs, las)]
-      eg = jnp.exp(G)
-      if True in sides:
-        qg_ref[b, rows, h, cols] = (cfg.scale * ch.cont[:, None] * q * eg).astype(dt)
-      if False in sides:
-        gl = ch.row(G, c - 1)
-        kd_ref[b, rows, h, cols] = (ch.last[:, None] * k * jnp.exp(gl[None, :] - G)).astype(dt)
-        kg_ref[b, rows, h, cols] = (eg * k).astype(dt)
-        gc_ref[b, ci, h, cols] = ch.cont_last * jnp.exp(gl)
-    return accs
-
-  def write(side, acc):
-    if side:
-      a_ref[b, rows, h, :] = jnp.where(ch.incl, cfg.scale * acc, 0.0).astype(dt)
-    else:
-      pkk_ref[b, rows, h, :] = jnp.where(ch.strict, acc, 0.0)
-
-  if merged:
-    for side, acc in zip((False, True), pairs((False, True))):
-      write(side, acc)
-    return
-  for side in (False, True):
-    pl.when(pl.program_id(2) == int(side))(lambda side=side: write(side, pairs((side,))[0]))
+  akk = aqk = jnp.zeros((c, c), jnp.float32)
+  for s in range(ch.ns):
+    cols = ch.cols(s)
+    q, k, G = ch.slice(s)
+    blocks, e_row = ch.blocks(G)
+    lk, lq = k * e_row, q * e_row
+    for block in blocks:
+      rws, col = block()
+      kc = k * col
+      akk = akk + mm(jnp.where(rws, lk, 0.0), kc, tb=True)
+      aqk = aqk + mm(jnp.where(rws, lq, 0.0), kc, tb=True)
+    eg = jnp.exp(G)
+    gl = ch.row(G, c - 1)
+    qg_ref[b, rows, h, cols] = (cfg.scale * ch.cont[:, None] * q * eg).astype(dt)
+    kd_ref[b, rows, h, cols] = (ch.last[:, None] * k * jnp.exp(gl[None, :] - G)).astype(dt)
+    kg_ref[b, rows, h, cols] = (eg * k).astype(dt)
+    gc_ref[b, ci, h, cols] = ch.cont_last * jnp.exp(gl)
+  pkk_ref[b, rows, h, :] = jnp.where(ch.strict, akk, 0.0)
+  a_ref[b, rows, h, :] = jnp.where(ch.incl, cfg.scale * aqk, 0.0).astype(dt)
 
 
 def _dense_wu_kernel(pkk_ref, kg_ref, v_ref, beta_ref, seg_ref, w_ref, u_ref, *x_ref, cfg, hv,
@@ -734,8 +713,8 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
 
 # Warps per chunk-local kernel (by pallas_call name; `benchmarks/kda.py --sweep` times others).
 # H200, B1 T16384 H32 K128: kda_chunk_dqkg 4 warps 6.69 ms, 8 7.28, 16 15.16 (2026-11-30);
-# kda_chunk_dwy 4 warps 1.74 ms, 8 2.05, 16 4.55; kda_chunk_a 4 2.20, 8 2.18, 16 2.94;
-# kda_chunk_wu 2 1.34, 4 0.54, 8 1.06 (2026-12-01).
+# kda_chunk_dwy 4 warps 1.74 ms, 8 2.05, 16 4.55; kda_chunk_wu 2 1.34, 4 0.54, 8 1.06;
+# kda_chunk_a (one program per chunk) 4 warps 2.07 ms, 8 1.09, 16 1.73 (2026-12-01).
 WARPS = {"kda_chunk_prep": 4, "kda_chunk_prep_bwd": 4, "kda_chunk_a": 8, "kda_chunk_wu": 4,
          "kda_chunk_dwy": 4, "kda_chunk_dqkg": 4}
 
@@ -750,18 +729,13 @@ def _tok(x, d, dtype):
   return jax.ShapeDtypeStruct(x.shape[:3] + (d,), dtype)
 
 
-# kda_chunk_a as one program per chunk computing P_kk and A_qk together (else two).
-CHUNK_A_MERGED = False
-
-
 def _chunk_a(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t):
   """``kda_chunk_a``: (pkk, aqk, qg, kd, kg, gc), see :func:`_dense_a_kernel`."""
   bsz, tp, h, kd = q.shape
   hv, c = v.shape[2], cfg.chunk
   dt, f32 = jnp.dtype(cfg.dtype), jnp.float32
-  kern = functools.partial(_dense_a_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
-                           merged=CHUNK_A_MERGED)
-  return _call(kern, "kda_chunk_a", (tp // c, bsz * hv) + (() if CHUNK_A_MERGED else (2,)),
+  kern = functools.partial(_dense_a_kernel, cfg=cfg, hv=hv, group=hv // h, t=t)
+  return _call(kern, "kda_chunk_a", (tp // c, bsz * hv),
                [_tok(v, c, f32), _tok(v, c, dt), _tok(v, kd, dt), _tok(v, kd, dt),
                 _tok(v, kd, dt), jax.ShapeDtypeStruct((bsz, tp // c, hv, kd), f32)],
                q, k, g, beta, A_log, dt_bias, seg)
