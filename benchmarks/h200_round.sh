@@ -8,7 +8,7 @@
 #   bash benchmarks/h200_round.sh multi     # k3_1b, 50 steps: one GPU, data, expert, context, mixed
 #   bash benchmarks/h200_round.sh long      # k3_1b at 128K and 256K tokens: one GPU, context split
 #   bash benchmarks/h200_round.sh step      # k3_1b 16 x 4096 on one GPU, remat dots and dots_kernels
-#   bash benchmarks/h200_round.sh peers     # KDA vs jla and fla at the three PERF.md shapes
+#   bash benchmarks/h200_round.sh peers     # KDA vs jla and fla at the three PERF.md shapes, variants
 #   bash benchmarks/h200_round.sh kdasweep  # KDA variants and warp counts (ours only)
 #   bash benchmarks/h200_round.sh ncu       # Nsight Compute: our KDA kernels, fwd+bwd
 #   bash benchmarks/h200_round.sh long step peers   # several at once (one lock for timed GPU work)
@@ -63,13 +63,15 @@ multi() {
 }
 
 long() {
-  # Long context: one GPU and the context split at 128K and 256K tokens (one H200 holds about
-  # 0.42 MiB per token of the 1B step: 256K is the largest power of two expected to fit).
-  for t in 131072 262144; do
+  # Long context, "tokens:layouts" pairs: the context split at 128K (one GPU's 128K step was
+  # measured on 2026-11-30: 63.6 GiB, 2.91 s), one GPU and the split at 256K (one H200 holds
+  # about 0.42 MiB per token of the 1B step: 256K is the largest power of two expected to fit).
+  local spec t
+  for spec in ${LONG:-131072:context 262144:one,context}; do
+    t=${spec%%:*}
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout $LIMIT python3 benchmarks/multi_gpu.py \
-      --config configs/k3_1b.yaml --layouts ${LONG_LAYOUTS:-one,context} --steps 4 \
-      --tag 1b_$(( t / 1024 ))k --out "$R" train.batch_size=1 data.seq_len=$t \
-      > "$R/long_$(( t / 1024 ))k.log" 2>&1 &
+      --config configs/k3_1b.yaml --layouts ${spec#*:} --steps 4 --tag 1b_$(( t / 1024 ))k \
+      --out "$R" train.batch_size=1 data.seq_len=$t > "$R/long_$(( t / 1024 ))k.log" 2>&1 &
   done
 }
 
@@ -89,9 +91,11 @@ step() {
 
 peers() {
   # KDA at the three PERF.md shapes next to jla and fla, forward and forward+backward.
-  flock -o "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 250 python3 benchmarks/kda.py --no-parts \
-    --no-decode --shapes 1x16384x32x128,4x4096x32x128,1x65536x16x128 --budget 230 \
-    > "$R/kda_peers.log" 2>&1
+  # Then VARIANTS against the defaults; the faster stay set and ours is timed again (fla last,
+  # in what is left of the budget: its autotuning takes minutes).
+  flock -o "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout ${PEERS_S:-300} python3 benchmarks/kda.py \
+    --variants --no-decode --shapes 1x16384x32x128,4x4096x32x128,1x65536x16x128 \
+    --budget $(( ${PEERS_S:-300} - 20 )) > "$R/kda_peers.log" 2>&1
   say "kda peers done"
 }
 

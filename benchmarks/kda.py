@@ -3,6 +3,8 @@ next to jla ``kda`` (Mosaic GPU) and fla ``chunk_kda`` / ``fused_recurrent_kda``
 when importable, in the same run, within a time budget (the H200 run takes about 150 s).
 
   python3 benchmarks/kda.py                # check, B1 T16384 H32 K128, parts, decode, fla
+  python3 benchmarks/kda.py --variants     # also VARIANTS (module options) vs the defaults;
+                                           # the faster ones stay set and ours is timed again
   python3 benchmarks/kda.py --sweep        # also warps per chunk kernel, chunk_dqkg K slices
                                            # and the gate-gradient matrix-unit algorithm
                                            # (accuracy and time)
@@ -239,6 +241,47 @@ GATE_DOTS = {"all_x3": ((_P.BF16_BF16_F32_X3,) * 2,) * 2,  # gate-gradient varia
 DQKG_SLICES = (16,)  # K slice widths of chunk_dqkg other than the default
 
 
+# Module options of ``pallas_kernels.kda.gpu`` tried against their defaults: (value, kernel,
+# warp counts to time it at).
+VARIANTS = {"DQKG_SPLIT": (True, "chunk_dqkg", (4, 8)), "DWY_BF16": (True, "chunk_dwy", (4,))}
+
+
+def sweep_variants(parts, tag, left, adopt):
+  """Each of ``VARIANTS``: the check (errors vs the float32 recurrence) and its kernel alone
+  next to the default, in the same run. With ``adopt``, a variant that passes the check and is
+  faster stays set (with its best warp count) for what this process times next. Returns the
+  adopted settings."""
+  adopted = {}
+  for name, (value, kernel, warps) in VARIANTS.items():
+    if left() < 30:
+      break
+    default, key = getattr(kda_gpu, name), "kda_" + kernel
+    default_warps = kda_gpu.WARPS[key]
+    base = _time(parts, kernel)
+    setattr(kda_gpu, name, value)
+    try:
+      errs = check(decode=False, tag=f"{name}={value}")
+      times = {}
+      for w in warps:
+        kda_gpu.WARPS[key] = w
+        times[w] = _time(parts, kernel)
+      kda_gpu.WARPS[key] = default_warps
+      best = min(times, key=times.get)
+      emit(name=f"sweep {name}={value} {tag}", **{f"{kernel} default": round(base, 4)},
+           **{f"{kernel} w{w}": round(ms, 4) for w, ms in times.items()},
+           **{k: round(errs[k], 5) for k in ("dq", "dk", "dv", "df", "dbeta", "dA_log")})
+      if adopt and times[best] < base and all(e < CHECK_TOL for e in errs.values()):
+        kda_gpu.WARPS[key] = best
+        adopted[name] = value
+        adopted[key] = best
+        continue
+    except Exception as e:  # noqa: BLE001
+      print(f"sweep {name}={value} FAILED", repr(e)[:800], flush=True)
+    setattr(kda_gpu, name, default)
+    kda_gpu.WARPS[key] = default_warps
+  return adopted
+
+
 def sweep(parts, shape, tag, left):
   """The variants of the chunk kernels, most promising first: the dense path's reference
   blocks of 16 rows instead of the default (chunk_a, chunk_dqkg), chunk_dqkg at other warp
@@ -455,6 +498,14 @@ def main():
     decode()
   table()
   tag = "B{} T{} H{} K{}".format(*shapes[0])
+  if "--variants" in sys.argv and parts is not None:
+    adopted = sweep_variants(parts, tag, left, adopt=True)
+    emit(name="adopted variants", **adopted)
+    for shape in shapes if adopted else ():
+      if left() < 20:
+        break
+      emit(name="ours adopted B{} T{} H{} K{}".format(*shape),
+           **{k: round(v, 4) for k, v in time_ours(shape).items()})
   if "--sweep" in sys.argv and parts is not None:
     sweep(parts, shapes[0], tag, left)
   if peers and left() > 45:

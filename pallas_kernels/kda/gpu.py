@@ -600,6 +600,10 @@ def _dense_wu_kernel(pkk_ref, kg_ref, v_ref, beta_ref, seg_ref, w_ref, u_ref, *x
         u_ref.dtype)
 
 
+# kda_chunk_dwy's products with the states and dO V'^T in the kernels' dtype (else float32).
+DWY_BF16 = False
+
+
 def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, dvn_ref, do_ref,
                       vn_ref, dpkk_ref, dpqk_ref, dy_ref, dv_ref, dbeta_ref, *, cfg, hv, t):
   """The WY part of the backward: with W = X Y, U = X Z (Y = diag(beta) KG, Z = diag(beta) v),
@@ -614,6 +618,7 @@ def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, d
               kg_ref.shape[-1])
   rows, beta = ch.rows, ch.beta[:, None]
   ld = lambda ref: ref[b, rows, h, :].astype(f32)
+  sdt = jnp.dtype(cfg.dtype) if DWY_BF16 else f32  # operands of dV' S^T and dO V'^T
   x, dvn = ld(x_ref), ld(dvn_ref)
   dz = mm(x, dvn, ta=True)
   v = ld(v_ref)
@@ -623,7 +628,7 @@ def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, d
   for s in range(ch.ns):
     cols = ch.cols(s)
     kg = kg_ref[b, rows, h, cols].astype(f32)
-    dw = -ch.cont[:, None] * mm(dvn, h_ref[b, ci, h, cols, :], tb=True)
+    dw = -ch.cont[:, None] * mm(dvn, h_ref[b, ci, h, cols, :], tb=True, dt=sdt)
     dx = dx + mm(dw, beta * kg, tb=True)
     dy = mm(x, dw, ta=True)
     dbeta = dbeta + jnp.sum(dy * kg, axis=1)
@@ -631,8 +636,8 @@ def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, d
   da = jnp.where(ch.strict, -mm(mm(x, dx, ta=True), x, tb=True), 0.0)
   dbeta_ref[b, rows, h] = dbeta + jnp.sum(da * ld(pkk_ref), axis=1)
   dpkk_ref[b, rows, h, :] = beta * da
-  dpqk_ref[b, rows, h, :] = jnp.where(ch.incl, cfg.scale * mm(ld(do_ref), ld(vn_ref), tb=True),
-                                      0.0)
+  dpqk_ref[b, rows, h, :] = jnp.where(
+      ch.incl, cfg.scale * mm(do_ref[b, rows, h, :], vn_ref[b, rows, h, :], tb=True, dt=sdt), 0.0)
 
 
 # Matrix-unit algorithms of the pair-product gradients in ``kda_chunk_dqkg``, ((P_qk: d q, d k),
@@ -646,16 +651,21 @@ GATE_DOT = ((_X3, _X3), (jax.lax.DotAlgorithmPreset.BF16_BF16_F32,) * 2)
 # K channels per program of ``kda_chunk_dqkg``: 32 (H200, B1 T16384 H32 K128: 64 1.7x slower,
 # 16 1.2x slower, 2026-11-30 / 12-01).
 DQKG_SLICE_K = 32
+# kda_chunk_dqkg as two programs per K slice (q side; k side and states) with fewer live tiles,
+# their dk, dg summed by XLA (else one).
+DQKG_SPLIT = False
 
 
 def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref, h_ref, dh_ref,
-                       vn_ref, do_ref, dy_ref, dpkk_ref, dpqk_ref, dq_ref, dk_ref, dg_ref, *,
+                       vn_ref, do_ref, dy_ref, dpkk_ref, dpqk_ref, dq_ref, dk_ref, dg_ref, *split,
                        cfg, hv, group, t, gate_dot, slice_k):
   """Grid (NC, B*HV, K slices): gradients wrt the pre-processed q, k (per value head) and g of
   one K slice of one chunk, from the state entering the chunk (h), the gradient of the state
-  leaving it (dh), V', dO, dY and the pair-product gradients dpkk, dpqk."""
+  leaving it (dh), V', dO, dY and the pair-product gradients dpkk, dpqk. With ``split`` (two
+  more outputs dk', dg') the last grid axis is 2 x K slices: program 2s does slice s's q side
+  (dq, and dk, dg from P_qk), program 2s+1 the rest into dk', dg' (the caller sums them)."""
   ci, b, h = _ids(hv)
-  s = pl.program_id(2)
+  s = pl.program_id(2) // 2 if split else pl.program_id(2)
   c = cfg.chunk
   f32 = jnp.float32
   mm = _mm
@@ -685,30 +695,50 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
   # the forward's QG S: bf16 halves their registers (chunk_dqkg 4.87 instead of 6.76 ms on the
   # H200 at B1 T16384 H32, dq / dk / df errors unchanged at 3.2e-3, 2026-12-01).
   sdt = jnp.dtype(cfg.dtype)
-  # q's side first (from the state and from P_qk), so that q and dq are done early
-  dq = cfg.scale * ch.cont[:, None] * jnp.exp(G) * mm(do_ref[b, rows, h, :], state(h_ref),
-                                                      tb=True, dt=sdt)
-  daq, dk = pairs(q, dpqk_ref, gate_dot[0])
-  dq = dq + daq
-  dq_ref[b, rows, h, cols] = dq
-  dG = q * dq - k * dk
-  dak, dbk = pairs(k, dpkk_ref, gate_dot[1])
-  dk = dk + dak + dbk
-  dG = dG + k * (dak - dbk)
-  # W's factor k e^G (gradient dY) and KD = k e^{G_C - G} (from the state gradient)
-  gl = ch.row(G, c - 1)
-  dky = beta * jnp.exp(G) * dy_ref[b, rows, h, cols]
-  dst = state(dh_ref)
-  dkd = ch.last[:, None] * jnp.exp(gl[None, :] - G) * mm(vn_ref[b, rows, h, :], dst, tb=True,
-                                                         dt=sdt)
-  dk = dk + dky + dkd
-  dG = dG + k * (dky - dkd)
-  dgl = (ch.cont_last * jnp.exp(gl) * jnp.sum(state(h_ref) * dst, axis=1)
-         + jnp.sum(k * dkd, axis=0))
-  # G = cumsum(g): dg_i = sum_{t >= i} dG_t, plus dG at the chunk end for every row
-  dg = dgl[None, :] + jnp.sum(dG, axis=0)[None, :] - jnp.cumsum(dG, axis=0) + dG
-  dk_ref[b, rows, h, cols] = dk
-  dg_ref[b, rows, h, cols] = dg
+
+  def q_side():
+    """dq (from the state and from P_qk) and P_qk's part of dk and dG."""
+    dq = cfg.scale * ch.cont[:, None] * jnp.exp(G) * mm(do_ref[b, rows, h, :], state(h_ref),
+                                                        tb=True, dt=sdt)
+    daq, dk = pairs(q, dpqk_ref, gate_dot[0])
+    dq = dq + daq
+    dq_ref[b, rows, h, cols] = dq
+    return dk, q * dq - k * dk
+
+  def k_side(dk, dG):
+    """P_kk's part, W's factor k e^G (gradient dY) and KD = k e^{G_C - G} (from the state
+    gradient), added to dk, dG; and the gradient of G at the chunk end."""
+    dak, dbk = pairs(k, dpkk_ref, gate_dot[1])
+    dk = dk + dak + dbk
+    dG = dG + k * (dak - dbk)
+    gl = ch.row(G, c - 1)
+    dky = beta * jnp.exp(G) * dy_ref[b, rows, h, cols]
+    dst = state(dh_ref)
+    dkd = ch.last[:, None] * jnp.exp(gl[None, :] - G) * mm(vn_ref[b, rows, h, :], dst, tb=True,
+                                                           dt=sdt)
+    dk = dk + dky + dkd
+    dG = dG + k * (dky - dkd)
+    dgl = (ch.cont_last * jnp.exp(gl) * jnp.sum(state(h_ref) * dst, axis=1)
+           + jnp.sum(k * dkd, axis=0))
+    return dk, dG, dgl
+
+  def write(dk, dG, dgl, dk_out, dg_out):
+    # G = cumsum(g): dg_i = sum_{t >= i} dG_t, plus dG at the chunk end for every row
+    dg = jnp.sum(dG, axis=0)[None, :] - jnp.cumsum(dG, axis=0) + dG
+    dk_out[b, rows, h, cols] = dk
+    dg_out[b, rows, h, cols] = dg if dgl is None else dg + dgl[None, :]
+
+  if not split:
+    write(*k_side(*q_side()), dk_ref, dg_ref)
+    return
+
+  @pl.when(pl.program_id(2) % 2 == 0)
+  def _():
+    write(*q_side(), None, dk_ref, dg_ref)
+
+  @pl.when(pl.program_id(2) % 2 == 1)
+  def _():
+    write(*k_side(jnp.zeros_like(k), jnp.zeros_like(k)), *split)
 
 
 # Warps per chunk-local kernel (by pallas_call name; `benchmarks/kda.py --sweep` times others).
@@ -769,9 +799,11 @@ def _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, 
   bk = min(kd, DQKG_SLICE_K)
   kern = functools.partial(_dense_dqkg_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
                            gate_dot=GATE_DOT, slice_k=bk)
-  return _call(kern, "kda_chunk_dqkg", (tp // cfg.chunk, bsz * hv, kd // bk),
-               [_tok(v, kd, jnp.float32)] * 3,
-               q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, dpqk)
+  split = 2 if DQKG_SPLIT else 1
+  dq, dk, dg, *rest = _call(kern, "kda_chunk_dqkg", (tp // cfg.chunk, bsz * hv, kd // bk * split),
+                            [_tok(v, kd, jnp.float32)] * (1 + 2 * split),
+                            q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, dpqk)
+  return (dq, dk + rest[0], dg + rest[1]) if rest else (dq, dk, dg)
 
 
 def _prepare(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t, keep=False):
