@@ -54,8 +54,33 @@ def _target(n_valid, cfg: MoEConfig):
   return jnp.floor(n_valid * cfg.top_k / cfg.num_experts).astype(jnp.int32)
 
 
+def kth_smallest(x: jax.Array, k) -> jax.Array:
+  """``jnp.sort(x, axis=0)[k]`` for float32 ``x [N, E]`` and an int ``k`` (traced or not), exactly
+  and without a sort: a radix select over the floats' order-preserving uint32 keys, 4 bits per
+  pass (8 passes, each one count of N x E comparisons per digit value). No NaNs."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  sign = jnp.uint32(1 << 31)
+  key = jnp.where(bits >= sign, ~bits, bits | sign)  # larger float, larger key
+  rank = jnp.broadcast_to(jnp.asarray(k, jnp.int32), x.shape[1:])  # [E] left to skip
+  prefix = jnp.zeros(x.shape[1:], jnp.uint32)  # the answer's bits found so far
+  digits = jnp.arange(16, dtype=jnp.uint32)
+  for shift in range(28, -1, -4):
+    high = key >> (shift + 4) if shift < 28 else jnp.zeros_like(key)
+    match = high == (prefix >> (shift + 4) if shift < 28 else 0)  # [N, E]
+    digit = (key >> shift) & 15
+    counts = jnp.sum(match[..., None] & (digit[..., None] == digits), axis=0,
+                     dtype=jnp.int32)  # [E, 16]
+    cum = jnp.cumsum(counts, axis=-1)
+    d = jnp.sum(cum <= rank[..., None], axis=-1)  # the digit holding the rank-th key
+    rank = rank - jnp.where(d > 0, jnp.take_along_axis(cum, jnp.maximum(d - 1, 0)[..., None],
+                                                       -1)[..., 0], 0)
+    prefix = prefix | (d.astype(jnp.uint32) << shift)
+  bits = jnp.where(prefix >= sign, prefix & ~sign, ~prefix)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def quantile_bias(scores, bias, cfg: MoEConfig, valid=None) -> jax.Array:
-  """Exact (sort-based) Quantile Balancing: the next bias ``[E]`` from one batch.
+  """Exact Quantile Balancing: the next bias ``[E]`` from one batch.
 
   One QB step takes the cutoffs ``alpha_i`` at the current bias; the selection then shifts
   every token's cutoff, so the step is repeated ``cfg.balancing_iters`` times on the same batch
@@ -67,7 +92,7 @@ def quantile_bias(scores, bias, cfg: MoEConfig, valid=None) -> jax.Array:
   for _ in range(cfg.balancing_iters):
     d = _margins(scores, bias, cfg.top_k, valid)
     # b_j = -((q+1)-th largest margin) = (q+1)-th smallest of alpha - s
-    new = jnp.sort(d, axis=0)[jnp.minimum(q, d.shape[0] - 1)]
+    new = kth_smallest(d, jnp.minimum(q, d.shape[0] - 1))
     bias = new - jnp.mean(new)
   return bias
 

@@ -167,6 +167,21 @@ def test_quantile_exact_matches_numpy_and_ignores_padding():
   np.testing.assert_allclose(got, want - want.mean(), atol=1e-5)
 
 
+@pytest.mark.parametrize("n, e", [(1, 3), (7, 5), (513, 33)])
+def test_kth_smallest_is_the_sorted_column_exactly(n, e):
+  """The radix select behind exact QB equals np.sort's k-th row bit for bit: magnitudes from
+  1e-30 to 1e20, both signs, ties (a constant column), zeros of both signs, +inf (padding)."""
+  rng = np.random.default_rng(n)
+  x = (rng.standard_normal((n, e)) * rng.choice([1e-30, 1e-3, 1.0, 1e20], (n, e))).astype(np.float32)
+  x[rng.random((n, e)) < 0.2] = np.inf
+  x[rng.random((n, e)) < 0.1] = 0.0
+  x[:, 0] = 1.5
+  select = jax.jit(router.kth_smallest)
+  for k in sorted({0, n // 3, n - 1}):
+    got = np.asarray(select(jnp.asarray(x), jnp.int32(k)))
+    np.testing.assert_array_equal(got.view(np.uint32), np.sort(x, axis=0)[k].view(np.uint32))
+
+
 def test_histogram_bias_within_one_bin_of_exact():
   cfg = MoEConfig(num_experts=16, top_k=4, balancing="quantile_hist", balancing_bins=1000)
   scores = _skewed_scores(2048, 16, seed=5)
