@@ -241,44 +241,51 @@ GATE_DOTS = {"all_x3": ((_P.BF16_BF16_F32_X3,) * 2,) * 2,  # gate-gradient varia
 DQKG_SLICES = (16,)  # K slice widths of chunk_dqkg other than the default
 
 
-# Module options of ``pallas_kernels.kda.gpu`` tried against their defaults: (value, kernel,
-# warp counts to time it at).
-VARIANTS = {"DQKG_SPLIT": (True, "chunk_dqkg", (4, 8)), "DWY_BF16": (True, "chunk_dwy", (4,))}
+# Module options of ``pallas_kernels.kda.gpu`` tried against their defaults, in this order
+# (each adopted one stays set for the next): (value, kernels timed together, warp counts of
+# the first kernel to time it at).
+VARIANTS = {"DQKG_RELOAD": (True, ("chunk_dqkg",), (4, 8)),
+            "DQKG_SPLIT": (True, ("chunk_dqkg",), (4, 8)),
+            "DWY_LEAN": (True, ("chunk_dwy",), (4, 8)),
+            "RECUR_WARPS": (8, ("recur_fwd", "recur_fwd_store", "recur_bwd"), ())}
 
 
 def sweep_variants(parts, tag, left, adopt):
-  """Each of ``VARIANTS``: the check (errors vs the float32 recurrence) and its kernel alone
+  """Each of ``VARIANTS``: the check (errors vs the float32 recurrence) and its kernels alone
   next to the default, in the same run. With ``adopt``, a variant that passes the check and is
   faster stays set (with its best warp count) for what this process times next. Returns the
   adopted settings."""
   adopted = {}
-  for name, (value, kernel, warps) in VARIANTS.items():
+  for name, (value, kernels, warps) in VARIANTS.items():
     if left() < 30:
       break
-    default, key = getattr(kda_gpu, name), "kda_" + kernel
-    default_warps = kda_gpu.WARPS[key]
-    base = _time(parts, kernel)
+    default, key = getattr(kda_gpu, name), "kda_" + kernels[0]
+    default_warps = kda_gpu.WARPS.get(key)
+    timed = lambda: sum(_time(parts, n) for n in kernels)
+    base = timed()
     setattr(kda_gpu, name, value)
     try:
       errs = check(decode=False, tag=f"{name}={value}")
       times = {}
-      for w in warps:
+      for w in warps or (default_warps,):
         kda_gpu.WARPS[key] = w
-        times[w] = _time(parts, kernel)
-      kda_gpu.WARPS[key] = default_warps
+        times[w] = timed()
+      if default_warps is not None:
+        kda_gpu.WARPS[key] = default_warps
       best = min(times, key=times.get)
-      emit(name=f"sweep {name}={value} {tag}", **{f"{kernel} default": round(base, 4)},
-           **{f"{kernel} w{w}": round(ms, 4) for w, ms in times.items()},
+      emit(name=f"sweep {name}={value} {tag}", kernels="+".join(kernels), default=round(base, 4),
+           **{("ms" if w is None else f"w{w}"): round(ms, 4) for w, ms in times.items()},
            **{k: round(errs[k], 5) for k in ("dq", "dk", "dv", "df", "dbeta", "dA_log")})
       if adopt and times[best] < base and all(e < CHECK_TOL for e in errs.values()):
-        kda_gpu.WARPS[key] = best
+        if default_warps is not None:
+          kda_gpu.WARPS[key] = adopted[key] = best
         adopted[name] = value
-        adopted[key] = best
         continue
     except Exception as e:  # noqa: BLE001
       print(f"sweep {name}={value} FAILED", repr(e)[:800], flush=True)
     setattr(kda_gpu, name, default)
-    kda_gpu.WARPS[key] = default_warps
+    if default_warps is not None:
+      kda_gpu.WARPS[key] = default_warps
   return adopted
 
 

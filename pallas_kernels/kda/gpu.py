@@ -600,8 +600,10 @@ def _dense_wu_kernel(pkk_ref, kg_ref, v_ref, beta_ref, seg_ref, w_ref, u_ref, *x
         u_ref.dtype)
 
 
-# kda_chunk_dwy's products with the states and dO V'^T in the kernels' dtype (else float32).
-DWY_BF16 = False
+# kda_chunk_dwy with fewer live tiles: dZ, dv and dX's dU part per 64-wide V slice, dV'
+# reloaded for dW, and the products with the states and dO V'^T in the kernels' dtype (else
+# whole [C, V] float32 tiles).
+DWY_LEAN = False
 
 
 def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, dvn_ref, do_ref,
@@ -618,17 +620,24 @@ def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, d
               kg_ref.shape[-1])
   rows, beta = ch.rows, ch.beta[:, None]
   ld = lambda ref: ref[b, rows, h, :].astype(f32)
-  sdt = jnp.dtype(cfg.dtype) if DWY_BF16 else f32  # operands of dV' S^T and dO V'^T
-  x, dvn = ld(x_ref), ld(dvn_ref)
-  dz = mm(x, dvn, ta=True)
-  v = ld(v_ref)
-  dbeta = jnp.sum(dz * v, axis=1)
-  dv_ref[b, rows, h, :] = beta * dz
-  dx = mm(dvn, beta * v, tb=True)
+  sdt = jnp.dtype(cfg.dtype) if DWY_LEAN else f32  # operands of dV' S^T and dO V'^T
+  x = ld(x_ref)
+  # dZ = X^T dV', dv, the dZ part of dbeta and dX's dU Z^T part, per V slice
+  vd = v_ref.shape[-1]
+  bv = min(vd, SLICE_K) if DWY_LEAN else vd
+  dbeta, dx = jnp.zeros((c,), f32), jnp.zeros((c, c), f32)
+  for sv in range(vd // bv):
+    vc = pl.ds(sv * bv, bv)
+    dvn = dvn_ref[b, rows, h, vc].astype(f32)
+    dz = mm(x, dvn, ta=True)
+    v = v_ref[b, rows, h, vc].astype(f32)
+    dbeta = dbeta + jnp.sum(dz * v, axis=1)
+    dv_ref[b, rows, h, vc] = beta * dz
+    dx = dx + mm(dvn, beta * v, tb=True)
   for s in range(ch.ns):
     cols = ch.cols(s)
     kg = kg_ref[b, rows, h, cols].astype(f32)
-    dw = -ch.cont[:, None] * mm(dvn, h_ref[b, ci, h, cols, :], tb=True, dt=sdt)
+    dw = -ch.cont[:, None] * mm(dvn_ref[b, rows, h, :], h_ref[b, ci, h, cols, :], tb=True, dt=sdt)
     dx = dx + mm(dw, beta * kg, tb=True)
     dy = mm(x, dw, ta=True)
     dbeta = dbeta + jnp.sum(dy * kg, axis=1)
@@ -654,6 +663,8 @@ DQKG_SLICE_K = 32
 # kda_chunk_dqkg as two programs per K slice (q side; k side and states) with fewer live tiles,
 # their dk, dg summed by XLA (else one).
 DQKG_SPLIT = False
+# kda_chunk_dqkg loads dP once per reference block (else once, kept live across the blocks).
+DQKG_RELOAD = False
 
 
 def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref, h_ref, dh_ref,
@@ -681,12 +692,12 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
     """Gradients of the pair product P_ij = sum_d a_id k_jd e^{G_id - G_jd} (i >= j) given
     dP, products by the algorithms ``dots`` (for d a, for d k): (d a, d k) [C, BK]."""
     mma, mmb = (functools.partial(_mm, precision=d) for d in dots)
-    dp = ld(dp_ref)
+    dp = None if DQKG_RELOAD else ld(dp_ref)
     la = a_side * e_row
     da = db = jnp.zeros_like(k)
     for block in blocks:
       rws, col = block()
-      p = jnp.where(rws, dp, 0.0)
+      p = jnp.where(rws, ld(dp_ref) if DQKG_RELOAD else dp, 0.0)
       da = da + mma(p, k * col)
       db = db + col * mmb(p, la, ta=True)
     return da * e_row, db
@@ -916,6 +927,9 @@ def _bwd_kernel(do_ref, qg_ref, a_ref, kd_ref, w_ref, gc_ref, dst_ref, dvn_ref, 
   ds0_ref[b, h, :, vs] = ds
 
 
+RECUR_WARPS = 4  # warps of the sequential passes
+
+
 def _params(num_warps=4, num_stages=2):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
@@ -933,7 +947,7 @@ def _recurrence_fwd(cfg, w, u, qg, aqk, kd, gc, s0, out_dtype, store):
                   jax.ShapeDtypeStruct((bsz, tp, hv, vd), f32)]
   kern = functools.partial(_fwd_kernel, nc=nc, hv=hv, c=c, bv=bv, store=store)
   return pl.pallas_call(kern, out_shape=out_shape, grid=(bsz * hv, vd // bv),
-                        compiler_params=_params(), interpret=_interpret(),
+                        compiler_params=_params(RECUR_WARPS), interpret=_interpret(),
                         name="kda_fwd_recurrence")(w, u, qg, aqk, kd, gc, s0)
 
 
@@ -948,7 +962,7 @@ def _recurrence_bwd(cfg, do, qg, aqk, kd, w, gc, dst):
                jax.ShapeDtypeStruct((bsz, hv, kdim, vd), f32)]
   kern = functools.partial(_bwd_kernel, nc=nc, hv=hv, c=c, bv=bv)
   return pl.pallas_call(kern, out_shape=out_shape, grid=(bsz * hv, vd // bv),
-                        compiler_params=_params(), interpret=_interpret(),
+                        compiler_params=_params(RECUR_WARPS), interpret=_interpret(),
                         name="kda_bwd_recurrence")(do, qg, aqk, kd, w, gc, dst)
 
 
