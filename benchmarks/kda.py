@@ -137,12 +137,20 @@ def check_decode(h, kd, a_log, dt_bias):
   emit(name="check decode vs naive (N8 Tn3)", o=round(rel(od1, od2), 5), pool=round(rel(p1, p2), 6))
 
 
+def fwd_bwd(loss, n):
+  """The loss and its gradients wrt the first ``n`` arguments, jitted. The loss value needs the
+  forward's output, so the forward kernels run as in training: with ``jax.grad`` alone XLA drops
+  a forward whose only use is the output when the backward needs just the inputs (ours, unless
+  ``SAVE_RESIDUALS``), and fwd+bwd would time the backward alone (runs before 2026-12-01)."""
+  return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(n))))
+
+
 def time_ours(shape, impl="pallas_gpu"):
   b, t, h, kd = shape
   q, k, v, f, beta, a_log, dt_bias = inputs(b, t, h, kd)
   fwd = jax.jit(lambda *a: ours(*a, impl=impl)[0])
   loss = lambda *a: jnp.sum(ours(*a, impl=impl)[0].astype(jnp.float32))
-  fb = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5, 6)))
+  fb = fwd_bwd(loss, 7)
   args = (q, k, v, f, beta, a_log, dt_bias)
   return {"fwd": jtime(fwd, *args), "fwdbwd": jtime(fb, *args, reps=7)}
 
@@ -200,7 +208,9 @@ class Parts:
       return jax.vjp(pre, q, k, f, beta, a_log, dtb)[1]((dq, dk, dg, dbeta))
 
     dq = dy.astype(jnp.float32)
+    op = lambda *a: jnp.sum(ours(*a)[0].astype(jnp.float32))
     return {
+        "fwdbwd": (fwd_bwd(op, 7), (q, k, v, f, beta, a_log, dtb.reshape(-1))),
         "chunk_a": (j(lambda *a: kda_gpu._chunk_a(cfg, *a, seg, t)), self.x),
         "chunk_wu": (j(lambda *a: kda_gpu._chunk_wu(cfg, *a, seg, t, False)), (pkk, kg, v, beta)),
         "chunk_wu_keep": (j(lambda *a: kda_gpu._chunk_wu(cfg, *a, seg, t, True)),
@@ -244,7 +254,8 @@ DQKG_SLICES = (16,)  # K slice widths of chunk_dqkg other than the default
 # Module options of ``pallas_kernels.kda.gpu`` tried against their defaults, in this order
 # (each adopted one stays set for the next): (value, kernels timed together, warp counts of
 # the first kernel to time it at).
-VARIANTS = {"DQKG_RELOAD": (True, ("chunk_dqkg",), (4, 8)),
+VARIANTS = {"SAVE_RESIDUALS": (True, ("fwdbwd",), ()),
+            "DQKG_RELOAD": (True, ("chunk_dqkg",), (4, 8)),
             "DQKG_SPLIT": (True, ("chunk_dqkg",), (4, 8)),
             "DWY_LEAN": (True, ("chunk_dwy",), (4, 8)),
             "RECUR_WARPS": (8, ("recur_fwd", "recur_fwd_store", "recur_bwd"), ())}
@@ -356,7 +367,7 @@ def time_jla(shape):
   bb = jax.nn.sigmoid(beta.astype(jnp.float32)).astype(jnp.bfloat16)
   fwd = jax.jit(lambda *a: jla_kda(*a, use_qk_l2norm=True)[0])
   loss = lambda *a: jnp.sum(jla_kda(*a, use_qk_l2norm=True)[0].astype(jnp.float32))
-  fb = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  fb = fwd_bwd(loss, 5)
   return {"fwd": jtime(fwd, q, k, v, g, bb), "fwdbwd": jtime(fb, q, k, v, g, bb, reps=7)}
 
 

@@ -22,7 +22,8 @@ The work is split the way it parallelises (SPEC section 2, chunks of C tokens):
    writes ``dV'`` and the state gradients; then, parallel over chunks, the gradients of the
    pre-processed inputs (dense path: ``kda_chunk_dwy`` for the WY factors, ``kda_chunk_dqkg``
    per K slice for dq, dk, dg; other gates: ``_prep_bwd_kernel``); the pre-processing VJP is
-   XLA. Nothing is stored between the forward and backward passes but the inputs.
+   XLA. Nothing is stored between the forward and backward passes but the inputs (unless
+   ``SAVE_RESIDUALS``).
 
 Sub-tile gating: a pair product ``sum_d a_id b_jd exp(G_id - G_jd)`` (i >= j) is split at a
 reference ``r`` of the row block: ``(a e^{G - r}) (b e^{r - G})^T``. The general path takes
@@ -972,7 +973,7 @@ def _recurrence_bwd(cfg, do, qg, aqk, kd, w, gc, dst):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _kda_core(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg):
-  return _kda_fwd(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg)[0]
+  return _forward(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg, save=False)[0]
 
 
 def _pad(tp, *xs):
@@ -982,25 +983,42 @@ def _pad(tp, *xs):
   return tuple(jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2)) for x in xs)
 
 
-def _kda_fwd(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg):
+# Keep the forward's chunk factors, chunk states and V' for the backward instead of recomputing
+# them there (the backward's kda_chunk_a, kda_chunk_wu and storing recurrence). Per token and
+# value head at K = V = 128, C = 64, bf16: ~3.4 KB (the states 1 KB, V' 0.5 KB), i.e. 1.8 GB at
+# B1 T16384 H32. Under a remat policy they are kept only where it keeps Pallas outputs
+# (``dots_kernels``); elsewhere the layer's recomputed forward produces them again.
+SAVE_RESIDUALS = False
+
+
+def _forward(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg, save):
+  """((o, final state), what the backward reuses: None, or with ``save`` the chunk factors,
+  the inverse's factors, the chunk states and V')."""
   t = q.shape[1]
   padded = _pad(seg.shape[1], q, k, v, g, beta)
-  factors, _ = _prepare(cfg, *padded, A_log, dt_bias, seg, t)
-  o, st = _recurrence_fwd(cfg, *factors, s0, v.dtype, store=False)
-  return (o[:, :t], st), (q, k, v, g, beta, A_log, dt_bias, s0, seg)
+  factors, kept = _prepare(cfg, *padded, A_log, dt_bias, seg, t, keep=save)
+  o, st, *states = _recurrence_fwd(cfg, *factors, s0, v.dtype, store=save)
+  return (o[:, :t], st), ((factors, kept, *states) if save else None)
+
+
+def _kda_fwd(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg):
+  out, saved = _forward(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg, save=SAVE_RESIDUALS)
+  return out, (q, k, v, g, beta, A_log, dt_bias, s0, seg, saved)
 
 
 def _kda_bwd(cfg, res, cts):
-  q, k, v, g, beta, A_log, dt_bias, s0, seg = res
+  q, k, v, g, beta, A_log, dt_bias, s0, seg, saved = res
   do, dst = cts
   bsz, t, h, kdim = q.shape
   hv = v.shape[2]
   tp = seg.shape[1]
   padded = _pad(tp, q, k, v, g, beta)
-  # The chunk factors are recomputed (keeping them from the forward, 1 GB at B1 T16384 H32,
-  # measured no faster: 13.79 vs 13.81 ms fwd+bwd on the H200).
-  (w, u, qg, aqk, kd, gc), kept = _prepare(cfg, *padded, A_log, dt_bias, seg, t, keep=True)
-  _, _, hs, vn = _recurrence_fwd(cfg, w, u, qg, aqk, kd, gc, s0, v.dtype, store=True)
+  if saved is None:  # recompute the chunk factors, the chunk states and V'
+    factors, kept = _prepare(cfg, *padded, A_log, dt_bias, seg, t, keep=True)
+    _, _, hs, vn = _recurrence_fwd(cfg, *factors, s0, v.dtype, store=True)
+  else:
+    factors, kept, hs, vn = saved
+  w, u, qg, aqk, kd, gc = factors
   (do,) = _pad(tp, do)
   dvn, dh, ds0 = _recurrence_bwd(cfg, do, qg, aqk, kd, w, gc, dst.astype(jnp.float32))
   dq, dk, dv, dg, dbeta = (x[:, :t] for x in _prepare_bwd(
