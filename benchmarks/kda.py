@@ -258,7 +258,10 @@ VARIANTS = {"SAVE_RESIDUALS": (True, ("fwdbwd",), ()),
             "DQKG_RELOAD": (True, ("chunk_dqkg",), (4, 8)),
             "DQKG_SPLIT": (True, ("chunk_dqkg",), (4, 8)),
             "DWY_LEAN": (True, ("chunk_dwy",), (4, 8)),
-            "RECUR_WARPS": (8, ("recur_fwd", "recur_fwd_store", "recur_bwd"), ())}
+            "RECUR_WARPS": (8, ("recur_fwd", "recur_fwd_store", "recur_bwd"), ()),
+            # P_qk's gate-gradient products single-pass TF32 instead of three bf16 passes
+            "GATE_DOT": (((jax.lax.DotAlgorithmPreset.TF32_TF32_F32,) * 2,
+                          (jax.lax.DotAlgorithmPreset.BF16_BF16_F32,) * 2), ("chunk_dqkg",), ())}
 
 
 def sweep_variants(parts, tag, left, adopt):
