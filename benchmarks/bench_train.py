@@ -12,6 +12,8 @@ grouped expert matmul, dense matmul, collectives, other fusions), read from the 
 and by model scope (the ``jax.named_scope`` of each kernel's HLO instruction: ``kda``, ``mla``,
 ``moe/permute``, ``attn_res``, ``lm_head_loss``, ``optimizer``..., ``(bwd)`` for the backward).
 
+``--set MODULE:NAME=VALUE`` sets a module option before tracing (a Python literal, e.g.
+``--set pallas_kernels.kda.gpu:SAVE_RESIDUALS=True``) to time a kernel variant inside the step.
 ``--json PATH`` writes every figure to PATH. ``--lock PATH`` holds an exclusive ``flock`` on PATH
 from the first step to the end, so several layouts can compile side by side (CPU work) while
 their timed steps run one at a time.
@@ -20,11 +22,13 @@ their timed steps run one at a time.
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import contextlib
 import fcntl
 import glob
 import gzip
+import importlib
 import json
 import re
 import statistics
@@ -145,8 +149,17 @@ def main(argv=None):
   p.add_argument("--profile", default=None, help="trace two steps into this directory")
   p.add_argument("--json", default=None, help="write the results to this file")
   p.add_argument("--lock", default=None, help="run the steps holding an exclusive flock on this file")
+  p.add_argument("--set", action="append", default=[], metavar="MODULE:NAME=VALUE",
+                 help="set a module option (a Python literal) before tracing; repeatable")
   p.add_argument("overrides", nargs="*")
   args = p.parse_args(argv)
+  for opt in args.set:
+    target, _, value = opt.partition("=")
+    module, _, name = target.partition(":")
+    mod = importlib.import_module(module)
+    if not name or not hasattr(mod, name):
+      p.error(f"--set {opt!r}: {module} has no option {name!r}")
+    setattr(mod, name, ast.literal_eval(value))
   if args.steps < 3:
     p.error("--steps must be at least 3 (two untimed warm-up steps)")
   cfg = config_lib.load(args.config, ["checkpoint.enabled=false", *args.overrides])
@@ -157,7 +170,7 @@ def main(argv=None):
   print(f"{cfg.model.name}: batch {b} x {t}, {len(mesh.devices.flat)} x "
         f"{jax.devices()[0].device_kind}, mesh {layout or 'one device'}, experts over "
         f"{list(cfg.mesh.expert_axes)}, moonep {cfg.mesh.moonep}, jax {jax.__version__}", flush=True)
-  result = {"config": cfg.model.name, "overrides": args.overrides, "batch": b, "seq_len": t,
+  result = {"config": cfg.model.name, "overrides": args.overrides + args.set, "batch": b, "seq_len": t,
             "devices": len(mesh.devices.flat), "mesh": layout}
 
   t0 = time.perf_counter()

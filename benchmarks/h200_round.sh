@@ -76,16 +76,21 @@ long() {
 }
 
 step() {
-  # The one-GPU k3_1b step at 16 x 4096, profiled, under each remat policy, one per GPU in turn
+  # The one-GPU k3_1b step at 16 x 4096, profiled, under each remat policy (REMATS) and each
+  # kernel option set (STEP_SETS, ';'-separated; '-' for the defaults), one per GPU in turn
   # (XLA's autotuning while another process compiles would otherwise disturb the timed steps).
   # Do not time it beside `long`, whose compiles autotune on both GPUs.
-  local i=0 gpu
+  local i=0 gpu remat set tag
   for remat in ${REMATS:-dots dots_kernels}; do
-    gpu=$(( i % NGPU )); i=$(( i + 1 ))
-    CUDA_VISIBLE_DEVICES=$gpu XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout $LIMIT \
-      python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 12 --lock "$LOCK" \
-      --profile "$R/trace_$remat" --json "$R/1b_remat_$remat.json" model.remat=$remat \
-      > "$R/1b_remat_$remat.log" 2>&1 &
+    IFS=';' read -ra sets <<< "${STEP_SETS:--}"
+    for set in "${sets[@]}"; do
+      gpu=$(( i % NGPU )); i=$(( i + 1 ))
+      tag=$remat; [ "$set" = "-" ] || tag="${remat}_${set##*:}"; tag=${tag//=/_}
+      CUDA_VISIBLE_DEVICES=$gpu XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout $LIMIT \
+        python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 12 --lock "$LOCK" \
+        --profile "$R/trace_$tag" --json "$R/1b_remat_$tag.json" model.remat=$remat \
+        $([ "$set" = "-" ] || echo "--set $set") > "$R/1b_remat_$tag.log" 2>&1 &
+    done
   done
 }
 
