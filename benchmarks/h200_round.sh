@@ -96,10 +96,11 @@ step() {
 
 peers() {
   # KDA at the three PERF.md shapes next to jla and fla, forward and forward+backward.
-  # Then VARIANTS against the defaults; the faster stay set and ours is timed again (fla last,
-  # in what is left of the budget: its autotuning takes minutes).
+  # Then the decode kernel's configurations, VARIANTS against the defaults (the faster stay set
+  # and ours is timed again), fla last in what is left of the budget (its autotuning takes
+  # minutes).
   flock -o "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout ${PEERS_S:-300} python3 benchmarks/kda.py \
-    --variants --no-decode --shapes 1x16384x32x128,4x4096x32x128,1x65536x16x128 \
+    --variants --shapes 1x16384x32x128,4x4096x32x128,1x65536x16x128 \
     --budget $(( ${PEERS_S:-300} - 20 )) > "$R/kda_peers.log" 2>&1
   say "kda peers done"
 }

@@ -544,7 +544,7 @@ def main():
 
 
 # (V tile, warps); V tiles 32 and 16 and the K reductions as one matrix-unit product were slower
-DECODE_CONFIGS = ((64, 4), (128, 4), (128, 8), (64, 8))
+DECODE_CONFIGS = ((64, 4), (128, 4), (128, 8), (64, 8), (64, 2), (32, 2))
 
 
 def decode():
