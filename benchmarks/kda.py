@@ -254,14 +254,11 @@ DQKG_SLICES = (16,)  # K slice widths of chunk_dqkg other than the default
 # Module options of ``pallas_kernels.kda.gpu`` tried against their defaults, in this order
 # (each adopted one stays set for the next): (value, kernels timed together, warp counts of
 # the first kernel to time it at).
-VARIANTS = {"SAVE_RESIDUALS": (True, ("fwdbwd",), ()),
-            "DQKG_RELOAD": (True, ("chunk_dqkg",), (4, 8)),
-            "DQKG_SPLIT": (True, ("chunk_dqkg",), (4, 8)),
-            "DWY_LEAN": (True, ("chunk_dwy",), (4, 8)),
-            "RECUR_WARPS": (8, ("recur_fwd", "recur_fwd_store", "recur_bwd"), ()),
-            # P_qk's gate-gradient products single-pass TF32 instead of three bf16 passes
-            "GATE_DOT": (((jax.lax.DotAlgorithmPreset.TF32_TF32_F32,) * 2,
-                          (jax.lax.DotAlgorithmPreset.BF16_BF16_F32,) * 2), ("chunk_dqkg",), ())}
+VARIANTS = {"SAVE_RESIDUALS": (False, ("fwdbwd",), ())}  # the recompute (memory-saving) form
+# Tried on 2026-12-01 (H200, B1 T16384 H32; RESULTS.md run 13): adopted SAVE_RESIDUALS, dP
+# loaded per block in chunk_dqkg, chunk_dwy per V slice; removed chunk_dqkg as two programs per K
+# slice (4.64 vs 4.14 ms), 8-warp sequential passes (2.99 vs 2.27 ms), TF32 P_qk gate-gradient
+# products (ddt_bias error 4.8e-2, 5.13 vs 4.08 ms).
 
 
 def sweep_variants(parts, tag, left, adopt):
@@ -544,7 +541,7 @@ def main():
 
 
 # (V tile, warps); V tiles 32 and 16 and the K reductions as one matrix-unit product were slower
-DECODE_CONFIGS = ((64, 4), (128, 4), (128, 8), (64, 8), (64, 2), (32, 2))
+DECODE_CONFIGS = ((64, 4), (128, 4), (128, 8), (64, 8))  # 2 warps: no faster (run 13)
 
 
 def decode():

@@ -22,8 +22,8 @@ The work is split the way it parallelises (SPEC section 2, chunks of C tokens):
    writes ``dV'`` and the state gradients; then, parallel over chunks, the gradients of the
    pre-processed inputs (dense path: ``kda_chunk_dwy`` for the WY factors, ``kda_chunk_dqkg``
    per K slice for dq, dk, dg; other gates: ``_prep_bwd_kernel``); the pre-processing VJP is
-   XLA. Nothing is stored between the forward and backward passes but the inputs (unless
-   ``SAVE_RESIDUALS``).
+   XLA. The forward keeps its chunk factors, states and V' for the backward
+   (``SAVE_RESIDUALS``; otherwise the backward recomputes them from the inputs).
 
 Sub-tile gating: a pair product ``sum_d a_id b_jd exp(G_id - G_jd)`` (i >= j) is split at a
 reference ``r`` of the row block: ``(a e^{G - r}) (b e^{r - G})^T``. The general path takes
@@ -81,7 +81,8 @@ def diag_rows(gate: str | None, lower_bound: float, chunk: int) -> int:
 
 def _v_tile(n_rows: int, vd: int) -> int:
   """V-tile width: enough (batch, head, tile) programs to fill ~132 SMs, at least 16 wide (twice
-  the programs: 1.5x slower at B1 T16384 H32 on the H200, 2026-12-01)."""
+  the programs: 1.5x slower at B1 T16384 H32 on the H200; 8 warps instead of 4: 1.3x slower;
+  2026-12-01)."""
   bv = min(vd, 64)
   while bv > 16 and n_rows * (vd // bv) < 128:
     bv //= 2
@@ -421,7 +422,9 @@ def _tile_dg(dG, tail):
 #                               the pair products, the states and dY.
 # Nsight Compute on the H200 (B1 T16384 H32 K128, 2026-12-01): every chunk kernel runs one
 # program per SM (registers: 232-255), kda_chunk_a without spills; kda_chunk_dqkg and
-# kda_chunk_dwy spill (35M / 16M local-memory requests).
+# kda_chunk_dwy spill (35M / 16M local-memory requests before dP was loaded per block and dwy
+# worked per V slice). chunk_dqkg as two programs per K slice (q side; k side and states):
+# 4.64 instead of 4.14 ms.
 
 SLICE_K = 64  # K channels per slice of the dense path
 
@@ -601,12 +604,6 @@ def _dense_wu_kernel(pkk_ref, kg_ref, v_ref, beta_ref, seg_ref, w_ref, u_ref, *x
         u_ref.dtype)
 
 
-# kda_chunk_dwy with fewer live tiles: dZ, dv and dX's dU part per 64-wide V slice, dV'
-# reloaded for dW, and the products with the states and dO V'^T in the kernels' dtype (else
-# whole [C, V] float32 tiles).
-DWY_LEAN = False
-
-
 def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, dvn_ref, do_ref,
                       vn_ref, dpkk_ref, dpqk_ref, dy_ref, dv_ref, dbeta_ref, *, cfg, hv, t):
   """The WY part of the backward: with W = X Y, U = X Z (Y = diag(beta) KG, Z = diag(beta) v),
@@ -621,11 +618,14 @@ def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, d
               kg_ref.shape[-1])
   rows, beta = ch.rows, ch.beta[:, None]
   ld = lambda ref: ref[b, rows, h, :].astype(f32)
-  sdt = jnp.dtype(cfg.dtype) if DWY_LEAN else f32  # operands of dV' S^T and dO V'^T
+  # Fewer live tiles than whole [C, V] float32 ones (1.60 instead of 1.82 ms at B1 T16384 H32
+  # on the H200, 2026-12-01): dZ = X^T dV', dv, dZ's part of dbeta and dX's dU Z^T part per
+  # 64-wide V slice, dV' loaded again for dW, and the products with the states and dO V'^T in
+  # the kernels' dtype (like the forward's).
+  sdt = jnp.dtype(cfg.dtype)
   x = ld(x_ref)
-  # dZ = X^T dV', dv, the dZ part of dbeta and dX's dU Z^T part, per V slice
   vd = v_ref.shape[-1]
-  bv = min(vd, SLICE_K) if DWY_LEAN else vd
+  bv = min(vd, SLICE_K)
   dbeta, dx = jnp.zeros((c,), f32), jnp.zeros((c, c), f32)
   for sv in range(vd // bv):
     vc = pl.ds(sv * bv, bv)
@@ -661,23 +661,16 @@ GATE_DOT = ((_X3, _X3), (jax.lax.DotAlgorithmPreset.BF16_BF16_F32,) * 2)
 # K channels per program of ``kda_chunk_dqkg``: 32 (H200, B1 T16384 H32 K128: 64 1.7x slower,
 # 16 1.2x slower, 2026-11-30 / 12-01).
 DQKG_SLICE_K = 32
-# kda_chunk_dqkg as two programs per K slice (q side; k side and states) with fewer live tiles,
-# their dk, dg summed by XLA (else one).
-DQKG_SPLIT = False
-# kda_chunk_dqkg loads dP once per reference block (else once, kept live across the blocks).
-DQKG_RELOAD = False
 
 
 def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref, h_ref, dh_ref,
-                       vn_ref, do_ref, dy_ref, dpkk_ref, dpqk_ref, dq_ref, dk_ref, dg_ref, *split,
+                       vn_ref, do_ref, dy_ref, dpkk_ref, dpqk_ref, dq_ref, dk_ref, dg_ref, *,
                        cfg, hv, group, t, gate_dot, slice_k):
   """Grid (NC, B*HV, K slices): gradients wrt the pre-processed q, k (per value head) and g of
   one K slice of one chunk, from the state entering the chunk (h), the gradient of the state
-  leaving it (dh), V', dO, dY and the pair-product gradients dpkk, dpqk. With ``split`` (two
-  more outputs dk', dg') the last grid axis is 2 x K slices: program 2s does slice s's q side
-  (dq, and dk, dg from P_qk), program 2s+1 the rest into dk', dg' (the caller sums them)."""
+  leaving it (dh), V', dO, dY and the pair-product gradients dpkk, dpqk."""
   ci, b, h = _ids(hv)
-  s = pl.program_id(2) // 2 if split else pl.program_id(2)
+  s = pl.program_id(2)
   c = cfg.chunk
   f32 = jnp.float32
   mm = _mm
@@ -693,12 +686,11 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
     """Gradients of the pair product P_ij = sum_d a_id k_jd e^{G_id - G_jd} (i >= j) given
     dP, products by the algorithms ``dots`` (for d a, for d k): (d a, d k) [C, BK]."""
     mma, mmb = (functools.partial(_mm, precision=d) for d in dots)
-    dp = None if DQKG_RELOAD else ld(dp_ref)
     la = a_side * e_row
     da = db = jnp.zeros_like(k)
-    for block in blocks:
+    for block in blocks:  # dP loaded per block, not kept live across them (fewer spills)
       rws, col = block()
-      p = jnp.where(rws, ld(dp_ref) if DQKG_RELOAD else dp, 0.0)
+      p = jnp.where(rws, ld(dp_ref), 0.0)
       da = da + mma(p, k * col)
       db = db + col * mmb(p, la, ta=True)
     return da * e_row, db
@@ -734,23 +726,11 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
            + jnp.sum(k * dkd, axis=0))
     return dk, dG, dgl
 
-  def write(dk, dG, dgl, dk_out, dg_out):
-    # G = cumsum(g): dg_i = sum_{t >= i} dG_t, plus dG at the chunk end for every row
-    dg = jnp.sum(dG, axis=0)[None, :] - jnp.cumsum(dG, axis=0) + dG
-    dk_out[b, rows, h, cols] = dk
-    dg_out[b, rows, h, cols] = dg if dgl is None else dg + dgl[None, :]
-
-  if not split:
-    write(*k_side(*q_side()), dk_ref, dg_ref)
-    return
-
-  @pl.when(pl.program_id(2) % 2 == 0)
-  def _():
-    write(*q_side(), None, dk_ref, dg_ref)
-
-  @pl.when(pl.program_id(2) % 2 == 1)
-  def _():
-    write(*k_side(jnp.zeros_like(k), jnp.zeros_like(k)), *split)
+  dk, dG, dgl = k_side(*q_side())
+  # G = cumsum(g): dg_i = sum_{t >= i} dG_t, plus dG at the chunk end for every row
+  dk_ref[b, rows, h, cols] = dk
+  dg_ref[b, rows, h, cols] = (dgl[None, :] + jnp.sum(dG, axis=0)[None, :]
+                              - jnp.cumsum(dG, axis=0) + dG)
 
 
 # Warps per chunk-local kernel (by pallas_call name; `benchmarks/kda.py --sweep` times others).
@@ -811,11 +791,9 @@ def _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, 
   bk = min(kd, DQKG_SLICE_K)
   kern = functools.partial(_dense_dqkg_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
                            gate_dot=GATE_DOT, slice_k=bk)
-  split = 2 if DQKG_SPLIT else 1
-  dq, dk, dg, *rest = _call(kern, "kda_chunk_dqkg", (tp // cfg.chunk, bsz * hv, kd // bk * split),
-                            [_tok(v, kd, jnp.float32)] * (1 + 2 * split),
-                            q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, dpqk)
-  return (dq, dk + rest[0], dg + rest[1]) if rest else (dq, dk, dg)
+  return _call(kern, "kda_chunk_dqkg", (tp // cfg.chunk, bsz * hv, kd // bk),
+               [_tok(v, kd, jnp.float32)] * 3,
+               q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, dpqk)
 
 
 def _prepare(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t, keep=False):
@@ -928,9 +906,6 @@ def _bwd_kernel(do_ref, qg_ref, a_ref, kd_ref, w_ref, gc_ref, dst_ref, dvn_ref, 
   ds0_ref[b, h, :, vs] = ds
 
 
-RECUR_WARPS = 4  # warps of the sequential passes
-
-
 def _params(num_warps=4, num_stages=2):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
@@ -948,7 +923,7 @@ def _recurrence_fwd(cfg, w, u, qg, aqk, kd, gc, s0, out_dtype, store):
                   jax.ShapeDtypeStruct((bsz, tp, hv, vd), f32)]
   kern = functools.partial(_fwd_kernel, nc=nc, hv=hv, c=c, bv=bv, store=store)
   return pl.pallas_call(kern, out_shape=out_shape, grid=(bsz * hv, vd // bv),
-                        compiler_params=_params(RECUR_WARPS), interpret=_interpret(),
+                        compiler_params=_params(), interpret=_interpret(),
                         name="kda_fwd_recurrence")(w, u, qg, aqk, kd, gc, s0)
 
 
@@ -963,7 +938,7 @@ def _recurrence_bwd(cfg, do, qg, aqk, kd, w, gc, dst):
                jax.ShapeDtypeStruct((bsz, hv, kdim, vd), f32)]
   kern = functools.partial(_bwd_kernel, nc=nc, hv=hv, c=c, bv=bv)
   return pl.pallas_call(kern, out_shape=out_shape, grid=(bsz * hv, vd // bv),
-                        compiler_params=_params(RECUR_WARPS), interpret=_interpret(),
+                        compiler_params=_params(), interpret=_interpret(),
                         name="kda_bwd_recurrence")(do, qg, aqk, kd, w, gc, dst)
 
 
@@ -984,11 +959,12 @@ def _pad(tp, *xs):
 
 
 # Keep the forward's chunk factors, chunk states and V' for the backward instead of recomputing
-# them there (the backward's kda_chunk_a, kda_chunk_wu and storing recurrence). Per token and
-# value head at K = V = 128, C = 64, bf16: ~3.4 KB (the states 1 KB, V' 0.5 KB), i.e. 1.8 GB at
-# B1 T16384 H32. Under a remat policy they are kept only where it keeps Pallas outputs
-# (``dots_kernels``); elsewhere the layer's recomputed forward produces them again.
-SAVE_RESIDUALS = False
+# them there (the backward's kda_chunk_a, kda_chunk_wu and storing recurrence): fwd+bwd 9.92
+# instead of 12.01 ms at B1 T16384 H32 on the H200 (2026-12-01). Per token and value head at
+# K = V = 128, C = 64, bf16: ~3.4 KB (the states 1 KB, V' 0.5 KB), i.e. 1.8 GB at B1 T16384
+# H32. Under a remat policy they are kept only where it keeps Pallas outputs (``dots_kernels``);
+# elsewhere the layer's recomputed forward produces them again.
+SAVE_RESIDUALS = True
 
 
 def _forward(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg, save):
