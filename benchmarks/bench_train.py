@@ -13,7 +13,7 @@ and by model scope (the ``jax.named_scope`` of each kernel's HLO instruction: ``
 ``moe/permute``, ``attn_res``, ``lm_head_loss``, ``optimizer``..., ``(bwd)`` for the backward).
 
 ``--set MODULE:NAME=VALUE`` sets a module option before tracing (a Python literal, e.g.
-``--set pallas_kernels.kda.gpu:SAVE_RESIDUALS=True``) to time a kernel variant inside the step.
+``--set pallas_kernels.kda.gpu:DQKG_SLICE_K=16``) to time a kernel variant inside the step.
 ``--json PATH`` writes every figure to PATH. ``--lock PATH`` holds an exclusive ``flock`` on PATH
 from the first step to the end, so several layouts can compile side by side (CPU work) while
 their timed steps run one at a time.

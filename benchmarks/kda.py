@@ -72,10 +72,11 @@ def inputs(b, t, h, kd, seed=0, dtype=jnp.bfloat16):
 
 
 def ours(q, k, v, f, beta, a_log, dt_bias, segment_ids=None, initial_state=None,
-         impl="pallas_gpu"):
+         impl="pallas_gpu", save_residuals=True):
   return kda(q, k, v, f, beta, use_qk_l2norm=True, A_log=a_log, dt_bias=dt_bias, gate="bounded",
              lower_bound=LB, beta_is_logit=True, segment_ids=segment_ids,
-             initial_state=initial_state, output_final_state=True, implementation=impl)
+             initial_state=initial_state, output_final_state=True, implementation=impl,
+             **({"save_residuals": save_residuals} if impl.startswith("pallas") else {}))
 
 
 CHECK_TOL = 3e-2  # relative error of the bf16 kernel vs the float32 recurrence
@@ -141,7 +142,7 @@ def fwd_bwd(loss, n):
   """The loss and its gradients wrt the first ``n`` arguments, jitted. The loss value needs the
   forward's output, so the forward kernels run as in training: with ``jax.grad`` alone XLA drops
   a forward whose only use is the output when the backward needs just the inputs (ours, unless
-  ``SAVE_RESIDUALS``), and fwd+bwd would time the backward alone (runs before 2026-12-01)."""
+  ``save_residuals``), and fwd+bwd would time the backward alone (runs before 2026-12-01)."""
   return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(n))))
 
 
@@ -208,9 +209,11 @@ class Parts:
       return jax.vjp(pre, q, k, f, beta, a_log, dtb)[1]((dq, dk, dg, dbeta))
 
     dq = dy.astype(jnp.float32)
-    op = lambda *a: jnp.sum(ours(*a)[0].astype(jnp.float32))
+    op = lambda save: lambda *a: jnp.sum(ours(*a, save_residuals=save)[0].astype(jnp.float32))
+    whole = (q, k, v, f, beta, a_log, dtb.reshape(-1))
     return {
-        "fwdbwd": (fwd_bwd(op, 7), (q, k, v, f, beta, a_log, dtb.reshape(-1))),
+        "fwdbwd": (fwd_bwd(op(True), 7), whole),
+        "fwdbwd_recompute": (fwd_bwd(op(False), 7), whole),  # save_residuals=False
         "chunk_a": (j(lambda *a: kda_gpu._chunk_a(cfg, *a, seg, t)), self.x),
         "chunk_wu": (j(lambda *a: kda_gpu._chunk_wu(cfg, *a, seg, t, False)), (pkk, kg, v, beta)),
         "chunk_wu_keep": (j(lambda *a: kda_gpu._chunk_wu(cfg, *a, seg, t, True)),
@@ -254,8 +257,8 @@ DQKG_SLICES = (16,)  # K slice widths of chunk_dqkg other than the default
 # Module options of ``pallas_kernels.kda.gpu`` tried against their defaults, in this order
 # (each adopted one stays set for the next): (value, kernels timed together, warp counts of
 # the first kernel to time it at).
-VARIANTS = {"SAVE_RESIDUALS": (False, ("fwdbwd",), ())}  # the recompute (memory-saving) form
-# Tried on 2026-12-01 (H200, B1 T16384 H32; RESULTS.md run 13): adopted SAVE_RESIDUALS, dP
+VARIANTS: dict = {}
+# Tried on 2026-12-01 (H200, B1 T16384 H32; RESULTS.md run 13): adopted save_residuals, dP
 # loaded per block in chunk_dqkg, chunk_dwy per V slice; removed chunk_dqkg as two programs per K
 # slice (4.64 vs 4.14 ms), 8-warp sequential passes (2.99 vs 2.27 ms), TF32 P_qk gate-gradient
 # products (ddt_bias error 4.8e-2, 5.13 vs 4.08 ms).

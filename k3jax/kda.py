@@ -144,6 +144,7 @@ class KDA(nnx.Module):
       o, state = kda_fn(q, kk, v, f, beta, segment_ids=segment_ids,
                         initial_state=None if cache is None else cache["state"],
                         output_final_state=cache is not None, chunk_size=k.chunk_size,
+                        save_residuals=k.save_residuals,
                         implementation=k.implementation, **gate_kw)
     o = self.o_norm(o) * jax.nn.sigmoid(self._output_gate(x)).reshape(b, t, hv, vd).astype(o.dtype)
     y = self.o_proj(o.reshape(b, t, hv * vd))

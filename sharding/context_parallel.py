@@ -77,7 +77,8 @@ def prefix_compose(ms, ns):
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
         segment_ids=None, use_qk_l2norm=False, A_log=None, dt_bias=None, gate=None,
-        lower_bound=-5.0, beta_is_logit=False, chunk_size=64, implementation=None):
+        lower_bound=-5.0, beta_is_logit=False, chunk_size=64, save_residuals=True,
+        implementation=None):
   """:func:`pallas_kernels.kda.kda` with the sequence split over the ``context`` axis (same
   arguments and results; q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g ``[B, T, HV, K]``,
   beta ``[B, T, HV]``). The final state is the state after the last token of the whole sequence,
@@ -99,7 +100,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
   # bounded-gate fast path), with A_log and dt_bias split by heads like the tokens.
   op = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
             implementation=implementation, gate=gate, lower_bound=lower_bound,
-            beta_is_logit=beta_is_logit)
+            beta_is_logit=beta_is_logit, save_residuals=save_residuals)
   # In the accumulation dtype, so that their gradients are summed over the pieces in it.
   gate_params = () if gate is None else (A_log.astype(acc).reshape(hv),
                                          dt_bias.astype(acc).reshape(hv, kd))

@@ -110,7 +110,9 @@ def test_config_round_trip(yaml_name):
   back = hf_convert.config_from_hf(json.loads(json.dumps(hf)), name=cfg.name)
   # training-only fields an HF config does not carry
   back = dataclasses.replace(back, remat=cfg.remat,
-                             moe=dataclasses.replace(back.moe, balancing=cfg.moe.balancing))
+                             moe=dataclasses.replace(back.moe, balancing=cfg.moe.balancing),
+                             kda=dataclasses.replace(back.kda,
+                                                     save_residuals=cfg.kda.save_residuals))
   assert back == cfg
 
 

@@ -162,17 +162,16 @@ def test_diag_rows():
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=[CASES[1][0], CASES[3][0]])
-def test_saved_residuals_give_the_same_gradients(monkeypatch, case):
-  """``SAVE_RESIDUALS`` (the backward reads the forward's chunk factors, states and V') gives
+def test_saved_residuals_give_the_same_gradients(case):
+  """``save_residuals`` (the backward reads the forward's chunk factors, states and V') gives
   bit for bit the gradients of recomputing them (general and dense paths)."""
-  from pallas_kernels.kda import gpu
   x, seg, opts, chunk, _ = _setup(case)
   args = tuple(jnp.asarray(x[n]) for n in ORDER)
   wo = np.random.default_rng(1).standard_normal(x["v"].shape).astype(np.float32)
 
   def grads(save):
-    monkeypatch.setattr(gpu, "SAVE_RESIDUALS", save)
-    f = lambda *a: jnp.sum(_run("pallas_gpu", chunk, seg, opts, *a)[0] * wo)
+    f = lambda *a: jnp.sum(_run("pallas_gpu", chunk, seg, dict(opts, save_residuals=save), *a)[0]
+                           * wo)
     return jax.jit(jax.value_and_grad(f, argnums=tuple(range(8))))(*args)
 
   (l0, g0), (l1, g1) = grads(False), grads(True)

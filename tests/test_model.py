@@ -187,14 +187,14 @@ def test_remat_dots_kernels_keeps_kernel_outputs(monkeypatch, remat, save, runs)
   """Under ``remat: dots`` the gradient runs each KDA forward kernel three times per layer
   (forward, layer recompute, the kernel's own backward recompute); ``dots_kernels`` keeps the
   Pallas outputs, so the layer recompute does not rerun them; with the kernel's residuals saved
-  (``SAVE_RESIDUALS``) its backward does not either. Traced for the GPU kernels (no lowering,
+  (``model.kda.save_residuals``) its backward does not either. Traced for the GPU kernels (no lowering,
   no GPU)."""
   from k3jax.train_step import _loss
   from k3jax.latent_moe import RouterBias
   from pallas_kernels.kda import gpu
   monkeypatch.setattr(gpu, "_interpret", lambda: False)
-  monkeypatch.setattr(gpu, "SAVE_RESIDUALS", save)
-  cfg = tiny_config("model.kda.implementation=pallas_gpu", f"model.remat={remat}")
+  cfg = tiny_config("model.kda.implementation=pallas_gpu", f"model.remat={remat}",
+                    f"model.kda.save_residuals={save}")
   model = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0)))
   graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
   params, biases = nnx.to_pure_dict(params), nnx.to_pure_dict(biases)

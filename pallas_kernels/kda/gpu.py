@@ -23,7 +23,7 @@ The work is split the way it parallelises (SPEC section 2, chunks of C tokens):
    pre-processed inputs (dense path: ``kda_chunk_dwy`` for the WY factors, ``kda_chunk_dqkg``
    per K slice for dq, dk, dg; other gates: ``_prep_bwd_kernel``); the pre-processing VJP is
    XLA. The forward keeps its chunk factors, states and V' for the backward
-   (``SAVE_RESIDUALS``; otherwise the backward recomputes them from the inputs).
+   (``save_residuals``; otherwise the backward recomputes them from the inputs).
 
 Sub-tile gating: a pair product ``sum_d a_id b_jd exp(G_id - G_jd)`` (i >= j) is split at a
 reference ``r`` of the row block: ``(a e^{G - r}) (b e^{r - G})^T``. The general path takes
@@ -60,6 +60,7 @@ class _Config:
   beta_is_logit: bool
   diag_rows: int  # rows per reference block of the dense path (0: the general path)
   dtype: str  # matrix-unit operand dtype of the kernels
+  save_residuals: bool = True  # the backward reuses the forward's intermediates
 
 
 def _interpret() -> bool:
@@ -958,15 +959,6 @@ def _pad(tp, *xs):
   return tuple(jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2)) for x in xs)
 
 
-# Keep the forward's chunk factors, chunk states and V' for the backward instead of recomputing
-# them there (the backward's kda_chunk_a, kda_chunk_wu and storing recurrence): fwd+bwd 9.92
-# instead of 12.01 ms at B1 T16384 H32 on the H200 (2026-12-01). Per token and value head at
-# K = V = 128, C = 64, bf16: ~3.4 KB (the states 1 KB, V' 0.5 KB), i.e. 1.8 GB at B1 T16384
-# H32. Under a remat policy they are kept only where it keeps Pallas outputs (``dots_kernels``);
-# elsewhere the layer's recomputed forward produces them again.
-SAVE_RESIDUALS = True
-
-
 def _forward(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg, save):
   """((o, final state), what the backward reuses: None, or with ``save`` the chunk factors,
   the inverse's factors, the chunk states and V')."""
@@ -978,7 +970,14 @@ def _forward(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg, save):
 
 
 def _kda_fwd(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg):
-  out, saved = _forward(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg, save=SAVE_RESIDUALS)
+  # ``cfg.save_residuals``: keep the forward's chunk factors, chunk states and V' for the
+  # backward instead of recomputing them there (the backward's kda_chunk_a, kda_chunk_wu and
+  # storing recurrence): fwd+bwd 9.92 instead of 12.01 ms at B1 T16384 H32 on the H200
+  # (2026-12-01). Per token and value head at K = V = 128, C = 64, bf16: ~3.4 KB (the states
+  # 1 KB, V' 0.5 KB), i.e. 1.8 GB at B1 T16384 H32. Under a remat policy they are kept only
+  # where it keeps Pallas outputs (``dots_kernels``); elsewhere the layer's recomputed forward
+  # produces them again, held while that layer's backward runs.
+  out, saved = _forward(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg, save=cfg.save_residuals)
   return out, (q, k, v, g, beta, A_log, dt_bias, s0, seg, saved)
 
 
@@ -1015,7 +1014,7 @@ _kda_core.defvjp(_kda_fwd, _kda_bwd)
 
 def kda(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None, use_qk_l2norm=False,
         A_log=None, dt_bias=None, gate=None, lower_bound=-5.0, beta_is_logit=False,
-        chunk_size=64):
+        chunk_size=64, save_residuals=True):
   """Chunked KDA on GPU (interpret mode elsewhere). See :func:`pallas_kernels.kda.kda`.
 
   Returns ``(o [B, T, HV, V] in v.dtype, final_state [B, HV, K, V] float32)``.
@@ -1040,7 +1039,7 @@ def kda(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None, use_qk
   cfg = _Config(scale=float(scale), chunk=chunk_size, use_qk_l2norm=bool(use_qk_l2norm),
                 gate=gate, lower_bound=float(lower_bound), beta_is_logit=bool(beta_is_logit),
                 diag_rows=diag_rows(gate, float(lower_bound), chunk_size),
-                dtype=jnp.dtype(dtype).name)
+                dtype=jnp.dtype(dtype).name, save_residuals=bool(save_residuals))
   tp = -(-t // chunk_size) * chunk_size
   seg = jnp.cumsum(restart_mask(segment_ids, bsz, t).astype(jnp.int32), axis=1)
   seg = jnp.pad(seg, ((0, 0), (0, tp - t)), mode="edge")

@@ -3,6 +3,7 @@
 Each backend module exposes ``kda(q, k, v, g, beta, *, scale, initial_state, segment_ids,
 use_qk_l2norm, A_log, dt_bias, gate, lower_bound, beta_is_logit, chunk_size)`` with a
 ``jax.custom_vjp`` and returns ``(o, final_state)``; on CPU it runs in interpret mode.
+``save_residuals`` goes to the GPU backend only (the TPU kernels recompute in the backward).
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import importlib
 
 
-def kda(q, k, v, g, beta, *, backend: str, **kwargs):
+def kda(q, k, v, g, beta, *, backend: str, save_residuals: bool = True, **kwargs):
   if backend not in ("gpu", "tpu"):
     raise ValueError(f"kda: unknown Pallas backend {backend!r}")
   mod = importlib.import_module(f"pallas_kernels.kda.{backend}")
+  if backend == "gpu":
+    kwargs["save_residuals"] = save_residuals
   return mod.kda(q, k, v, g, beta, **kwargs)
