@@ -63,18 +63,18 @@ def kth_smallest(x: jax.Array, k) -> jax.Array:
   key = jnp.where(bits >= sign, ~bits, bits | sign)  # larger float, larger key
   rank = jnp.broadcast_to(jnp.asarray(k, jnp.int32), x.shape[1:])  # [E] left to skip
   prefix = jnp.zeros(x.shape[1:], jnp.uint32)  # the answer's bits found so far
+  match = jnp.ones(x.shape, bool)  # [N, E] keys that agree with them
   digits = jnp.arange(16, dtype=jnp.uint32)
   for shift in range(28, -1, -4):
-    high = key >> (shift + 4) if shift < 28 else jnp.zeros_like(key)
-    match = high == (prefix >> (shift + 4) if shift < 28 else 0)  # [N, E]
     digit = (key >> shift) & 15
     counts = jnp.sum(match[..., None] & (digit[..., None] == digits), axis=0,
                      dtype=jnp.int32)  # [E, 16]
     cum = jnp.cumsum(counts, axis=-1)
-    d = jnp.sum(cum <= rank[..., None], axis=-1)  # the digit holding the rank-th key
+    d = jnp.sum(cum <= rank[..., None], axis=-1)  # [E] the digit holding the rank-th key
     rank = rank - jnp.where(d > 0, jnp.take_along_axis(cum, jnp.maximum(d - 1, 0)[..., None],
                                                        -1)[..., 0], 0)
     prefix = prefix | (d.astype(jnp.uint32) << shift)
+    match = match & (digit == d.astype(jnp.uint32))
   bits = jnp.where(prefix >= sign, prefix & ~sign, ~prefix)
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
