@@ -246,12 +246,10 @@ def time_parts(shape):
 
 
 WARP_SWEEP = {"chunk_dqkg": (4, 16), "chunk_a": (4, 16), "chunk_dwy": (4, 16), "chunk_wu": (2, 8)}
+DQKG_SLICES = (16,)  # K slice widths of chunk_dqkg other than the default
 _P = jax.lax.DotAlgorithmPreset
 GATE_DOTS = {"all_x3": ((_P.BF16_BF16_F32_X3,) * 2,) * 2,  # gate-gradient variants
              "all_bf16": ((_P.BF16_BF16_F32,) * 2,) * 2}
-
-
-DQKG_SLICES = (16,)  # K slice widths of chunk_dqkg other than the default
 
 
 # Module options of ``pallas_kernels.kda.gpu`` tried against their defaults, in this order
