@@ -13,17 +13,18 @@ The work is split the way it parallelises (SPEC section 2, chunks of C tokens):
    results: the bounded gate's dense path (section 1b: the chunk as full [C, C] and
    [C, K-slice] tiles, every product a full matrix-unit product, split into the short kernels
    ``kda_chunk_a`` and ``kda_chunk_wu`` with intermediates in HBM) and ``_prep_kernel`` (any
-   gate, section 1: 16-row tiles, diagonal tiles pair by pair when the gate is unbounded).
+   gate, section 1: 16-row tiles, diagonal tiles pair by pair, where the dense path does not
+   apply).
 2. ``_fwd_kernel`` (grid (B*HV, V tiles), sequential over chunks): the state tile ``S [K, BV]``
    stays in registers; per chunk ``V' = U - W S``, ``O = QG S + A_qk V'``,
    ``S = gC * S + KD^T V'``.
-3. Backward: step 1 again (the dense path keeping ``P_kk``, ``k e^G`` and the inverse),
-   ``_fwd_kernel`` storing the chunk states and V'; ``_bwd_kernel`` carries ``dS`` backwards and
-   writes ``dV'`` and the state gradients; then, parallel over chunks, the gradients of the
-   pre-processed inputs (dense path: ``kda_chunk_dwy`` for the WY factors, ``kda_chunk_dqkg``
-   per K slice for dq, dk, dg; other gates: ``_prep_bwd_kernel``); the pre-processing VJP is
-   XLA. The forward keeps its chunk factors, states and V' for the backward
-   (``save_residuals``; otherwise the backward recomputes them from the inputs).
+3. Backward: the chunk factors (the dense path also with ``P_kk``, ``k e^G`` and the inverse),
+   the chunk states and V', kept by the forward (``save_residuals``, with ``_fwd_kernel``
+   storing the states) or recomputed by steps 1 and 2 from the inputs; ``_bwd_kernel`` carries
+   ``dS`` backwards and writes ``dV'`` and the state gradients; then, parallel over chunks, the
+   gradients of the pre-processed inputs (dense path: ``kda_chunk_dwy`` for the WY factors,
+   ``kda_chunk_dqkg`` per K slice for dq, dk, dg; other gates: ``_prep_bwd_kernel``); the
+   pre-processing VJP is XLA.
 
 Sub-tile gating: a pair product ``sum_d a_id b_jd exp(G_id - G_jd)`` (i >= j) is split at a
 reference ``r`` of the row block: ``(a e^{G - r}) (b e^{r - G})^T``. The general path takes
