@@ -225,6 +225,64 @@ def _masked_attention(q, k, v, q_pos, q_seg, k_seg, scale, block: int = 1024):
   return jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0).astype(q.dtype)
 
 
+def _zigzag_attention(q, k, v, q_pos, q_seg, k_seg, scale, n_a, block: int):
+  """:func:`_masked_attention` for a rank's two zigzag query halves ``q = [qa; qb]`` (``[B, 2*half,
+  H, Dk]``, global halves ``r`` and ``2C-1-r`` in either order), visiting only the key blocks
+  each half can see (those before its end): ``n_a`` blocks for ``qa`` (traced: it depends on the
+  rank), the rest of ``(2C + 1) * half / block`` for ``qb``, a count every rank shares. Each step
+  scores one half against one key block: (2C + 1) / 4C of the full scan's work. ``half`` must be
+  a multiple of ``block``; k ``[B, 2C * half, H, Dk]``."""
+  acc = jnp.promote_types(q.dtype, jnp.float32)
+  b, s_len, h, _ = k.shape
+  half = q.shape[1] // 2
+  steps = (s_len // half + 1) * (half // block)
+  blocks = lambda x: jnp.moveaxis(x.reshape(b, s_len // block, block, *x.shape[2:]), 1, 0)
+  kb, vb, sb = blocks(k), blocks(v), blocks(k_seg)
+  pb = jnp.arange(s_len).reshape(-1, block)
+
+  def pick(i):
+    """(query half start, its q, positions, segments; key block, values, segments, positions)."""
+    late = i >= n_a
+    j = jnp.where(late, i - n_a, i)
+    start = jnp.where(late, half, 0)
+    rows = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, half, axis)
+    return (start, rows(q, 1), rows(q_pos, 0), rows(q_seg, 1), kb[j], vb[j], sb[j], pb[j])
+
+  def scores(qh, ph, sh, kc, sc, pc):  # [B, H, half, block] with masked entries -inf
+    s = _einsum_acc("bthd,bshd->bhts", "bhts,bshd->bthd", "bhts,bthd->bshd", qh, kc) * scale
+    mask = (pc[None, :] <= ph[:, None])[None] & (sh[:, :, None] == sc[:, None, :])
+    return jnp.where(mask[:, None], s, -jnp.inf)
+
+  @jax.checkpoint
+  def row_max(m, i):
+    start, qh, ph, sh, kc, _, sc, pc = pick(i)
+    cur = jax.lax.dynamic_slice_in_dim(m, start, half, 2)
+    new = jnp.maximum(cur, jnp.max(scores(qh, ph, sh, kc, sc, pc), axis=-1))
+    return jax.lax.dynamic_update_slice_in_dim(m, new, start, 2), None
+
+  m0 = jnp.full((b, h, q.shape[1]), -jnp.inf, acc)
+  m, _ = jax.lax.scan(row_max, m0, jnp.arange(steps))
+  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+
+  @jax.checkpoint
+  def accumulate(carry, i):
+    l, o = carry
+    start, qh, ph, sh, kc, vc, sc, pc = pick(i)
+    mh = jax.lax.dynamic_slice_in_dim(m, start, half, 2)
+    p = jnp.exp(scores(qh, ph, sh, kc, sc, pc) - mh[..., None])  # exp(-inf) = 0 where masked
+    po = _einsum_acc("bhts,bshd->bthd", "bthd,bshd->bhts", "bthd,bhts->bshd", p.astype(v.dtype), vc)
+    l = jax.lax.dynamic_update_slice_in_dim(
+        l, jax.lax.dynamic_slice_in_dim(l, start, half, 2) + jnp.sum(p, axis=-1), start, 2)
+    o = jax.lax.dynamic_update_slice_in_dim(
+        o, jax.lax.dynamic_slice_in_dim(o, start, half, 1) + po, start, 1)
+    return (l, o), None
+
+  init = (jnp.zeros(m.shape, acc), jnp.zeros(q.shape[:3] + v.shape[-1:], acc))
+  (l, o), _ = jax.lax.scan(accumulate, init, jnp.arange(steps))
+  l = jnp.moveaxis(l, 1, 2)[..., None]  # [B, Tq, H, 1]
+  return jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0).astype(q.dtype)
+
+
 def mla_attention(q, latent, w_kv, *, segment_ids=None, scale, nope_dim: int, balanced=True,
                   block: int = 1024):
   """Causal MLA attention with the sequence split over the ``context`` axis.
@@ -265,7 +323,12 @@ def mla_attention(q, latent, w_kv, *, segment_ids=None, scale, nope_dim: int, ba
       qq = q
       q_pos = idx * q.shape[1] + jnp.arange(q.shape[1])
     q_seg = jnp.take(seg_all, q_pos, axis=1)
-    o = _masked_attention(qq, keys, vals, q_pos, q_seg, seg_all, scale, block)
+    zb = min(block, half)
+    if balanced and half % zb == 0:  # each half against the key blocks it can see
+      o = _zigzag_attention(qq, keys, vals, q_pos, q_seg, seg_all, scale,
+                            (ha + 1) * (half // zb), zb)
+    else:
+      o = _masked_attention(qq, keys, vals, q_pos, q_seg, seg_all, scale, block)
     if balanced:
       inv = lambda perm: [(d, s) for s, d in perm]
       o = jnp.concatenate([jax.lax.ppermute(o[:, :half], AXIS, inv(perm_a)),

@@ -205,7 +205,10 @@ def mla_context():
   (_, o1), g1 = ref(q, lat, w)
   out = {}
   for mname, sizes in (("context4", dict(data=2, context=4)), ("context8", dict(context=8))):
-    for balanced, block in ((True, 1024), (False, 1024), (True, 12)):  # 12: 3 key blocks, padded
+    # balanced: each zigzag half against the key blocks before its end (blocks of min(block,
+    # half)), or, when half is not a multiple of the block (3), every block for all; 12: three
+    # key blocks, the last padded
+    for balanced, block in ((True, 1024), (False, 1024), (True, 12), (True, 3), (False, 12)):
       fn = lambda q, lat, w: cp.mla_attention(q, lat, w, segment_ids=seg, scale=scale,
                                               nope_dim=nope, balanced=balanced, block=block)
       with jax.set_mesh(_mesh(**sizes)):
