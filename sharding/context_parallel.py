@@ -177,7 +177,8 @@ def _einsum_acc_bwd(spec, spec_da, spec_db, res, g):
 _einsum_acc.defvjp(_einsum_acc_fwd, _einsum_acc_bwd)
 
 
-def _masked_attention(q, k, v, q_pos, q_seg, k_seg, scale, block: int = 1024):
+def _masked_attention(q, k, v, q_pos, q_seg, k_seg, scale, block: int = 1024,
+                      first_half_blocks=None):
   """q ``[B, Tq, H, Dk]`` at positions ``q_pos [Tq]`` against all keys ``[B, S, H, Dk]`` (key j at
   position j); causal and same-segment. Rows without a visible key give zeros.
 
@@ -186,6 +187,12 @@ def _masked_attention(q, k, v, q_pos, q_seg, k_seg, scale, block: int = 1024):
   second sums ``exp(s - max)`` and ``exp(s - max) v`` with that fixed maximum. Both scans only
   add into their carries and their bodies are rematerialised, so the backward pass keeps one
   block's scores at a time too.
+
+  With ``first_half_blocks`` (traced) q holds a rank's two zigzag query halves ``[qa; qb]``
+  (global halves r and 2C-1-r, in either order; the half a multiple of ``block``, S = 2C
+  halves) and each step scores one half against one key block it can see: qa the first
+  ``first_half_blocks`` blocks, qb the rest of ``(2C + 1) * half / block`` steps, a count every
+  rank shares, i.e. (2C + 1) / 4C of the work of scoring every row against every block.
   """
   acc = jnp.promote_types(q.dtype, jnp.float32)
   b, s_len, h, _ = k.shape
@@ -194,71 +201,38 @@ def _masked_attention(q, k, v, q_pos, q_seg, k_seg, scale, block: int = 1024):
   pad = nb * block - s_len  # padded keys sit past every query position: masked by causality
   blocks = lambda x: jnp.moveaxis(jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
                                   .reshape(b, nb, block, *x.shape[2:]), 1, 0)
-  xs = (blocks(k), blocks(v), blocks(k_seg), jnp.arange(nb * block).reshape(nb, block))
-
-  def scores(kc, sc, pc):  # [B, H, Tq, block] with masked entries -inf
-    s = _einsum_acc("bthd,bshd->bhts", "bhts,bshd->bthd", "bhts,bthd->bshd", q, kc) * scale
-    mask = (pc[None, :] <= q_pos[:, None])[None] & (q_seg[:, :, None] == sc[:, None, :])
-    return jnp.where(mask[:, None], s, -jnp.inf)
-
-  @jax.checkpoint
-  def row_max(m, x):
-    kc, _, sc, pc = x
-    return jnp.maximum(m, jnp.max(scores(kc, sc, pc), axis=-1)), None
-
-  m0 = jnp.full((b, h, q.shape[1]), -jnp.inf, acc)
-  m, _ = jax.lax.scan(row_max, m0, jax.lax.stop_gradient(xs))
-  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-
-  @jax.checkpoint
-  def accumulate(carry, x):
-    l, o = carry
-    kc, vc, sc, pc = x
-    p = jnp.exp(scores(kc, sc, pc) - m[..., None])  # exp(-inf) = 0 where masked
-    o = o + _einsum_acc("bhts,bshd->bthd", "bthd,bshd->bhts", "bthd,bhts->bshd", p.astype(v.dtype),
-                        vc)
-    return (l + jnp.sum(p, axis=-1), o), None
-
-  init = (jnp.zeros(m.shape, acc), jnp.zeros(q.shape[:3] + v.shape[-1:], acc))
-  (l, o), _ = jax.lax.scan(accumulate, init, xs)
-  l = jnp.moveaxis(l, 1, 2)[..., None]  # [B, Tq, H, 1]
-  return jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0).astype(q.dtype)
-
-
-def _zigzag_attention(q, k, v, q_pos, q_seg, k_seg, scale, n_a, block: int):
-  """:func:`_masked_attention` for a rank's two zigzag query halves ``q = [qa; qb]`` (``[B, 2*half,
-  H, Dk]``, global halves ``r`` and ``2C-1-r`` in either order), visiting only the key blocks
-  each half can see (those before its end): ``n_a`` blocks for ``qa`` (traced: it depends on the
-  rank), the rest of ``(2C + 1) * half / block`` for ``qb``, a count every rank shares. Each step
-  scores one half against one key block: (2C + 1) / 4C of the full scan's work. ``half`` must be
-  a multiple of ``block``; k ``[B, 2C * half, H, Dk]``."""
-  acc = jnp.promote_types(q.dtype, jnp.float32)
-  b, s_len, h, _ = k.shape
-  half = q.shape[1] // 2
-  steps = (s_len // half + 1) * (half // block)
-  blocks = lambda x: jnp.moveaxis(x.reshape(b, s_len // block, block, *x.shape[2:]), 1, 0)
   kb, vb, sb = blocks(k), blocks(v), blocks(k_seg)
-  pb = jnp.arange(s_len).reshape(-1, block)
+  pb = jnp.arange(nb * block).reshape(nb, block)
+  if first_half_blocks is None:  # every row against every key block
+    rows, steps = q.shape[1], nb
+    pick = lambda i: (0, i)
+  else:
+    rows = q.shape[1] // 2
+    steps = (s_len // rows + 1) * (rows // block)
 
-  def pick(i):
-    """(query half start, its q, positions, segments; key block, values, segments, positions)."""
-    late = i >= n_a
-    j = jnp.where(late, i - n_a, i)
-    start = jnp.where(late, half, 0)
-    rows = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, half, axis)
-    return (start, rows(q, 1), rows(q_pos, 0), rows(q_seg, 1), kb[j], vb[j], sb[j], pb[j])
+    def pick(i):  # (first query row, key block) of step i
+      late = i >= first_half_blocks
+      return jnp.where(late, rows, 0), jnp.where(late, i - first_half_blocks, i)
 
-  def scores(qh, ph, sh, kc, sc, pc):  # [B, H, half, block] with masked entries -inf
-    s = _einsum_acc("bthd,bshd->bhts", "bhts,bshd->bthd", "bhts,bthd->bshd", qh, kc) * scale
-    mask = (pc[None, :] <= ph[:, None])[None] & (sh[:, :, None] == sc[:, None, :])
-    return jnp.where(mask[:, None], s, -jnp.inf)
+  def window(x, start, axis):  # the step's query rows of x
+    return jax.lax.dynamic_slice_in_dim(x, start, rows, axis)
+
+  def scores(i):  # (first row, [B, H, rows, block] scores with masked entries -inf)
+    start, j = pick(i)
+    s = _einsum_acc("bthd,bshd->bhts", "bhts,bshd->bthd", "bhts,bthd->bshd", window(q, start, 1),
+                    kb[j]) * scale
+    mask = ((pb[j][None, :] <= window(q_pos, start, 0)[:, None])[None]
+            & (window(q_seg, start, 1)[:, :, None] == sb[j][:, None, :]))
+    return start, j, jnp.where(mask[:, None], s, -jnp.inf)
+
+  def add(x, start, axis, y):  # x with y added to the step's query rows
+    return jax.lax.dynamic_update_slice_in_dim(x, window(x, start, axis) + y, start, axis)
 
   @jax.checkpoint
   def row_max(m, i):
-    start, qh, ph, sh, kc, _, sc, pc = pick(i)
-    cur = jax.lax.dynamic_slice_in_dim(m, start, half, 2)
-    new = jnp.maximum(cur, jnp.max(scores(qh, ph, sh, kc, sc, pc), axis=-1))
-    return jax.lax.dynamic_update_slice_in_dim(m, new, start, 2), None
+    start, _, s = scores(i)
+    return jax.lax.dynamic_update_slice_in_dim(
+        m, jnp.maximum(window(m, start, 2), jnp.max(s, axis=-1)), start, 2), None
 
   m0 = jnp.full((b, h, q.shape[1]), -jnp.inf, acc)
   m, _ = jax.lax.scan(row_max, m0, jnp.arange(steps))
@@ -267,15 +241,11 @@ def _zigzag_attention(q, k, v, q_pos, q_seg, k_seg, scale, n_a, block: int):
   @jax.checkpoint
   def accumulate(carry, i):
     l, o = carry
-    start, qh, ph, sh, kc, vc, sc, pc = pick(i)
-    mh = jax.lax.dynamic_slice_in_dim(m, start, half, 2)
-    p = jnp.exp(scores(qh, ph, sh, kc, sc, pc) - mh[..., None])  # exp(-inf) = 0 where masked
-    po = _einsum_acc("bhts,bshd->bthd", "bthd,bshd->bhts", "bthd,bhts->bshd", p.astype(v.dtype), vc)
-    l = jax.lax.dynamic_update_slice_in_dim(
-        l, jax.lax.dynamic_slice_in_dim(l, start, half, 2) + jnp.sum(p, axis=-1), start, 2)
-    o = jax.lax.dynamic_update_slice_in_dim(
-        o, jax.lax.dynamic_slice_in_dim(o, start, half, 1) + po, start, 1)
-    return (l, o), None
+    start, j, s = scores(i)
+    p = jnp.exp(s - window(m, start, 2)[..., None])  # exp(-inf) = 0 where masked
+    po = _einsum_acc("bhts,bshd->bthd", "bthd,bshd->bhts", "bthd,bhts->bshd", p.astype(v.dtype),
+                     vb[j])
+    return (add(l, start, 2, jnp.sum(p, axis=-1)), add(o, start, 1, po)), None
 
   init = (jnp.zeros(m.shape, acc), jnp.zeros(q.shape[:3] + v.shape[-1:], acc))
   (l, o), _ = jax.lax.scan(accumulate, init, jnp.arange(steps))
@@ -325,8 +295,8 @@ def mla_attention(q, latent, w_kv, *, segment_ids=None, scale, nope_dim: int, ba
     q_seg = jnp.take(seg_all, q_pos, axis=1)
     zb = min(block, half)
     if balanced and half % zb == 0:  # each half against the key blocks it can see
-      o = _zigzag_attention(qq, keys, vals, q_pos, q_seg, seg_all, scale,
-                            (ha + 1) * (half // zb), zb)
+      o = _masked_attention(qq, keys, vals, q_pos, q_seg, seg_all, scale, zb,
+                            first_half_blocks=(ha + 1) * (half // zb))
     else:
       o = _masked_attention(qq, keys, vals, q_pos, q_seg, seg_all, scale, block)
     if balanced:
