@@ -8,7 +8,7 @@
 #   bash benchmarks/h200_round.sh multi     # k3_1b, 50 steps: one GPU, data, expert, context, mixed
 #   bash benchmarks/h200_round.sh long      # k3_1b at 128K and 256K tokens: one GPU, context split
 #   bash benchmarks/h200_round.sh step      # k3_1b 16 x 4096 on one GPU, remat dots and dots_kernels
-#   bash benchmarks/h200_round.sh peers     # KDA vs jla and fla at the three PERF.md shapes, variants
+#   bash benchmarks/h200_round.sh peers     # KDA vs jla and fla at the three PERF.md shapes
 #   bash benchmarks/h200_round.sh kdasweep  # KDA variants and warp counts (ours only)
 #   bash benchmarks/h200_round.sh ncu       # Nsight Compute: our KDA kernels, fwd+bwd
 #   bash benchmarks/h200_round.sh long step peers   # several at once (one lock for timed GPU work)
@@ -96,11 +96,10 @@ step() {
 
 peers() {
   # KDA at the three PERF.md shapes next to jla and fla, forward and forward+backward.
-  # Then the decode kernel's configurations, VARIANTS against the defaults (the faster stay set
-  # and ours is timed again), fla last in what is left of the budget (its autotuning takes
-  # minutes).
+  # Then the decode kernel's configurations, fla last in what is left of the budget (its
+  # autotuning takes minutes).
   flock -o "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout ${PEERS_S:-300} python3 benchmarks/kda.py \
-    --variants --shapes 1x16384x32x128,4x4096x32x128,1x65536x16x128 \
+    --shapes 1x16384x32x128,4x4096x32x128,1x65536x16x128 \
     --budget $(( ${PEERS_S:-300} - 20 )) > "$R/kda_peers.log" 2>&1
   say "kda peers done"
 }

@@ -3,8 +3,6 @@ next to jla ``kda`` (Mosaic GPU) and fla ``chunk_kda`` / ``fused_recurrent_kda``
 when importable, in the same run, within a time budget (the H200 run takes about 150 s).
 
   python3 benchmarks/kda.py                # check, B1 T16384 H32 K128, parts, decode, fla
-  python3 benchmarks/kda.py --variants     # also VARIANTS (module options) vs the defaults;
-                                           # the faster ones stay set and ours is timed again
   python3 benchmarks/kda.py --sweep        # also warps per chunk kernel, chunk_dqkg K slices
                                            # and the gate-gradient matrix-unit algorithm
                                            # (accuracy and time)
@@ -252,53 +250,11 @@ GATE_DOTS = {"all_x3": ((_P.BF16_BF16_F32_X3,) * 2,) * 2,  # gate-gradient varia
              "all_bf16": ((_P.BF16_BF16_F32,) * 2,) * 2}
 
 
-# Module options of ``pallas_kernels.kda.gpu`` tried against their defaults, in this order
-# (each adopted one stays set for the next): (value, kernels timed together, warp counts of
-# the first kernel to time it at).
-VARIANTS: dict = {}
-# Tried on 2026-12-01 (H200, B1 T16384 H32; RESULTS.md run 13): adopted save_residuals, dP
-# loaded per block in chunk_dqkg, chunk_dwy per V slice; removed chunk_dqkg as two programs per K
-# slice (4.64 vs 4.14 ms), 8-warp sequential passes (2.99 vs 2.27 ms), TF32 P_qk gate-gradient
-# products (ddt_bias error 4.8e-2, 5.13 vs 4.08 ms).
-
-
-def sweep_variants(parts, tag, left, adopt):
-  """Each of ``VARIANTS``: the check (errors vs the float32 recurrence) and its kernels alone
-  next to the default, in the same run. With ``adopt``, a variant that passes the check and is
-  faster stays set (with its best warp count) for what this process times next. Returns the
-  adopted settings."""
-  adopted = {}
-  for name, (value, kernels, warps) in VARIANTS.items():
-    if left() < 30:
-      break
-    default, key = getattr(kda_gpu, name), "kda_" + kernels[0]
-    default_warps = kda_gpu.WARPS.get(key)
-    timed = lambda: sum(_time(parts, n) for n in kernels)
-    base = timed()
-    setattr(kda_gpu, name, value)
-    try:
-      errs = check(decode=False, tag=f"{name}={value}")
-      times = {}
-      for w in warps or (default_warps,):
-        kda_gpu.WARPS[key] = w
-        times[w] = timed()
-      if default_warps is not None:
-        kda_gpu.WARPS[key] = default_warps
-      best = min(times, key=times.get)
-      emit(name=f"sweep {name}={value} {tag}", kernels="+".join(kernels), default=round(base, 4),
-           **{("ms" if w is None else f"w{w}"): round(ms, 4) for w, ms in times.items()},
-           **{k: round(errs[k], 5) for k in ("dq", "dk", "dv", "df", "dbeta", "dA_log")})
-      if adopt and times[best] < base and all(e < CHECK_TOL for e in errs.values()):
-        if default_warps is not None:
-          kda_gpu.WARPS[key] = adopted[key] = best
-        adopted[name] = value
-        continue
-    except Exception as e:  # noqa: BLE001
-      print(f"sweep {name}={value} FAILED", repr(e)[:800], flush=True)
-    setattr(kda_gpu, name, default)
-    if default_warps is not None:
-      kda_gpu.WARPS[key] = default_warps
-  return adopted
+# Module-option variants tried on 2026-12-01 (H200, B1 T16384 H32; RESULTS.md run 13) by a
+# same-run adopt-if-faster loop (`--variants`, removed with its last variant): adopted
+# save_residuals, dP loaded per block in chunk_dqkg, chunk_dwy per V slice; removed chunk_dqkg
+# as two programs per K slice (4.64 vs 4.14 ms), 8-warp sequential passes (2.99 vs 2.27 ms),
+# TF32 P_qk gate-gradient products (ddt_bias error 4.8e-2, 5.13 vs 4.08 ms).
 
 
 def sweep(parts, shape, tag, left):
@@ -517,14 +473,6 @@ def main():
     decode()
   table()
   tag = "B{} T{} H{} K{}".format(*shapes[0])
-  if "--variants" in sys.argv and parts is not None:
-    adopted = sweep_variants(parts, tag, left, adopt=True)
-    emit(name="adopted variants", **adopted)
-    for shape in shapes if adopted else ():
-      if left() < 20:
-        break
-      emit(name="ours adopted B{} T{} H{} K{}".format(*shape),
-           **{k: round(v, 4) for k, v in time_ours(shape).items()})
   if "--sweep" in sys.argv and parts is not None:
     sweep(parts, shapes[0], tag, left)
   if peers and left() > 45:
