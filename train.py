@@ -255,8 +255,13 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
       contexts.append(flops_lib.mean_causal_context(host_batch["segment_ids"]))
       batch = place(host_batch, batch_sharding)
       t0 = time.perf_counter()
-      params, opt_state, biases, out = step_fn(params, opt_state, biases, jnp.int32(step), rng,
-                                               batch)
+      try:
+        params, opt_state, biases, out = step_fn(params, opt_state, biases, jnp.int32(step), rng,
+                                                 batch)
+      except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+          raise
+        raise TrainError(out_of_memory(cfg, stage.seq_len, step, e)) from e
       step += 1
       out = jax.device_get(out)
       if compile_s is None:
@@ -320,6 +325,18 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
       ckpt.close()
     metrics.close()
   return record
+
+
+def out_of_memory(cfg: config_lib.Config, seq_len: int, step: int, e: Exception) -> str:
+  """The message for a step that ran out of device memory: what ran, what XLA said, what helps."""
+  said = str(e).strip().splitlines()[0][:300]
+  return (f"the training step ran out of device memory at step {step} ({cfg.train.batch_size} x "
+          f"{seq_len} tokens per step, model.remat={cfg.model.remat}, "
+          f"model.kda.save_residuals={cfg.model.kda.save_residuals}): {said}\n"
+          "Less memory per device: model.remat=full, model.kda.save_residuals=false, a smaller "
+          "train.batch_size with train.grad_accum, or more devices on mesh.fsdp / mesh.context. "
+          "On GPUs JAX uses at most 75% of the memory unless XLA_PYTHON_CLIENT_MEM_FRACTION "
+          "(e.g. 0.95) allows more. The last checkpoint is intact.")
 
 
 def main(argv=None) -> int:

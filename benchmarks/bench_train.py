@@ -148,6 +148,7 @@ def main(argv=None):
   p.add_argument("--lower", default=None, help="only trace and lower for this platform")
   p.add_argument("--profile", default=None, help="trace two steps into this directory")
   p.add_argument("--json", default=None, help="write the results to this file")
+  p.add_argument("--hlo", default=None, help="write the compiled step's HLO text (gzip) here")
   p.add_argument("--lock", default=None, help="run the steps holding an exclusive flock on this file")
   p.add_argument("--set", action="append", default=[], metavar="MODULE:NAME=VALUE",
                  help="set a module option (a Python literal) before tracing; repeatable")
@@ -215,6 +216,9 @@ def main(argv=None):
     print(f"compile: trace {t_trace:.1f} s + lower {t_lower:.1f} s + compile "
           f"{t_compile - t_trace - t_lower:.1f} s = {t_compile:.1f} s", flush=True)
     result["compile_s"] = t_compile
+    if args.hlo:
+      with gzip.open(args.hlo, "wt") as f:
+        f.write(compiled.as_text())
     mem = compiled.memory_analysis()
     if mem is not None:
       result["compiled_temp_gib"] = mem.temp_size_in_bytes / 2**30

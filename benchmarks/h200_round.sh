@@ -6,7 +6,7 @@
 #   bash benchmarks/h200_round.sh train     # k3_1b step on one GPU: compile-flag trials, profile
 #   bash benchmarks/h200_round.sh both      # both: the kernel runs use the GPU while the steps compile
 #   bash benchmarks/h200_round.sh multi     # k3_1b, 50 steps: one GPU, data, expert, context, mixed
-#   bash benchmarks/h200_round.sh long      # k3_1b at 128K and 256K tokens: one GPU, context split
+#   bash benchmarks/h200_round.sh long      # k3_1b at long context (LONG, LONG_SET): one GPU, split
 #   bash benchmarks/h200_round.sh step      # k3_1b 16 x 4096 on one GPU, remat dots and dots_kernels
 #   bash benchmarks/h200_round.sh peers     # KDA vs jla and fla at the three PERF.md shapes
 #   bash benchmarks/h200_round.sh kdasweep  # KDA variants and warp counts (ours only)
@@ -63,15 +63,17 @@ multi() {
 }
 
 long() {
-  # Long context, "tokens:layouts" pairs: the context split at 128K (one GPU's 128K step was
-  # measured on 2026-11-30: 63.6 GiB, 2.91 s), one GPU and the split at 256K (one H200 holds
-  # about 0.42 MiB per token of the 1B step: 256K is the largest power of two expected to fit).
+  # Long context, "tokens:layouts" pairs (LONG), each with the overrides in LONG_SET. Measured on
+  # 2026-12-01: one H200 holds 512K tokens with LONG_SET="model.remat=full
+  # model.kda.save_residuals=false" (99.1 GiB); the 128K context split fits in 54 GiB per GPU.
+  # JAX's allocator stops at 75% of the card unless XLA_PYTHON_CLIENT_MEM_FRACTION says more.
   local spec t
   for spec in ${LONG:-131072:context 262144:one,context}; do
     t=${spec%%:*}
-    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout $LIMIT python3 benchmarks/multi_gpu.py \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false \
+      timeout $LIMIT python3 benchmarks/multi_gpu.py \
       --config configs/k3_1b.yaml --layouts ${spec#*:} --steps 4 --tag 1b_$(( t / 1024 ))k \
-      --out "$R" train.batch_size=1 data.seq_len=$t > "$R/long_$(( t / 1024 ))k.log" 2>&1 &
+      --out "$R" train.batch_size=1 data.seq_len=$t ${LONG_SET:-} > "$R/long_$(( t / 1024 ))k.log" 2>&1 &
   done
 }
 

@@ -38,6 +38,8 @@ class KDAConfig:
   forget_rank: int = 0  # f_a_proj width; 0 means v_head_dim
   chunk_size: int = 64
   implementation: str | None = None  # None: pallas on GPU/TPU, chunked on CPU
+  # The short convs (pallas_kernels.conv): None = the fused Pallas kernels on GPU, XLA elsewhere.
+  conv_implementation: str | None = None
   # Pallas GPU under differentiation: the forward keeps its intermediates for the backward
   # (~3.4 KB per token and value head; fwd+bwd 1.2x faster); False recomputes them.
   save_residuals: bool = True
@@ -373,6 +375,8 @@ def validate(cfg: Config) -> None:
   k = m.kda
   _one_of(k.gate, ("bounded", "softplus"), "model.kda.gate")
   _one_of(k.output_gate, ("full", "low_rank"), "model.kda.output_gate")
+  _one_of(k.conv_implementation, (None, "xla", "pallas", "pallas_gpu"),
+          "model.kda.conv_implementation")
   _check(k.head_dim in KERNEL_HEAD_DIMS, "model.kda.head_dim",
          f"the KDA kernels take head dims {KERNEL_HEAD_DIMS}, got {k.head_dim}")
   _check(k.v_head_dim in KERNEL_HEAD_DIMS, "model.kda.v_head_dim",

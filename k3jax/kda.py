@@ -14,35 +14,54 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import pallas_kernels.conv as conv_ops
 import pallas_kernels.kda as kda_ops
 from k3jax.config import ModelConfig
 from k3jax.nn import Linear, RMSNorm, constant, param
-from sharding import context_parallel, shard
+from jax.sharding import PartitionSpec as P
+
+from sharding import context_parallel, logical_spec, shard
 
 
 def short_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
-               tail: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+               tail: jax.Array | None = None, implementation: str | None = None
+               ) -> tuple[jax.Array, jax.Array]:
   """Causal depthwise conv followed by SiLU.
 
   x: ``[B, T, C]``; w: ``[W, C]`` (tap ``W-1`` multiplies the current token); tail: ``[B, W-1, C]``
   inputs preceding x (zeros when None). With segment ids, taps never reach into another
-  document. Returns (y ``[B, T, C]``, new tail ``[B, W-1, C]``: the last W-1 inputs).
+  document (nor into the tail). Returns (y ``[B, T, C]``, new tail ``[B, W-1, C]``: the last W-1
+  inputs). Without a tail (training, prefill from scratch) it is the fused op
+  :func:`pallas_kernels.conv.causal_conv_silu` (``implementation``: its kernels); with one, its
+  XLA form over the tail and x.
   """
-  b, t, c = x.shape
   width = w.shape[0]
   if tail is None:
-    tail = jnp.zeros((b, width - 1, c), x.dtype)
-  xp = jnp.concatenate([tail.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]
-  y = jnp.zeros((b, t, c), jnp.promote_types(x.dtype, jnp.float32))
-  for j in range(width):
-    shift = width - 1 - j  # tap j reads x[t - shift]
-    xs = xp[:, j:j + t]
-    if segment_ids is not None and shift:
-      prev = jnp.pad(segment_ids, ((0, 0), (shift, 0)), constant_values=-1)[:, :t]
-      xs = jnp.where((prev == segment_ids)[..., None], xs, 0)
-    y = y + xs.astype(y.dtype) * w[j].astype(y.dtype)
-  new_tail = xp[:, xp.shape[1] - (width - 1):] if width > 1 else tail
-  return jax.nn.silu(y).astype(x.dtype), new_tail
+    xp = jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0)))
+    y = _fused_conv(x, w, segment_ids, implementation)
+  else:
+    xp = jnp.concatenate([tail.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]
+    seg = None if segment_ids is None else jnp.pad(segment_ids, ((0, 0), (width - 1, 0)),
+                                                   constant_values=-1)
+    y = conv_ops.causal_conv_silu(xp, w, seg, implementation="xla")[:, width - 1:]
+  return y, xp[:, xp.shape[1] - (width - 1):]
+
+
+def _fused_conv(x, w, segment_ids, implementation):
+  """:func:`pallas_kernels.conv.causal_conv_silu` on each device's share of the batch and
+  channels. A sequence split over devices (context parallelism) keeps the XLA form, whose taps
+  reach across the pieces."""
+  impl = conv_ops.resolve(implementation)
+  xs = logical_spec(("batch", "length", "heads"))
+  mesh = jax.sharding.get_abstract_mesh()
+  if impl == "xla" or xs[1] is not None or mesh.empty or mesh.size == 1:
+    return conv_ops.causal_conv_silu(x, w, segment_ids,
+                                     implementation="xla" if xs[1] is not None else impl)
+  seg = () if segment_ids is None else (segment_ids,)
+  fn = jax.shard_map(lambda x, w, *s: conv_ops.causal_conv_silu(x, w, *s, implementation=impl),
+                     in_specs=(xs, P(None, xs[2])) + ((P(xs[0], None),) if seg else ()),
+                     out_specs=xs, check_vma=False)
+  return fn(x, w, *seg)
 
 
 def _dt_bias_init(key, shape, dtype, dt_min=1e-3, dt_max=0.1):
@@ -116,7 +135,8 @@ class KDA(nnx.Module):
     out, tails = {}, {}
     for n in ("q", "k", "v"):
       tail = None if cache is None else cache["conv_" + n]
-      out[n], tails[n] = short_conv(proj[n], convs[n].kernel[...], segment_ids, tail)
+      out[n], tails[n] = short_conv(proj[n], convs[n].kernel[...], segment_ids, tail,
+                                    k.conv_implementation)
       if valid is not None:
         tails[n] = conv_tail_at(proj[n], valid.sum(1), k.conv_size)
     names = ("batch", "length", "heads", None)

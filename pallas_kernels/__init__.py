@@ -3,6 +3,7 @@
 - :mod:`pallas_kernels.kda`: Kimi Delta Attention (chunked training/prefill and decode).
 - :mod:`pallas_kernels.mla`: MLA attention (prefill/training) and paged latent decode.
 - :mod:`pallas_kernels.moe`: grouped matmuls and token permutation for the MoE layer.
+- :mod:`pallas_kernels.conv`: the KDA layer's causal short convolution + SiLU.
 """
 
 import jax

@@ -81,6 +81,31 @@ def test_situ_glu_bounded_and_swiglu_near_origin():
   np.testing.assert_allclose(float(situ_glu(jnp.float32(a0), jnp.float32(b0))), want, rtol=1e-5)
 
 
+def test_situ_glu_values_and_gradients_match_float64():
+  rng = np.random.default_rng(7)
+  scale = np.array([1e-3, 0.3, 3.0, 30.0, 300.0])
+  a = rng.normal(size=2000) * scale[rng.integers(0, 5, 2000)]
+  b = rng.normal(size=2000) * scale[rng.integers(0, 5, 2000)]
+  a[:4], b[:4] = [0.0, -0.0, 1e6, -1e6], [0.0, 5.0, -1e6, 1e6]
+  g = rng.normal(size=2000)
+
+  def closed(a, b):
+    return 4 * np.tanh(a / 4) / (1 + np.exp(-np.clip(a, -700, 700))) * 25 * np.tanh(b / 25)
+
+  eps = 1e-6
+  for dtype, tol in ((jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)):
+    aj, bj, gj = (jnp.asarray(v, dtype) for v in (a, b, g))
+    ar, br, gr = (np.asarray(v, np.float64) for v in (aj, bj, gj))  # the rounded inputs
+    want = closed(ar, br)
+    want_da = (closed(ar + eps, br) - closed(ar - eps, br)) / (2 * eps) * gr
+    want_db = (closed(ar, br + eps) - closed(ar, br - eps)) / (2 * eps) * gr
+    y, vjp = jax.vjp(situ_glu, aj, bj)
+    da, db = vjp(gj)
+    assert y.dtype == dtype and da.dtype == dtype
+    for got, ref in ((y, want), (da, want_da), (db, want_db)):
+      np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=tol, atol=tol * 100)
+
+
 def test_short_conv_matches_numpy_with_segments_and_tail():
   rng = np.random.default_rng(1)
   x = rng.normal(size=(2, 9, 3)).astype(np.float32)

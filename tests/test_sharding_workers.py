@@ -253,6 +253,32 @@ def expert_dispatch():
   return out
 
 
+def conv_sharded():
+  """The KDA short conv with the fused Pallas kernel (interpret mode) under batch and channel
+  splits, and under a sequence split (which keeps the XLA form), vs one device."""
+  from k3jax.kda import short_conv
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.normal(size=(8, 40, 64)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(4, 64)), jnp.float32)
+  seg = jnp.asarray(_packed_segments(rng, 8, 40))
+  r = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+
+  def loss(x, w):
+    y = short_conv(x, w, seg, implementation="pallas_gpu")[0]
+    return jnp.sum(y * r), y
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+  (_, y1), g1 = step(x, w)
+  out = {}
+  for name, sizes in (("data8", dict(data=8)), ("data2_tensor4", dict(data=2, tensor=4)),
+                      ("fsdp4_tensor2", dict(fsdp=4, tensor=2)), ("data4_context2",
+                                                                   dict(data=4, context=2))):
+    with jax.set_mesh(_mesh(**sizes)):
+      (_, y2), g2 = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
+    out[name] = {"y": _max_rel(y1, y2), "grad": max(_max_rel(a, c) for a, c in zip(g1, g2))}
+  return out
+
+
 def qb_histogram():
   """Histogram QB summed over ranks vs exact sort-based QB on the global batch."""
   from k3jax import router

@@ -107,6 +107,26 @@ def test_resume_after_crash_skips_a_corrupt_checkpoint_and_is_bitwise_exact(
   assert losses_by_step(run_dir) == losses_by_step(full_run)  # floats compared exactly
 
 
+def test_out_of_memory_gives_a_clear_error(tmp_path, monkeypatch, capsys):
+  real = train_step.jit_train_step
+
+  def oom(fn, **kw):
+    real(fn, **kw)
+
+    def step(*args):
+      raise jax.errors.JaxRuntimeError(
+          "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 110.64GiB.\nmore detail")
+    return step
+
+  monkeypatch.setattr(train_step, "jit_train_step", oom)
+  argv = ["--no-progress", "--run-dir", str(tmp_path / "oom"), "train.steps=2", *SMALL]
+  assert train.main(argv) == 2
+  err = capsys.readouterr().err
+  assert "ran out of device memory at step 0" in err
+  assert "Out of memory while trying to allocate 110.64GiB." in err and "more detail" not in err
+  assert "model.remat=full" in err and "XLA_PYTHON_CLIENT_MEM_FRACTION" in err
+
+
 def test_sigterm_saves_a_loadable_checkpoint(tmp_path, root):
   run_dir = tmp_path / "sigterm"
   proc = subprocess.Popen(

@@ -1,0 +1,156 @@
+"""Causal short conv + SiLU (the KDA layer's q/k/v convs) on one GPU: check the Pallas kernels
+against the XLA reference at the benchmark shape, then time forward and forward+backward of both
+side by side, then (budget permitting) other kernel tilings. Finishes in ~40 s on an H200.
+
+  python3 benchmarks/conv.py                      # B16 T4096 C1024 bf16, W=4, packed documents
+  python3 benchmarks/conv.py --budget 45          # seconds after which optional steps are skipped
+  python3 benchmarks/conv.py --no-sweep           # default tiling only
+  python3 benchmarks/conv.py --shape 2x300x256 --interpret   # CPU: the check path, kernels in
+                                                  # interpret mode, one timing sample each
+
+Forward+backward is ``jax.vjp`` returning y and (dx, dw) for a given cotangent dy, so y is
+materialised as in training (a scalar loss such as ``sum(y * dy)`` would let XLA fuse the
+reference's forward into the loss and skip writing y). GB/s counts the minimal traffic: forward
+x + y (+ segment ids), forward+backward x twice, y, dy, dx (+ segment ids twice). Every row is
+written to ``$OUT/conv_bench.json`` as soon as it is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels.conv import causal_conv_silu, gpu  # noqa: E402
+from timing import Rows, median_ms, rel_err  # noqa: E402
+
+ROWS = Rows("conv_bench.json")
+CHECK_TOL = 1e-2  # relative error of the kernels vs the reference (both float32 inside, bf16 out)
+# Tilings tried after the default (forward tile / backward tile, steps, warps).
+SWEEP = [gpu.Config(bt=64), gpu.Config(bt=16), gpu.Config(bwd_bc=128, bwd_warps=8),
+         gpu.Config(bwd_bc=32, bwd_warps=2), gpu.Config(bwd_bt=32),
+         gpu.Config(bwd_steps=16), gpu.Config(bwd_steps=4), gpu.Config(stages=2)]
+
+
+def segments(b, t, seed=0):
+  """[B, T] int32 ids of packed documents with lengths uniform in ~[100, 4000] (scaled to T)."""
+  rng = np.random.default_rng(seed)
+  lo = max(1, min(100, t // 8))
+  hi = max(lo + 1, min(4000, t))
+  ids = np.zeros((b, t), np.int32)
+  for r in range(b):
+    pos, doc = 0, 0
+    while pos < t:
+      n = int(rng.integers(lo, hi))
+      ids[r, pos:pos + n] = doc
+      pos, doc = pos + n, doc + 1
+  return jnp.asarray(ids)
+
+
+def operands(b, t, c, width, dtype):
+  kx, kw, kd = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(kx, (b, t, c), jnp.float32).astype(dtype)
+  w = (jax.random.normal(kw, (width, c), jnp.float32) / width ** 0.5).astype(dtype)
+  dy = jax.random.normal(kd, (b, t, c), jnp.float32).astype(dtype)
+  return x, w, segments(b, t), dy
+
+
+def ops(impl=None, config=None):
+  """(forward, forward+backward) jitted: x, w, seg[, dy] -> y or (y, dx, dw)."""
+  if config is None:
+    f = lambda x, w, s: causal_conv_silu(x, w, s, implementation=impl)
+  else:
+    f = lambda x, w, s: gpu.causal_conv_silu(x, w, s, config)
+
+  def fb(x, w, s, dy):
+    y, vjp = jax.vjp(lambda x, w: f(x, w, s), x, w)
+    return (y, *vjp(dy))
+
+  return jax.jit(f), jax.jit(fb)
+
+
+def check(args):
+  """pallas_gpu vs xla: y, dx, dw relative errors at the benchmark shape."""
+  x, w, s, dy = args
+  want = ops("xla")[1](x, w, s, dy)
+  got = ops("pallas_gpu")[1](x, w, s, dy)
+  errs = {n: round(rel_err(a, b), 6) for n, a, b in zip(("y", "dx", "dw"), got, want)}
+  ROWS.emit({"name": "check pallas_gpu vs xla", **errs})
+  bad = {k: v for k, v in errs.items() if not v < CHECK_TOL}
+  if bad:
+    print("CHECK FAILED", bad, flush=True)
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--shape", default="16x4096x1024", help="B x T x C")
+  p.add_argument("--width", type=int, default=4)
+  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--budget", type=float, default=50.0)
+  p.add_argument("--no-sweep", action="store_true")
+  p.add_argument("--interpret", action="store_true", help="allow a CPU run (kernels interpreted)")
+  a = p.parse_args()
+  t0 = time.perf_counter()
+  left = lambda: a.budget - (time.perf_counter() - t0)
+  if jax.default_backend() != "gpu" and not a.interpret:
+    sys.exit("conv.py: no GPU (pass --interpret to run the check path on CPU)")
+  b, t, c = (int(n) for n in a.shape.split("x"))
+  dtype = jnp.dtype(a.dtype)
+  args = operands(b, t, c, a.width, dtype)
+  reps = dict(reps=1, inner=1) if a.interpret else dict(reps=9, inner=20)
+  unit = b * t * c * dtype.itemsize
+  traffic = {"fwd": 2 * unit + b * t * 4, "fwdbwd": 5 * unit + 2 * b * t * 4}
+  print("jax", jax.__version__, jax.devices()[0], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        f"B{b} T{t} C{c} W{a.width} {dtype.name}, {int(args[2][:, -1].sum()) + b} documents",
+        flush=True)
+  try:
+    check(args)
+  except Exception as e:  # noqa: BLE001 - the timings below are still worth having
+    print("CHECK ERROR", repr(e)[:2000], flush=True)
+
+  def timed(name, fwd, fb):
+    res = {"fwd": median_ms(fwd, *args[:3], **reps), "fwdbwd": median_ms(fb, *args, **reps)}
+    row = {"name": name}
+    for k, ms in res.items():
+      row[f"{k}_ms"] = round(ms, 4)
+      row[f"{k}_GBps"] = round(traffic[k] / ms / 1e6, 1)
+    ROWS.emit(row)
+    return res
+
+  res = {}
+  for impl in ("xla", "pallas_gpu"):
+    try:
+      res[impl] = timed(impl, *ops(impl))
+    except Exception as e:  # noqa: BLE001
+      print(impl, "FAILED", repr(e)[:1500], flush=True)
+  if len(res) == 2:
+    print(f"{'':12s}{'xla ms':>10s}{'pallas ms':>11s}{'xla GB/s':>10s}{'pallas GB/s':>12s}"
+          f"{'xla/pallas':>11s}", flush=True)
+    for k in ("fwd", "fwdbwd"):
+      x_ms, p_ms = res["xla"][k], res["pallas_gpu"][k]
+      print(f"{k:12s}{x_ms:10.3f}{p_ms:11.3f}{traffic[k] / x_ms / 1e6:10.0f}"
+            f"{traffic[k] / p_ms / 1e6:12.0f}{x_ms / p_ms:11.2f}", flush=True)
+  for cfg in [] if a.no_sweep else SWEEP:
+    if left() < 6:
+      print(f"budget: sweep stopped before {cfg}", flush=True)
+      break
+    diff = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if getattr(cfg, f.name) != getattr(gpu.Config(), f.name)}
+    try:
+      timed(f"pallas_gpu {diff}", *ops(config=cfg))
+    except Exception as e:  # noqa: BLE001
+      print(diff, "FAILED", repr(e)[:800], flush=True)
+  print(f"done in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+  main()
