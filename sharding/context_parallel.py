@@ -193,6 +193,10 @@ def _masked_attention(q, k, v, q_pos, q_seg, k_seg, scale, block: int = 1024,
   halves) and each step scores one half against one key block it can see: qa the first
   ``first_half_blocks`` blocks, qb the rest of ``(2C + 1) * half / block`` steps, a count every
   rank shares, i.e. (2C + 1) / 4C of the work of scoring every row against every block.
+
+  A step whose key block holds no segment of its query rows (packed documents: the blocks
+  before the document of a window's first row) is skipped (``lax.cond``): no scores, no
+  exponentials, in the forward and the backward.
   """
   acc = jnp.promote_types(q.dtype, jnp.float32)
   b, s_len, h, _ = k.shape
@@ -228,27 +232,38 @@ def _masked_attention(q, k, v, q_pos, q_seg, k_seg, scale, block: int = 1024,
   def add(x, start, axis, y):  # x with y added to the step's query rows
     return jax.lax.dynamic_update_slice_in_dim(x, window(x, start, axis) + y, start, axis)
 
-  @jax.checkpoint
+  kmin, kmax = sb.min(-1), sb.max(-1)  # [nb, B]
+
+  def visible(i):  # some row of the step's window shares a segment with its key block
+    start, j = pick(i)
+    qs = window(q_seg, start, 1)
+    return jnp.any((kmax[j] >= qs.min(-1)) & (kmin[j] <= qs.max(-1)))
+
+  vis = jax.vmap(visible)(jnp.arange(steps))
+
+  def skippable(update):  # a scan body that leaves the carry alone on steps without a pair
+    return jax.checkpoint(lambda c, x: (jax.lax.cond(x[1], update, lambda c, i: c, c, x[0]),
+                                        None))
+
   def row_max(m, i):
     start, _, s = scores(i)
     return jax.lax.dynamic_update_slice_in_dim(
-        m, jnp.maximum(window(m, start, 2), jnp.max(s, axis=-1)), start, 2), None
+        m, jnp.maximum(window(m, start, 2), jnp.max(s, axis=-1)), start, 2)
 
   m0 = jnp.full((b, h, q.shape[1]), -jnp.inf, acc)
-  m, _ = jax.lax.scan(row_max, m0, jnp.arange(steps))
+  m, _ = jax.lax.scan(skippable(row_max), m0, (jnp.arange(steps), vis))
   m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
 
-  @jax.checkpoint
   def accumulate(carry, i):
     l, o = carry
     start, j, s = scores(i)
     p = jnp.exp(s - window(m, start, 2)[..., None])  # exp(-inf) = 0 where masked
     po = _einsum_acc("bhts,bshd->bthd", "bthd,bshd->bhts", "bthd,bhts->bshd", p.astype(v.dtype),
                      vb[j])
-    return (add(l, start, 2, jnp.sum(p, axis=-1)), add(o, start, 1, po)), None
+    return add(l, start, 2, jnp.sum(p, axis=-1)), add(o, start, 1, po)
 
   init = (jnp.zeros(m.shape, acc), jnp.zeros(q.shape[:3] + v.shape[-1:], acc))
-  (l, o), _ = jax.lax.scan(accumulate, init, jnp.arange(steps))
+  (l, o), _ = jax.lax.scan(skippable(accumulate), init, (jnp.arange(steps), vis))
   l = jnp.moveaxis(l, 1, 2)[..., None]  # [B, Tq, H, 1]
   return jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0).astype(q.dtype)
 

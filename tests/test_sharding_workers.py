@@ -189,7 +189,8 @@ def mla_context():
   q = jnp.asarray(rng.normal(size=(b, t, h, nope + rope)))
   lat = jnp.asarray(rng.normal(size=(b, t, r + rope)))
   w = jnp.asarray(rng.normal(size=(r, h, nope + vd)) * 0.3)
-  seg = jnp.asarray(np.array([[1] * 7 + [2] * 20 + [3] * 5, [1] * 32], np.int32))
+  # late windows of both rows skip the key blocks before their document
+  seg = jnp.asarray(np.array([[1] * 7 + [2] * 20 + [3] * 5, [1] * 3 + [2] * 29], np.int32))
   scale = (nope + rope) ** -0.5
 
   def dense(q, lat, w):
