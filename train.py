@@ -261,7 +261,7 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
       except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
           raise
-        raise TrainError(out_of_memory(cfg, stage.seq_len, step, e)) from e
+        raise TrainError(out_of_memory(cfg, stage.seq_len, step + 1, e)) from e
       step += 1
       out = jax.device_get(out)
       if compile_s is None:
@@ -328,7 +328,8 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
 
 
 def out_of_memory(cfg: config_lib.Config, seq_len: int, step: int, e: Exception) -> str:
-  """The message for a step that ran out of device memory: what ran, what XLA said, what helps."""
+  """The message for step ``step`` (1-based, as in the logs) running out of device memory: what
+  ran, what XLA said, what helps."""
   said = str(e).strip().splitlines()[0][:300]
   return (f"the training step ran out of device memory at step {step} ({cfg.train.batch_size} x "
           f"{seq_len} tokens per step, model.remat={cfg.model.remat}, "

@@ -35,8 +35,7 @@ def situ_glu(a: jax.Array, b: jax.Array, beta: float = 4.0, beta_lin: float = 25
   """SiTU-GLU: ``(beta * tanh(a / beta) * sigmoid(a)) * (beta_lin * tanh(b / beta_lin))``.
 
   Bounded by ``beta * beta_lin`` (100 for K3); behaves like SwiGLU near the origin. Computed in
-  float32 and returned in the inputs' dtype; the backward recomputes from ``a`` and ``b`` (the
-  expert matmul's output, which every remat policy keeps), so nothing else is stored."""
+  float32 and returned in the inputs' dtype; the backward recomputes from ``a`` and ``b`` alone."""
   ta, sa, tb = _situ_parts(a, b, beta, beta_lin)
   return ((beta * beta_lin) * ta * sa * tb).astype(jnp.result_type(a, b))
 

@@ -13,13 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels.conv as conv_ops
 import pallas_kernels.kda as kda_ops
 from k3jax.config import ModelConfig
 from k3jax.nn import Linear, RMSNorm, constant, param
-from jax.sharding import PartitionSpec as P
-
 from sharding import context_parallel, logical_spec, shard
 
 
@@ -51,12 +50,11 @@ def _fused_conv(x, w, segment_ids, implementation):
   """:func:`pallas_kernels.conv.causal_conv_silu` on each device's share of the batch and
   channels. A sequence split over devices (context parallelism) keeps the XLA form, whose taps
   reach across the pieces."""
-  impl = conv_ops.resolve(implementation)
   xs = logical_spec(("batch", "length", "heads"))
+  impl = "xla" if xs[1] is not None else conv_ops.resolve(implementation)
   mesh = jax.sharding.get_abstract_mesh()
-  if impl == "xla" or xs[1] is not None or mesh.empty or mesh.size == 1:
-    return conv_ops.causal_conv_silu(x, w, segment_ids,
-                                     implementation="xla" if xs[1] is not None else impl)
+  if impl == "xla" or mesh.empty or mesh.size == 1:
+    return conv_ops.causal_conv_silu(x, w, segment_ids, implementation=impl)
   seg = () if segment_ids is None else (segment_ids,)
   fn = jax.shard_map(lambda x, w, *s: conv_ops.causal_conv_silu(x, w, *s, implementation=impl),
                      in_specs=(xs, P(None, xs[2])) + ((P(xs[0], None),) if seg else ()),

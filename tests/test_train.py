@@ -122,7 +122,7 @@ def test_out_of_memory_gives_a_clear_error(tmp_path, monkeypatch, capsys):
   argv = ["--no-progress", "--run-dir", str(tmp_path / "oom"), "train.steps=2", *SMALL]
   assert train.main(argv) == 2
   err = capsys.readouterr().err
-  assert "ran out of device memory at step 0" in err
+  assert "ran out of device memory at step 1 (2 x 64 tokens" in err
   assert "Out of memory while trying to allocate 110.64GiB." in err and "more detail" not in err
   assert "model.remat=full" in err and "XLA_PYTHON_CLIENT_MEM_FRACTION" in err
 
