@@ -97,7 +97,8 @@ class MLA(nnx.Module):
     w_uk, w_uv = w_kv[..., :a.qk_nope_head_dim], w_kv[..., a.qk_nope_head_dim:]
     if not decode and cache is None and context_parallel.active():
       o = context_parallel.mla_attention(q, lat, w_kv, segment_ids=segment_ids, scale=self.scale,
-                                         nope_dim=a.qk_nope_head_dim)
+                                         nope_dim=a.qk_nope_head_dim,
+                                         implementation=a.implementation)
       return self._output(x, o), None
     if not decode:
       kv = jnp.einsum("btr,rhd->bthd", lat[..., :r], w_kv)

@@ -14,7 +14,9 @@ MLA (SPEC section 3): the normalised latent ``[c, k_r]`` (kv_lora + rope values 
 for K3) is all-gathered along the context axis and expanded to keys and values locally. The
 queries are load-balanced for causal masking: the sequence is cut into ``2C`` halves and rank
 ``r`` computes halves ``r`` and ``2C-1-r`` (one early, one late), exchanged with two
-``ppermute``s and sent back after the attention.
+``ppermute``s and sent back after the attention. Each half attends the whole gathered sequence
+at its own (traced) offset through :func:`pallas_kernels.mla.mla_attention`, whose flash kernels
+skip the key blocks past the half's end and those holding none of its documents.
 
 Both are single calls from the model layers and run only when the current mesh has a
 ``context`` axis larger than 1.
@@ -22,14 +24,13 @@ Both are single calls from the model layers and run only when the current mesh h
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels.kda as kda_ops
+import pallas_kernels.mla as mla_ops
 from sharding.rules import logical_spec
 
 AXIS = "context"
@@ -152,130 +153,17 @@ def _half_tables(c: int):
   return perm_a, perm_b, recv_a, recv_b
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _einsum_acc(spec, spec_da, spec_db, a, b):
-  """``einsum(spec, a, b)`` with float32 accumulation, whose backward products take the
-  operands' dtype too: ``da = einsum(spec_da, g, b)``, ``db = einsum(spec_db, g, a)`` with the
-  cotangent g cast to a's dtype. Autodiff would cast the operands to the float32 cotangent
-  instead, i.e. TF32 GEMMs on the GPU (1.9 of 4.3 s of matmul time per GPU in the 128K
-  context-split k3_1b step, 2026-12-01)."""
-  return jnp.einsum(spec, a, b, preferred_element_type=jnp.promote_types(a.dtype, jnp.float32))
-
-
-def _einsum_acc_fwd(spec, spec_da, spec_db, a, b):
-  return _einsum_acc(spec, spec_da, spec_db, a, b), (a, b)
-
-
-def _einsum_acc_bwd(spec, spec_da, spec_db, res, g):
-  a, b = res
-  g = g.astype(a.dtype)
-  acc = jnp.promote_types(a.dtype, jnp.float32)
-  return (jnp.einsum(spec_da, g, b, preferred_element_type=acc).astype(a.dtype),
-          jnp.einsum(spec_db, g, a, preferred_element_type=acc).astype(b.dtype))
-
-
-_einsum_acc.defvjp(_einsum_acc_fwd, _einsum_acc_bwd)
-
-
-def _masked_attention(q, k, v, q_pos, q_seg, k_seg, scale, block: int = 1024,
-                      first_half_blocks=None):
-  """q ``[B, Tq, H, Dk]`` at positions ``q_pos [Tq]`` against all keys ``[B, S, H, Dk]`` (key j at
-  position j); causal and same-segment. Rows without a visible key give zeros.
-
-  Blockwise over the keys (``block`` at a time), so no ``[Tq, S]`` score matrix is ever whole:
-  a first scan finds each row's maximum score (no gradient: softmax does not depend on it), a
-  second sums ``exp(s - max)`` and ``exp(s - max) v`` with that fixed maximum. Both scans only
-  add into their carries and their bodies are rematerialised, so the backward pass keeps one
-  block's scores at a time too.
-
-  With ``first_half_blocks`` (traced) q holds a rank's two zigzag query halves ``[qa; qb]``
-  (global halves r and 2C-1-r, in either order; the half a multiple of ``block``, S = 2C
-  halves) and each step scores one half against one key block it can see: qa the first
-  ``first_half_blocks`` blocks, qb the rest of ``(2C + 1) * half / block`` steps, a count every
-  rank shares, i.e. (2C + 1) / 4C of the work of scoring every row against every block.
-
-  A step whose key block holds no segment of its query rows (packed documents: the blocks
-  before the document of a window's first row) is skipped (``lax.cond``): no scores, no
-  exponentials, in the forward and the backward.
-  """
-  acc = jnp.promote_types(q.dtype, jnp.float32)
-  b, s_len, h, _ = k.shape
-  block = min(block, s_len)
-  nb = -(-s_len // block)
-  pad = nb * block - s_len  # padded keys sit past every query position: masked by causality
-  blocks = lambda x: jnp.moveaxis(jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
-                                  .reshape(b, nb, block, *x.shape[2:]), 1, 0)
-  kb, vb, sb = blocks(k), blocks(v), blocks(k_seg)
-  pb = jnp.arange(nb * block).reshape(nb, block)
-  if first_half_blocks is None:  # every row against every key block
-    rows, steps = q.shape[1], nb
-    pick = lambda i: (0, i)
-  else:
-    rows = q.shape[1] // 2
-    steps = (s_len // rows + 1) * (rows // block)
-
-    def pick(i):  # (first query row, key block) of step i
-      late = i >= first_half_blocks
-      return jnp.where(late, rows, 0), jnp.where(late, i - first_half_blocks, i)
-
-  def window(x, start, axis):  # the step's query rows of x
-    return jax.lax.dynamic_slice_in_dim(x, start, rows, axis)
-
-  def scores(i):  # (first row, [B, H, rows, block] scores with masked entries -inf)
-    start, j = pick(i)
-    s = _einsum_acc("bthd,bshd->bhts", "bhts,bshd->bthd", "bhts,bthd->bshd", window(q, start, 1),
-                    kb[j]) * scale
-    mask = ((pb[j][None, :] <= window(q_pos, start, 0)[:, None])[None]
-            & (window(q_seg, start, 1)[:, :, None] == sb[j][:, None, :]))
-    return start, j, jnp.where(mask[:, None], s, -jnp.inf)
-
-  def add(x, start, axis, y):  # x with y added to the step's query rows
-    return jax.lax.dynamic_update_slice_in_dim(x, window(x, start, axis) + y, start, axis)
-
-  kmin, kmax = sb.min(-1), sb.max(-1)  # [nb, B]
-
-  def visible(i):  # some row of the step's window shares a segment with its key block
-    start, j = pick(i)
-    qs = window(q_seg, start, 1)
-    return jnp.any((kmax[j] >= qs.min(-1)) & (kmin[j] <= qs.max(-1)))
-
-  vis = jax.vmap(visible)(jnp.arange(steps))
-
-  def skippable(update):  # a scan body that leaves the carry alone on steps without a pair
-    return jax.checkpoint(lambda c, x: (jax.lax.cond(x[1], update, lambda c, i: c, c, x[0]),
-                                        None))
-
-  def row_max(m, i):
-    start, _, s = scores(i)
-    return jax.lax.dynamic_update_slice_in_dim(
-        m, jnp.maximum(window(m, start, 2), jnp.max(s, axis=-1)), start, 2)
-
-  m0 = jnp.full((b, h, q.shape[1]), -jnp.inf, acc)
-  m, _ = jax.lax.scan(skippable(row_max), m0, (jnp.arange(steps), vis))
-  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-
-  def accumulate(carry, i):
-    l, o = carry
-    start, j, s = scores(i)
-    p = jnp.exp(s - window(m, start, 2)[..., None])  # exp(-inf) = 0 where masked
-    po = _einsum_acc("bhts,bshd->bthd", "bthd,bshd->bhts", "bthd,bhts->bshd", p.astype(v.dtype),
-                     vb[j])
-    return add(l, start, 2, jnp.sum(p, axis=-1)), add(o, start, 1, po)
-
-  init = (jnp.zeros(m.shape, acc), jnp.zeros(q.shape[:3] + v.shape[-1:], acc))
-  (l, o), _ = jax.lax.scan(skippable(accumulate), init, (jnp.arange(steps), vis))
-  l = jnp.moveaxis(l, 1, 2)[..., None]  # [B, Tq, H, 1]
-  return jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0).astype(q.dtype)
-
-
 def mla_attention(q, latent, w_kv, *, segment_ids=None, scale, nope_dim: int, balanced=True,
-                  block: int = 1024):
+                  implementation=None):
   """Causal MLA attention with the sequence split over the ``context`` axis.
 
   q: ``[B, T, H, nope + rope]``; latent: ``[B, T, R + rope]`` (normalised ``c`` then the shared
   ``k_r``); w_kv: ``[R, H, nope + v]`` (``kv_b_proj`` per head: nope then v); segment_ids
-  ``[B, T]`` or None; block: keys per step of the blockwise attention. Only the latent crosses
-  ranks. Returns ``[B, T, H, v]`` in q's dtype.
+  ``[B, T]`` or None; implementation: :func:`pallas_kernels.mla.mla_attention`'s. Only the
+  latent crosses ranks. Each local query piece (with ``balanced``, the two zigzag halves) attends
+  the whole gathered sequence at its own offset, so the attention op's block tables skip the key
+  blocks past the piece's end and those holding none of its documents. Returns ``[B, T, H, v]``
+  in q's dtype.
   """
   b, t, h, dq = q.shape
   r = w_kv.shape[0]
@@ -291,34 +179,28 @@ def mla_attention(q, latent, w_kv, *, segment_ids=None, scale, nope_dim: int, ba
 
   def body(q, lat, w, seg):
     idx = jax.lax.axis_index(AXIS)
-    half = q.shape[1] // 2
     lat_all = jax.lax.all_gather(lat, AXIS, axis=1, tiled=True)  # [B, T, R + rope]
     seg_all = jax.lax.all_gather(seg, AXIS, axis=1, tiled=True)  # [B, T]
     kv = jnp.einsum("btr,rhd->bthd", lat_all[..., :r], w.astype(lat_all.dtype))
     k_r = jnp.broadcast_to(lat_all[:, :, None, r:], kv.shape[:3] + (lat_all.shape[-1] - r,))
     keys = jnp.concatenate([kv[..., :nope_dim], k_r], -1)
     vals = kv[..., nope_dim:]
-    if balanced:
-      qa = jax.lax.ppermute(q[:, :half], AXIS, perm_a)
-      qb = jax.lax.ppermute(q[:, half:], AXIS, perm_b)
-      qq = jnp.concatenate([qa, qb], axis=1)
-      ha, hb = jnp.asarray(recv_a)[idx], jnp.asarray(recv_b)[idx]
-      q_pos = jnp.concatenate([ha * half + jnp.arange(half), hb * half + jnp.arange(half)])
-    else:
-      qq = q
-      q_pos = idx * q.shape[1] + jnp.arange(q.shape[1])
-    q_seg = jnp.take(seg_all, q_pos, axis=1)
-    zb = min(block, half)
-    if balanced and half % zb == 0:  # each half against the key blocks it can see
-      o = _masked_attention(qq, keys, vals, q_pos, q_seg, seg_all, scale, zb,
-                            first_half_blocks=(ha + 1) * (half // zb))
-    else:
-      o = _masked_attention(qq, keys, vals, q_pos, q_seg, seg_all, scale, block)
-    if balanced:
-      inv = lambda perm: [(d, s) for s, d in perm]
-      o = jnp.concatenate([jax.lax.ppermute(o[:, :half], AXIS, inv(perm_a)),
-                           jax.lax.ppermute(o[:, half:], AXIS, inv(perm_b))], axis=1)
-    return o
+
+    def attend(piece, start):  # query rows at global positions start .. start + len - 1
+      q_seg = jax.lax.dynamic_slice_in_dim(seg_all, start, piece.shape[1], axis=1)
+      return mla_ops.mla_attention(piece, keys, vals, segment_ids=q_seg, kv_segment_ids=seg_all,
+                                   q_offset=start, causal=True, scale=scale,
+                                   implementation=implementation)
+
+    if not balanced:
+      return attend(q, idx * q.shape[1])
+    half = q.shape[1] // 2
+    ha, hb = jnp.asarray(recv_a)[idx], jnp.asarray(recv_b)[idx]
+    oa = attend(jax.lax.ppermute(q[:, :half], AXIS, perm_a), ha * half)
+    ob = attend(jax.lax.ppermute(q[:, half:], AXIS, perm_b), hb * half)
+    inv = lambda perm: [(d, s) for s, d in perm]
+    return jnp.concatenate([jax.lax.ppermute(oa, AXIS, inv(perm_a)),
+                            jax.lax.ppermute(ob, AXIS, inv(perm_b))], axis=1)
 
   fn = jax.shard_map(body, in_specs=(qs, ls, ws, logical_spec(("batch", "length"))),
                      out_specs=qs, check_vma=False)

@@ -1,6 +1,7 @@
 """Pallas MLA kernels (interpret mode on CPU) against float64 NumPy loops and the XLA reference:
-prefill values and gradients (causal, packed documents, ragged T), paged decode (ragged lengths,
-shuffled page tables, several new tokens), block skipping, and TPU / GPU lowering."""
+prefill values and gradients (causal, packed documents, ragged T, a query window at a traced
+offset into longer keys with separate key segment ids), paged decode (ragged lengths, shuffled
+page tables, several new tokens), block skipping, and TPU / GPU lowering."""
 
 import contextlib
 
@@ -15,19 +16,21 @@ from pallas_kernels.mla import (decode, fast_forward_pallas_grad, mla_attention,
 SMALL = prefill.Blocks(fwd_q=16, fwd_k=16, dkv_q=16, dkv_k=16, dq_q=16, dq_k=16)
 
 
-def np_attention(q, k, v, seg, causal, scale, do):
-  """Float64 attention and its gradients, one (batch, head) at a time: ``o, dq, dk, dv``."""
+def np_attention(q, k, v, seg, causal, scale, do, kv_seg=None, off=None):
+  """Float64 attention and its gradients, one (batch, head) at a time: ``o, dq, dk, dv``.
+  Query i sits at key position ``off + i`` (default ``S - T``); kv_seg defaults to seg."""
   q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
   b, t, h, _ = q.shape
   s = k.shape[1]
   o = np.zeros(do.shape)
   dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
-  i = np.arange(t)[:, None] + (s - t)
+  i = np.arange(t)[:, None] + (s - t if off is None else off)
   j = np.arange(s)[None, :]
+  kv_seg = seg if kv_seg is None else kv_seg
   for bi in range(b):
     mask = (j <= i) if causal else np.ones((t, s), bool)
     if seg is not None:
-      mask = mask & (seg[bi][:, None] == seg[bi][None, :])
+      mask = mask & (seg[bi][:, None] == kv_seg[bi][None, :])
     for hi in range(h):
       qq, kk, vv, dd = q[bi, :, hi], k[bi, :, hi], v[bi, :, hi], do[bi, :, hi]
       logits = np.where(mask, qq @ kk.T * scale, -np.inf)
@@ -108,9 +111,14 @@ def test_block_tables_visit_exactly_the_visible_blocks():
   i, j = np.arange(tp)[:, None], np.arange(tp)[None, :]
   sid = np.asarray(seg_p[0])
   vis = (j <= i) & (sid[:, None] == sid[None, :]) & (i < t) & (j < t)
-  blocks = vis.reshape(tp // bq, bq, tp // bk, bk)
+  _assert_tables_visit(rows[0], cols[0], vis.reshape(tp // bq, bq, tp // bk, bk))
+
+
+def _assert_tables_visit(rows, cols, blocks):
+  """The ``[lo, a, b, hi)`` tables visit exactly the block pairs with a visible element of
+  ``blocks [nq, bq, nk, bk]`` and leave only fully visible ones unmasked."""
   any_vis, all_vis = blocks.any((1, 3)), blocks.all((1, 3))
-  for table, a_v, a_f in ((rows[0], any_vis, all_vis), (cols[0], any_vis.T, all_vis.T)):
+  for table, a_v, a_f in ((rows, any_vis, all_vis), (cols, any_vis.T, all_vis.T)):
     for r, (lo, a, b, hi) in enumerate(np.asarray(table)):
       visited = np.zeros(a_v.shape[1], bool)
       visited[lo:hi] = True
@@ -119,6 +127,65 @@ def test_block_tables_visit_exactly_the_visible_blocks():
       plain[a:b] = True
       assert not (plain & ~a_f[r]).any()  # unmasked blocks are fully visible
       assert lo <= a <= b <= hi
+
+
+# Keys (S=100) of two rows: row 0 has a document from 20 to 64 that starts before the query
+# window [50, 87) and continues into it, one from 64 to 71 starting inside a 16-key block and
+# another crossing the window's end; row 1 has a document ending inside the window's first block.
+KV_DOCS = np.stack([np.repeat([0, 1, 2, 3, 4], [20, 44, 7, 13, 16]),
+                    np.repeat([5, 6, 7], [52, 40, 8])]).astype(np.int32)
+
+
+def _check_window(backend, *, t, s, off, kv_seg, causal=True, h=1, seed=0):
+  """Queries at key positions ``off .. off + t - 1`` of ``kv_seg``, off passed traced into jit:
+  values and dq, dk, dv (random cotangent) against the float64 loop, and so are the values of the
+  XLA reference and of the cuDNN path's dense mask (run by XLA)."""
+  b = kv_seg.shape[0]
+  q, k, v, do = _inputs(seed, b, t, s, h, 48, 32)
+  scale = 48 ** -0.5
+  q_seg = kv_seg[:, off:off + t]
+
+  @jax.jit
+  def run(q, k, v, do, off):
+    f = lambda q, k, v: prefill.mla_attention(
+        q, k, v, segment_ids=q_seg, kv_segment_ids=kv_seg, q_offset=off, causal=causal,
+        scale=scale, backend=backend, blocks=SMALL)
+    o, vjp = jax.vjp(f, q, k, v)
+    masks = dict(segment_ids=q_seg, kv_segment_ids=kv_seg, q_offset=off, causal=causal,
+                 scale=scale)
+    refs = (mla_attention(q, k, v, **masks, implementation="xla"),
+            padded_dot_product_attention(q, k, v, **masks, implementation="xla"))
+    return (o, *vjp(do)), refs
+
+  got, refs = run(q, k, v, do, jnp.int32(off))
+  want = np_attention(q, k, v, q_seg, causal, scale, do, kv_seg=kv_seg, off=off)
+  for name, g, w in zip(("o", "dq", "dk", "dv", "xla", "dense mask"), got + refs,
+                        want + (want[0],) * 2):
+    np.testing.assert_allclose(np.asarray(g), w, rtol=2e-4, atol=2e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_prefill_window_at_traced_offset_into_longer_keys(backend):
+  _check_window(backend, t=37, s=100, off=50, kv_seg=KV_DOCS, seed=10)
+
+
+def test_prefill_gpu_window_single_token_and_not_causal():
+  _check_window("gpu", t=1, s=100, off=70, kv_seg=KV_DOCS, h=2, seed=11)
+  _check_window("gpu", t=37, s=100, off=50, kv_seg=KV_DOCS, causal=False, seed=12)
+
+
+def test_block_tables_with_offset_and_key_segments_visit_exactly_the_visible_blocks():
+  t, s, off, bq, bk = 70, 200, 113, 32, 16
+  kseg = np.repeat(np.arange(5), [30, 90, 7, 50, 23])
+  tp, sp = 96, 208
+  kseg_p = np.pad(kseg, (0, sp - s), mode="edge")
+  qseg_p = np.pad(kseg[off:off + t], (0, tp - t), mode="edge")
+  rows, cols = jax.jit(lambda o: prefill.block_tables(
+      jnp.asarray(qseg_p[None]), jnp.asarray(kseg_p[None]), t=t, s=s, tp=tp, sp=sp, bq=bq,
+      bk=bk, causal=True, off=o))(jnp.int32(off))
+  i, j = np.arange(tp)[:, None], np.arange(sp)[None, :]
+  vis = (j <= i + off) & (qseg_p[:, None] == kseg_p[None, :]) & (i < t) & (j < s)
+  _assert_tables_visit(rows[0], cols[0], vis.reshape(tp // bq, bq, sp // bk, bk))
 
 
 def test_padded_cudnn_path_and_fast_forward_gradients():
@@ -235,6 +302,29 @@ def test_lowering_bf16_mla_shapes(platform):
       assert "mla_" in text
 
 
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_lowering_bf16_window_at_traced_offset(platform):
+  """A context-parallel zigzag half: 4096 queries at a traced offset into 16384 keys with
+  separate query / key segment ids, forward and backward."""
+  backend = "tpu" if platform == "tpu" else "gpu"
+  sds = jax.ShapeDtypeStruct
+  bf16 = jnp.bfloat16
+
+  def loss(q, k, v, q_seg, kv_seg, off):
+    o = prefill.mla_attention(q, k, v, segment_ids=q_seg, kv_segment_ids=kv_seg, q_offset=off,
+                              causal=True, scale=192 ** -0.5, backend=backend, interpret=False)
+    return o.astype(jnp.float32).sum()
+
+  args = (sds((1, 4096, 8, 192), bf16), sds((1, 16384, 8, 192), bf16),
+          sds((1, 16384, 8, 128), bf16), sds((1, 4096), jnp.int32), sds((1, 16384), jnp.int32),
+          sds((), jnp.int32))
+  with _lowering_context(platform):
+    text = (jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(*args)
+            .lower(lowering_platforms=(platform,)).as_text())
+  for name in ("mla_fwd", "mla_bwd_dkv", "mla_bwd_dq"):
+    assert name in text
+
+
 def test_bad_inputs_raise():
   q = jnp.zeros((1, 8, 2, 40))
   with pytest.raises(ValueError, match="multiples of 16"):
@@ -242,6 +332,16 @@ def test_bad_inputs_raise():
   with pytest.raises(ValueError, match="segment_ids"):
     prefill.mla_attention(q[..., :32], q[:, :4, :, :32], q[:, :4, :, :32], scale=1.0,
                           segment_ids=jnp.zeros((1, 8), jnp.int32), backend="gpu")
+  with pytest.raises(ValueError, match="kv_segment_ids"):
+    prefill.mla_attention(q[..., :32], q[:, :4, :, :32], q[:, :4, :, :32], scale=1.0,
+                          segment_ids=jnp.zeros((1, 8), jnp.int32),
+                          kv_segment_ids=jnp.zeros((1, 8), jnp.int32), backend="gpu")
+  with pytest.raises(ValueError, match="kv_segment_ids needs segment_ids"):
+    prefill.mla_attention(q[..., :32], q[..., :32], q[..., :32], scale=1.0,
+                          kv_segment_ids=jnp.zeros((1, 8), jnp.int32), backend="gpu")
+  with pytest.raises(ValueError, match="q_offset"):
+    prefill.mla_attention(q[..., :32], q[..., :32], q[..., :32], scale=1.0,
+                          q_offset=jnp.zeros((2,), jnp.int32), backend="gpu")
   with pytest.raises(ValueError, match="page_size"):
     decode.mla_decode(jnp.zeros((1, 1, 2, 48)), jnp.zeros((4, 10, 48)),
                       jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32), kv_lora_rank=32,

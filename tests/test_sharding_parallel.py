@@ -57,13 +57,13 @@ def test_kda_context_parallel():
 
 
 def test_mla_context_parallel():
-  """Values and gradients vs dense causal attention: balanced (zigzag: each half against the key
-  blocks it can see, or all blocks when the half is not a multiple of the block) and plain
-  splits, one key block and three (padded) key blocks of the blockwise attention."""
+  """Values and gradients vs dense causal attention: balanced (zigzag: each half at its offset
+  into the gathered keys) and plain splits, through the XLA reference (float64) and the Pallas
+  GPU and TPU kernels (interpret mode, float32 accumulation)."""
   out = _run("mla_context")
-  assert len(out) == 10
+  assert len(out) == 8
   for case, err in out.items():
-    assert max(err.values()) < TOL, (case, err)
+    assert max(err.values()) < (TOL if case.endswith("/xla") else 1e-5), (case, err)
 
 
 def test_moe_sorts_only_local_tokens():

@@ -185,7 +185,7 @@ def mla_context():
   from pallas_kernels.mla import reference
   from sharding import context_parallel as cp
   rng = np.random.default_rng(2)
-  b, t, h, r, nope, rope, vd = 2, 32, 4, 16, 8, 8, 8
+  b, t, h, r, nope, rope, vd = 2, 32, 4, 16, 8, 8, 16
   q = jnp.asarray(rng.normal(size=(b, t, h, nope + rope)))
   lat = jnp.asarray(rng.normal(size=(b, t, r + rope)))
   w = jnp.asarray(rng.normal(size=(r, h, nope + vd)) * 0.3)
@@ -206,17 +206,19 @@ def mla_context():
   (_, o1), g1 = ref(q, lat, w)
   out = {}
   for mname, sizes in (("context4", dict(data=2, context=4)), ("context8", dict(context=8))):
-    # balanced: each zigzag half against the key blocks before its end (blocks of min(block,
-    # half)), or, when half is not a multiple of the block (3), every block for all; 12: three
-    # key blocks, the last padded
-    for balanced, block in ((True, 1024), (False, 1024), (True, 12), (True, 3), (False, 12)):
+    # balanced: each zigzag half at its offset into the gathered sequence; the reference and
+    # the Pallas kernels (interpret mode)
+    kernels = ((True, "pallas_gpu"), (False, "pallas_gpu"), (True, "pallas_tpu"))
+    for balanced, impl in ((True, "xla"), (False, "xla"),
+                           *(kernels if mname == "context8" else kernels[:1])):
       fn = lambda q, lat, w: cp.mla_attention(q, lat, w, segment_ids=seg, scale=scale,
-                                              nope_dim=nope, balanced=balanced, block=block)
+                                              nope_dim=nope, balanced=balanced,
+                                              implementation=impl)
       with jax.set_mesh(_mesh(**sizes)):
         (_, o2), g2 = jax.jit(jax.value_and_grad(lambda *a: loss(fn, *a), argnums=(0, 1, 2),
                                                  has_aux=True))(q, lat, w)
-      out[f"{mname}/balanced={balanced}/block={block}"] = {"o": _max_rel(o1, o2),
-                                             "grad": max(_max_rel(a, c) for a, c in zip(g1, g2))}
+      out[f"{mname}/balanced={balanced}/{impl}"] = {"o": _max_rel(o1, o2),
+                                                    "grad": max(_max_rel(a, c) for a, c in zip(g1, g2))}
   return out
 
 

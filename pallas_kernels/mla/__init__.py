@@ -2,9 +2,11 @@
 
 ``implementation``: ``"xla"`` (reference), ``"pallas_gpu"``, ``"pallas_tpu"``, ``"pallas"`` (the
 current platform's), ``"cudnn"`` (GPU, values padded to the query dim; prefill only),
-``"cudnn_fwd"`` (GPU: cuDNN with padded values for an undifferentiated call with T == S and no
-segment ids, else the Pallas kernels, always under differentiation; decode: Pallas) or ``None`` (the
-best available: ``"cudnn_fwd"`` on GPU, Pallas on TPU, XLA on CPU).
+``"cudnn_fwd"`` (GPU: cuDNN with padded values for an undifferentiated call with T == S, no
+segment ids and no ``q_offset``, else the Pallas kernels, always under differentiation; decode:
+Pallas) or ``None`` (the best available: ``"cudnn_fwd"`` on GPU, Pallas on TPU, XLA on CPU).
+``"cudnn"`` takes separate key segment ids and a query offset through a dense ``[B, 1, T, S]``
+mask (correct but slow for long keys: prefer Pallas there).
 
 Why ``"cudnn_fwd"`` on GPU (H200, bf16, ``benchmarks/RESULTS.md``): at B1 T16384 H32 and B2 T8192
 H96 causal, cuDNN's forward is 1.15-1.21x faster than the Pallas forward, but the Pallas
@@ -31,24 +33,28 @@ def resolve(implementation: str | None) -> str:
                                 {"gpu": "cudnn_fwd", "tpu": "pallas", "cpu": "xla"})
 
 
-def mla_attention(q, k, v, *, segment_ids=None, causal=True, scale=None, implementation=None):
+def mla_attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=None, causal=True,
+                  scale=None, implementation=None):
   """Softmax attention with MLA's shapes (query/key dim != value dim).
 
-  q: ``[B, T, H, Dk]``; k: ``[B, S, H, Dk]``; v: ``[B, S, H, Dv]``; segment_ids: ``[B, T]``
-  (T == S) or None. Causal masking aligns the last query with the last key. Returns
-  ``[B, T, H, Dv]`` in q's dtype (float32 accumulation).
+  q: ``[B, T, H, Dk]``; k: ``[B, S, H, Dk]``; v: ``[B, S, H, Dv]``; segment_ids: ``[B, T]`` (the
+  queries') or None; kv_segment_ids: ``[B, S]`` (the keys'; default segment_ids, then T == S).
+  q_offset: int or int32 scalar (may be traced), the key position of query row 0 (default
+  ``S - T``: the last query with the last key); causal lets query i see keys ``j <= q_offset + i``.
+  Returns ``[B, T, H, Dv]`` in q's dtype (float32 accumulation).
   """
   impl = resolve(implementation)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
+  masks = dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset)
   if impl == "xla":
-    return reference.attention(q, k, v, segment_ids=segment_ids, causal=causal, scale=scale)
+    return reference.attention(q, k, v, **masks, causal=causal, scale=scale)
   if impl == "cudnn":
-    return padded_dot_product_attention(q, k, v, segment_ids=segment_ids, causal=causal,
-                                        scale=scale)
-  if impl == "cudnn_fwd" and segment_ids is None and q.shape[1] == k.shape[1]:
+    return padded_dot_product_attention(q, k, v, **masks, causal=causal, scale=scale)
+  if (impl == "cudnn_fwd" and segment_ids is None and q_offset is None
+      and q.shape[1] == k.shape[1]):
     return fast_forward_pallas_grad(q, k, v, bool(causal), float(scale), "cudnn")
   from pallas_kernels.mla import prefill
-  return prefill.mla_attention(q, k, v, segment_ids=segment_ids, causal=causal, scale=scale,
+  return prefill.mla_attention(q, k, v, **masks, causal=causal, scale=scale,
                                backend=_pallas_backend(impl))
 
 
@@ -79,20 +85,22 @@ def _ffpg_bwd(causal, scale, fast, vjp, do):
 fast_forward_pallas_grad.defvjp(_ffpg_fwd, _ffpg_bwd)
 
 
-def padded_dot_product_attention(q, k, v, *, segment_ids=None, causal=True, scale,
-                                 implementation="cudnn"):
+def padded_dot_product_attention(q, k, v, *, segment_ids=None, kv_segment_ids=None,
+                                 q_offset=None, causal=True, scale, implementation="cudnn"):
   """``jax.nn.dot_product_attention`` with v zero-padded to q's head dim (it needs Dv == Dk),
-  sliced back to ``[B, T, H, Dv]``. Segments (and causal with T != S) go in as a dense mask."""
+  sliced back to ``[B, T, H, Dv]``. Segments, a query offset and causal with T != S go in as a
+  dense mask (``reference.attention_mask``)."""
   dk, dv = q.shape[-1], v.shape[-1]
   if dv > dk:
     raise ValueError(f"mla_attention(cudnn): value dim {dv} exceeds query dim {dk}")
   vp = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, dk - dv))) if dv < dk else v
   t, s = q.shape[1], k.shape[1]
   mask = None
-  if segment_ids is not None or (causal and t != s):
-    mask = reference.attention_mask(t, s, segment_ids, causal)[:, None]
+  if segment_ids is not None or (causal and (t != s or q_offset is not None)):
+    mask = reference.attention_mask(t, s, segment_ids, causal, kv_segment_ids=kv_segment_ids,
+                                    q_offset=q_offset)[:, None]
   o = jax.nn.dot_product_attention(q, k, vp, mask=mask, scale=scale,
-                                   is_causal=bool(causal) and t == s,
+                                   is_causal=bool(causal) and t == s and q_offset is None,
                                    implementation=implementation)[..., :dv]
   if mask is not None:  # rows with no visible key give zeros (as the reference)
     o = jnp.where(mask.any(-1).swapaxes(1, 2)[..., None], o, 0)

@@ -4,6 +4,11 @@ Forward and backward (``jax.custom_vjp``), causal or not, packed documents as se
 inputs with float32 accumulation, no padding of the head dims: Dk = 192 runs as two matmuls of
 128 + 64 (Triton wants power-of-two tiles), any dim that is a multiple of 16 works.
 
+A query window may sit anywhere in longer keys (context parallelism): query row i is at key
+position ``q_offset + i`` (``q_offset`` an int32 scalar, possibly traced; by default ``S - T``,
+the last query with the last key), and queries and keys carry their own segment ids. The offset
+enters the block tables (computed in JAX) and reaches the kernels as one int32 scalar.
+
 Block skipping: the wrapper classifies every (query block, key block) pair from the causal
 diagonal, key padding and per-block min/max segment ids as *skipped* (nothing visible), *full*
 (everything visible: no element mask) or *partial*. Each row of blocks is summarised as
@@ -78,6 +83,12 @@ class _Static:
   s: int  # true key length
   blocks: Blocks
   interpret: bool
+  static_off: int | None = None  # the query offset when known at trace time (then compiled in)
+
+
+def _offset(st: _Static, off_ref):
+  """The key position of query row 0: the static one, else the runtime input's."""
+  return off_ref[0] if st.static_off is None else st.static_off
 
 
 def _pow2_parts(d: int) -> tuple[tuple[int, int], ...]:
@@ -99,12 +110,13 @@ def _seg_minmax(seg, blk):
   return r.min(-1), r.max(-1)
 
 
-def _visibility(seg, *, t, s, tp, sp, bq, bk, causal):
-  """``(any, full)`` bool ``[B or 1, nq, nk]``: some / every element of the block pair visible."""
+def _visibility(qseg, kseg, *, t, s, tp, sp, bq, bk, causal, off):
+  """``(any, full)`` bool ``[B or 1, nq, nk]``: some / every element of the block pair visible.
+
+  qseg ``[B, Tp]`` / kseg ``[B, Sp]`` (both or neither); off: key position of query row 0."""
   nq, nk = tp // bq, sp // bk
   qi = jnp.arange(nq)[:, None]
   kj = jnp.arange(nk)[None, :]
-  off = s - t
   q_first = qi * bq + off
   q_last = jnp.minimum(qi * bq + bq - 1, t - 1) + off
   k_first, k_last = kj * bk, kj * bk + bk - 1
@@ -114,9 +126,9 @@ def _visibility(seg, *, t, s, tp, sp, bq, bk, causal):
     vis &= k_first <= q_last
     full &= k_last <= q_first
   vis, full = vis[None], full[None]
-  if seg is not None:
-    qmin, qmax = _seg_minmax(seg, bq)
-    kmin, kmax = _seg_minmax(seg, bk)
+  if qseg is not None:
+    qmin, qmax = _seg_minmax(qseg, bq)
+    kmin, kmax = _seg_minmax(kseg, bk)
     vis = vis & (kmax[:, None, :] >= qmin[:, :, None]) & (kmin[:, None, :] <= qmax[:, :, None])
     uniform = ((qmin == qmax)[:, :, None] & (kmin == kmax)[:, None, :]
                & (qmin[:, :, None] == kmin[:, None, :]))
@@ -139,18 +151,22 @@ def _summarise(vis, full):
   return jnp.stack([lo, a, b, hi], -1).astype(jnp.int32)
 
 
-def block_tables(seg, *, t, s, tp, sp, bq, bk, causal):
+def block_tables(qseg, kseg=None, *, t, s, tp, sp, bq, bk, causal, off=None):
   """``(rows, cols)``: ``[B or 1, nq, 4]`` key-block ranges per query block and
-  ``[B or 1, nk, 4]`` query-block ranges per key block."""
-  vis, full = _visibility(seg, t=t, s=s, tp=tp, sp=sp, bq=bq, bk=bk, causal=causal)
+  ``[B or 1, nk, 4]`` query-block ranges per key block. kseg defaults to qseg (S == T), off
+  (int or int32 scalar, may be traced) to ``s - t``."""
+  kseg = qseg if kseg is None else kseg
+  off = s - t if off is None else off
+  vis, full = _visibility(qseg, kseg, t=t, s=s, tp=tp, sp=sp, bq=bq, bk=bk, causal=causal,
+                          off=off)
   return _summarise(vis, full), _summarise(vis.swapaxes(1, 2), full.swapaxes(1, 2))
 
 
-def _mask(qpos, kpos, qseg, kseg, *, causal, s, off):
-  """Element mask from broadcastable positions / segment ids."""
+def _mask(qpos, kpos, qseg, kseg, *, causal, s):
+  """Element mask from broadcastable key positions of the queries / keys and segment ids."""
   m = kpos < s
   if causal:
-    m = m & (kpos <= qpos + off)
+    m = m & (kpos <= qpos)
   if qseg is not None:
     m = m & (qseg == kseg)
   return m
@@ -212,18 +228,20 @@ def _three_loops(tab_ref, body, carry):
   return lax.fori_loop(b, hi, functools.partial(body, masked=True), carry)
 
 
-def _gpu_fwd_kernel(tab_ref, q_ref, k_ref, v_ref, *rest, st: _Static, nq: int, dk_parts, dv_parts,
-                    segmented: bool):
-  if segmented:
-    seg_ref, o_ref, lse_ref = rest
-  else:
-    (o_ref, lse_ref), seg_ref = rest, None
+def _gpu_refs(rest, segmented):
+  """``(qseg_ref, kseg_ref), outputs`` from a kernel's trailing refs."""
+  return (tuple(rest[:2]), rest[2:]) if segmented else ((None, None), rest)
+
+
+def _gpu_fwd_kernel(tab_ref, off_ref, q_ref, k_ref, v_ref, *rest, st: _Static, nq: int,
+                    dk_parts, dv_parts, segmented: bool):
+  (qseg_ref, kseg_ref), (o_ref, lse_ref) = _gpu_refs(rest, segmented)
   bq, bk = st.blocks.fwd_q, st.blocks.fwd_k
   i = nq - 1 - pl.program_id(0)
   scale2 = st.scale * LOG2E
   q_parts = [q_ref[:, pl.ds(o, n)] for o, n in dk_parts]
-  qpos = (i * bq + jnp.arange(bq))[:, None]
-  qseg = seg_ref[pl.ds(i * bq, bq)][:, None] if segmented else None
+  qpos = (i * bq + _offset(st, off_ref) + jnp.arange(bq))[:, None]
+  qseg = qseg_ref[pl.ds(i * bq, bq)][:, None] if segmented else None
 
   def body(j, carry, masked):
     m, l, accs = carry
@@ -231,9 +249,8 @@ def _gpu_fwd_kernel(tab_ref, q_ref, k_ref, v_ref, *rest, st: _Static, nq: int, d
     s = _scores(q_parts, [k_ref[rows, pl.ds(o, n)] for o, n in dk_parts], scale2)
     if masked:
       kpos = (j * bk + jnp.arange(bk))[None, :]
-      kseg = seg_ref[rows][None, :] if segmented else None
-      s = jnp.where(_mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s, off=st.s - st.t),
-                    s, -jnp.inf)
+      kseg = kseg_ref[rows][None, :] if segmented else None
+      s = jnp.where(_mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s), s, -jnp.inf)
     return _softmax_step(s, m, l, accs, [v_ref[rows, pl.ds(o, n)] for o, n in dv_parts])
 
   init = (jnp.full((bq, 1), -jnp.inf, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
@@ -245,20 +262,18 @@ def _gpu_fwd_kernel(tab_ref, q_ref, k_ref, v_ref, *rest, st: _Static, nq: int, d
   lse_ref[...] = lse[:, 0]
 
 
-def _gpu_dkv_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, st: _Static,
-                    dk_parts, dv_parts, segmented: bool):
+def _gpu_dkv_kernel(tab_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest,
+                    st: _Static, dk_parts, dv_parts, segmented: bool):
   """dK, dV of one key block, computed transposed (``[bk, bq]`` scores: no register transposes)."""
-  if segmented:
-    seg_ref, dk_ref, dv_ref = rest
-  else:
-    (dk_ref, dv_ref), seg_ref = rest, None
+  (qseg_ref, kseg_ref), (dk_ref, dv_ref) = _gpu_refs(rest, segmented)
   bq, bk = st.blocks.dkv_q, st.blocks.dkv_k
   j = pl.program_id(0)
   scale2 = st.scale * LOG2E
+  off = _offset(st, off_ref)
   k_parts = [k_ref[:, pl.ds(o, n)] for o, n in dk_parts]
   v_parts = [v_ref[:, pl.ds(o, n)] for o, n in dv_parts]
   kpos = (j * bk + jnp.arange(bk))[:, None]
-  kseg = seg_ref[pl.ds(j * bk, bk)][:, None] if segmented else None
+  kseg = kseg_ref[pl.ds(j * bk, bk)][:, None] if segmented else None
 
   def body(i, carry, masked):
     dks, dvs = carry
@@ -267,9 +282,9 @@ def _gpu_dkv_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *r
     do_parts = [do_ref[rows, pl.ds(o, n)] for o, n in dv_parts]
     mask = None
     if masked:
-      qpos = (i * bq + jnp.arange(bq))[None, :]
-      qseg = seg_ref[rows][None, :] if segmented else None
-      mask = _mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s, off=st.s - st.t)
+      qpos = (i * bq + off + jnp.arange(bq))[None, :]
+      qseg = qseg_ref[rows][None, :] if segmented else None
+      mask = _mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s)
     # transposed roles: scores K Q^T, dP^T = V dO^T
     pt, dst = _grad_step(k_parts, q_parts, do_parts, v_parts, lse_ref[rows][None, :],
                          delta_ref[rows][None, :], mask, scale2)
@@ -288,12 +303,9 @@ def _gpu_dkv_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *r
     dv_ref[:, pl.ds(o, n)] = acc.astype(dv_ref.dtype)
 
 
-def _gpu_dq_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, st: _Static,
-                   nq: int, dk_parts, dv_parts, segmented: bool):
-  if segmented:
-    seg_ref, dq_ref = rest
-  else:
-    (dq_ref,), seg_ref = rest, None
+def _gpu_dq_kernel(tab_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest,
+                   st: _Static, nq: int, dk_parts, dv_parts, segmented: bool):
+  (qseg_ref, kseg_ref), (dq_ref,) = _gpu_refs(rest, segmented)
   bq, bk = st.blocks.dq_q, st.blocks.dq_k
   i = nq - 1 - pl.program_id(0)
   scale2 = st.scale * LOG2E
@@ -301,8 +313,8 @@ def _gpu_dq_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *re
   do_parts = [do_ref[:, pl.ds(o, n)] for o, n in dv_parts]
   lse = lse_ref[...][:, None]
   delta = delta_ref[...][:, None]
-  qpos = (i * bq + jnp.arange(bq))[:, None]
-  qseg = seg_ref[pl.ds(i * bq, bq)][:, None] if segmented else None
+  qpos = (i * bq + _offset(st, off_ref) + jnp.arange(bq))[:, None]
+  qseg = qseg_ref[pl.ds(i * bq, bq)][:, None] if segmented else None
 
   def body(j, dqs, masked):
     rows = pl.ds(j * bk, bk)
@@ -310,8 +322,8 @@ def _gpu_dq_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *re
     mask = None
     if masked:
       kpos = (j * bk + jnp.arange(bk))[None, :]
-      kseg = seg_ref[rows][None, :] if segmented else None
-      mask = _mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s, off=st.s - st.t)
+      kseg = kseg_ref[rows][None, :] if segmented else None
+      mask = _mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s)
     _, ds = _grad_step(q_parts, k_parts, [v_ref[rows, pl.ds(o, n)] for o, n in dv_parts],
                        do_parts, lse, delta, mask, scale2)
     dsb = ds.astype(k_ref.dtype)
@@ -326,24 +338,34 @@ def _gpu_params(warps, stages):
   return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 
 
-def _gpu_fwd(q, k, v, seg, st: _Static):
+def _gpu_seg_specs(qseg, kseg):
+  """Whole-row specs and arrays of the query and key segment ids (none when unsegmented)."""
+  if qseg is None:
+    return [], []
+  spec = lambda n: pl.BlockSpec((None, n), lambda g, bi, hi: (bi, 0))
+  return [spec(qseg.shape[1]), spec(kseg.shape[1])], [qseg, kseg]
+
+
+_GPU_OFF = pl.BlockSpec((1,), lambda g, bi, hi: (0,))  # the [1] int32 query offset
+
+
+def _gpu_fwd(q, k, v, qseg, kseg, off, st: _Static):
   b, tp, h, dk = q.shape
   sp, dv = k.shape[1], v.shape[-1]
   bq, bk = st.blocks.fwd_q, st.blocks.fwd_k
   nq = tp // bq
-  rows, _ = block_tables(seg, t=st.t, s=st.s, tp=tp, sp=sp, bq=bq, bk=bk, causal=st.causal)
-  segmented = seg is not None
+  rows, _ = block_tables(qseg, kseg, t=st.t, s=st.s, tp=tp, sp=sp, bq=bq, bk=bk,
+                         causal=st.causal, off=off)
+  segmented = qseg is not None
   bsel = (lambda bi: bi) if segmented else (lambda bi: 0)
+  seg_specs, seg_args = _gpu_seg_specs(qseg, kseg)
   in_specs = [
-      pl.BlockSpec((None, None, 4), lambda i, bi, hi: (bsel(bi), nq - 1 - i, 0)),
+      pl.BlockSpec((None, None, 4), lambda i, bi, hi: (bsel(bi), nq - 1 - i, 0)), _GPU_OFF,
       pl.BlockSpec((None, bq, None, dk), lambda i, bi, hi: (bi, nq - 1 - i, hi, 0)),
       pl.BlockSpec((None, sp, None, dk), lambda i, bi, hi: (bi, 0, hi, 0)),
       pl.BlockSpec((None, sp, None, dv), lambda i, bi, hi: (bi, 0, hi, 0)),
+      *seg_specs,
   ]
-  args = [rows, q, k, v]
-  if segmented:
-    in_specs.append(pl.BlockSpec((None, tp), lambda i, bi, hi: (bi, 0)))
-    args.append(seg)
   kernel = functools.partial(_gpu_fwd_kernel, st=st, nq=nq, dk_parts=_pow2_parts(dk),
                              dv_parts=_pow2_parts(dv), segmented=segmented)
   return pl.pallas_call(
@@ -353,58 +375,60 @@ def _gpu_fwd(q, k, v, seg, st: _Static):
       out_shape=[jax.ShapeDtypeStruct((b, tp, h, dv), q.dtype),
                  jax.ShapeDtypeStruct((b, h, tp), jnp.float32)],
       compiler_params=_gpu_params(st.blocks.fwd_warps, st.blocks.fwd_stages),
-      interpret=st.interpret, name="mla_fwd")(*args)
+      interpret=st.interpret, name="mla_fwd")(rows, off[None], q, k, v, *seg_args)
 
 
-def _gpu_bwd(q, k, v, seg, o, lse, do, st: _Static):
+def _gpu_bwd(q, k, v, qseg, kseg, off, o, lse, do, st: _Static):
   b, tp, h, dk = q.shape
   sp, dv = k.shape[1], v.shape[-1]
   delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
-  segmented = seg is not None
+  segmented = qseg is not None
   bsel = (lambda bi: bi) if segmented else (lambda bi: 0)
   parts = dict(dk_parts=_pow2_parts(dk), dv_parts=_pow2_parts(dv), segmented=segmented)
-  seg_args = [seg] if segmented else []
+  seg_specs, seg_args = _gpu_seg_specs(qseg, kseg)
+  tables = functools.partial(block_tables, qseg, kseg, t=st.t, s=st.s, tp=tp, sp=sp,
+                             causal=st.causal, off=off)
 
   bq, bk = st.blocks.dkv_q, st.blocks.dkv_k
   nk = sp // bk
-  _, cols = block_tables(seg, t=st.t, s=st.s, tp=tp, sp=sp, bq=bq, bk=bk, causal=st.causal)
+  _, cols = tables(bq=bq, bk=bk)
   whole = lambda n, d: pl.BlockSpec((None, n, None, d), lambda j, bi, hi: (bi, 0, hi, 0))
   tile = lambda n, d: pl.BlockSpec((None, n, None, d), lambda j, bi, hi: (bi, j, hi, 0))
   row = pl.BlockSpec((None, None, tp), lambda j, bi, hi: (bi, hi, 0))
-  in_specs = [pl.BlockSpec((None, None, 4), lambda j, bi, hi: (bsel(bi), j, 0)),
-              whole(tp, dk), tile(bk, dk), tile(bk, dv), whole(tp, dv), row, row]
-  if segmented:
-    in_specs.append(pl.BlockSpec((None, tp), lambda j, bi, hi: (bi, 0)))
+  in_specs = [pl.BlockSpec((None, None, 4), lambda j, bi, hi: (bsel(bi), j, 0)), _GPU_OFF,
+              whole(tp, dk), tile(bk, dk), tile(bk, dv), whole(tp, dv), row, row, *seg_specs]
   dk_, dv_ = pl.pallas_call(
       functools.partial(_gpu_dkv_kernel, st=st, **parts),
       grid=(nk, b, h), in_specs=in_specs, out_specs=[tile(bk, dk), tile(bk, dv)],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=_gpu_params(st.blocks.dkv_warps, st.blocks.dkv_stages),
-      interpret=st.interpret, name="mla_bwd_dkv")(cols, q, k, v, do, lse, delta, *seg_args)
+      interpret=st.interpret, name="mla_bwd_dkv")(cols, off[None], q, k, v, do, lse, delta,
+                                                  *seg_args)
 
   bq, bk = st.blocks.dq_q, st.blocks.dq_k
   nq = tp // bq
-  rows, _ = block_tables(seg, t=st.t, s=st.s, tp=tp, sp=sp, bq=bq, bk=bk, causal=st.causal)
+  rows, _ = tables(bq=bq, bk=bk)
   whole = lambda n, d: pl.BlockSpec((None, n, None, d), lambda i, bi, hi: (bi, 0, hi, 0))
   tile = lambda n, d: pl.BlockSpec((None, n, None, d), lambda i, bi, hi: (bi, nq - 1 - i, hi, 0))
   row = pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, nq - 1 - i))
   in_specs = [pl.BlockSpec((None, None, 4), lambda i, bi, hi: (bsel(bi), nq - 1 - i, 0)),
-              tile(bq, dk), whole(sp, dk), whole(sp, dv), tile(bq, dv), row, row]
-  if segmented:
-    in_specs.append(pl.BlockSpec((None, tp), lambda i, bi, hi: (bi, 0)))
+              _GPU_OFF, tile(bq, dk), whole(sp, dk), whole(sp, dv), tile(bq, dv), row, row,
+              *seg_specs]
   dq = pl.pallas_call(
       functools.partial(_gpu_dq_kernel, st=st, nq=nq, **parts),
       grid=(nq, b, h), in_specs=in_specs, out_specs=tile(bq, dk),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       compiler_params=_gpu_params(st.blocks.dq_warps, st.blocks.dq_stages),
-      interpret=st.interpret, name="mla_bwd_dq")(rows, q, k, v, do, lse, delta, *seg_args)
+      interpret=st.interpret, name="mla_bwd_dq")(rows, off[None], q, k, v, do, lse, delta,
+                                                 *seg_args)
   return dq, dk_, dv_
 
 
 # --------------------------------------------------------------------------- TPU (Mosaic)
 # Layout [B, H, T, D]; the key (or query) loop is the last grid axis ("arbitrary") with the
 # accumulators in VMEM scratch. Skipped blocks keep the previous block index (no new DMA).
-# Segment ids travel as [B, T, 1] (query side) and [B, 1, T] (key side).
+# Segment ids travel as [B, Tp, 1] (query side) and [B, 1, Sp] (key side). Two scalar-prefetch
+# inputs: the flattened block table and the [1] query offset (index maps take both, last).
 
 
 def _tpu_clamped(tab_ref, base, j):
@@ -422,16 +446,16 @@ def _tpu_when_visible(tab_ref, base, j, compute):
   pl.when(visit & jnp.logical_not(full))(lambda: compute(True))
 
 
-def _tpu_block_mask(i, j, bq, bk, st: _Static, qseg_ref, kseg_ref):
-  """``[bq, bk]`` bool mask of query block i against key block j (causal, key padding, and
-  segments when the segment refs are given)."""
-  qpos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+def _tpu_block_mask(i, j, bq, bk, st: _Static, off, qseg_ref, kseg_ref):
+  """``[bq, bk]`` bool mask of query block i against key block j (causal at query offset off,
+  key padding, and segments when the segment refs are given)."""
+  qpos = i * bq + off + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
   kpos = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
   qseg, kseg = (qseg_ref[...], kseg_ref[...]) if qseg_ref is not None else (None, None)
-  return _mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s, off=st.s - st.t)
+  return _mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s)
 
 
-def _tpu_fwd_kernel(tab_ref, q_ref, k_ref, v_ref, *rest, st: _Static, nq: int, nk: int,
+def _tpu_fwd_kernel(tab_ref, off_ref, q_ref, k_ref, v_ref, *rest, st: _Static, nq: int, nk: int,
                     segmented: bool):
   if segmented:
     qseg_ref, kseg_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
@@ -451,7 +475,8 @@ def _tpu_fwd_kernel(tab_ref, q_ref, k_ref, v_ref, *rest, st: _Static, nq: int, n
   def compute(masked):
     s = _scores([q_ref[...]], [k_ref[...]], st.scale * LOG2E)
     if masked:
-      s = jnp.where(_tpu_block_mask(i, j, bq, bk, st, qseg_ref, kseg_ref), s, -jnp.inf)
+      mask = _tpu_block_mask(i, j, bq, bk, st, _offset(st, off_ref), qseg_ref, kseg_ref)
+      s = jnp.where(mask, s, -jnp.inf)
     m, l, (acc,) = _softmax_step(s, m_ref[...], l_ref[...], (acc_ref[...],), [v_ref[...]])
     m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
 
@@ -464,8 +489,8 @@ def _tpu_fwd_kernel(tab_ref, q_ref, k_ref, v_ref, *rest, st: _Static, nq: int, n
     lse_ref[...] = lse
 
 
-def _tpu_dkv_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, st: _Static,
-                    nq: int, nk: int, segmented: bool):
+def _tpu_dkv_kernel(tab_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest,
+                    st: _Static, nq: int, nk: int, segmented: bool):
   if segmented:
     qseg_ref, kseg_ref, dk_ref, dv_ref, dk_acc, dv_acc = rest
   else:
@@ -481,7 +506,8 @@ def _tpu_dkv_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *r
     dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
   def compute(masked):
-    mask = _tpu_block_mask(i, j, bq, bk, st, qseg_ref, kseg_ref) if masked else None
+    mask = (_tpu_block_mask(i, j, bq, bk, st, _offset(st, off_ref), qseg_ref, kseg_ref)
+            if masked else None)
     q, do = q_ref[...], do_ref[...]
     p, ds = _grad_step([q], [k_ref[...]], [v_ref[...]], [do], lse_ref[...], delta_ref[...], mask,
                        st.scale * LOG2E)
@@ -496,8 +522,8 @@ def _tpu_dkv_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *r
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _tpu_dq_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, st: _Static,
-                   nq: int, nk: int, segmented: bool):
+def _tpu_dq_kernel(tab_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest,
+                   st: _Static, nq: int, nk: int, segmented: bool):
   if segmented:
     qseg_ref, kseg_ref, dq_ref, dq_acc = rest
   else:
@@ -512,7 +538,8 @@ def _tpu_dq_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *re
     dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
   def compute(masked):
-    mask = _tpu_block_mask(i, j, bq, bk, st, qseg_ref, kseg_ref) if masked else None
+    mask = (_tpu_block_mask(i, j, bq, bk, st, _offset(st, off_ref), qseg_ref, kseg_ref)
+            if masked else None)
     k = k_ref[...]
     _, ds = _grad_step([q_ref[...]], [k], [v_ref[...]], [do_ref[...]], lse_ref[...],
                        delta_ref[...], mask, st.scale * LOG2E)
@@ -525,43 +552,44 @@ def _tpu_dq_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *re
     dq_ref[...] = (dq_acc[...] * st.scale).astype(dq_ref.dtype)
 
 
-def _tpu_call(kernel, tab, args, in_specs, out_specs, out_shape, scratch, grid, st, name):
+def _tpu_call(kernel, tab, off, args, in_specs, out_specs, out_shape, scratch, grid, st, name):
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1, grid=grid, in_specs=in_specs, out_specs=out_specs,
+          num_scalar_prefetch=2, grid=grid, in_specs=in_specs, out_specs=out_specs,
           scratch_shapes=scratch),
       out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=pltpu.InterpretParams() if st.interpret else False,
-      name=name)(tab.reshape(-1), *args)
+      name=name)(tab.reshape(-1), off[None], *args)
 
 
-def _tpu_seg_args(seg):
-  return [] if seg is None else [seg[:, :, None], seg[:, None, :]]
+def _tpu_seg_args(qseg, kseg):
+  return [] if qseg is None else [qseg[:, :, None], kseg[:, None, :]]
 
 
-def _tpu_fwd(q, k, v, seg, st: _Static):
+def _tpu_fwd(q, k, v, qseg, kseg, off, st: _Static):
   """q ``[B, H, Tp, Dk]`` (TPU layout) -> o ``[B, H, Tp, Dv]``, lse ``[B, H, Tp, 1]``."""
   b, h, tp, dk = q.shape
   sp, dv = k.shape[2], v.shape[-1]
   bq, bk = st.blocks.fwd_q, st.blocks.fwd_k
   nq, nk = tp // bq, sp // bk
-  segmented = seg is not None
-  rows, _ = block_tables(seg, t=st.t, s=st.s, tp=tp, sp=sp, bq=bq, bk=bk, causal=st.causal)
+  segmented = qseg is not None
+  rows, _ = block_tables(qseg, kseg, t=st.t, s=st.s, tp=tp, sp=sp, bq=bq, bk=bk,
+                         causal=st.causal, off=off)
   base = lambda bi, i: ((bi if segmented else 0) * nq + i) * 4
-  kv_idx = lambda bi, hi, i, j, tab: (bi, hi, _tpu_clamped(tab, base(bi, i), j), 0)
-  q_idx = lambda bi, hi, i, j, tab: (bi, hi, i, 0)
+  kv_idx = lambda bi, hi, i, j, tab, _: (bi, hi, _tpu_clamped(tab, base(bi, i), j), 0)
+  q_idx = lambda bi, hi, i, j, tab, _: (bi, hi, i, 0)
   in_specs = [pl.BlockSpec((None, None, bq, dk), q_idx), pl.BlockSpec((None, None, bk, dk), kv_idx),
               pl.BlockSpec((None, None, bk, dv), kv_idx)]
   if segmented:
-    in_specs += [pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j, tab: (bi, i, 0)),
-                 pl.BlockSpec((None, 1, bk),
-                              lambda bi, hi, i, j, tab: (bi, 0, _tpu_clamped(tab, base(bi, i), j)))]
+    in_specs += [pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j, tab, _: (bi, i, 0)),
+                 pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j, tab, _:
+                              (bi, 0, _tpu_clamped(tab, base(bi, i), j)))]
   kernel = functools.partial(_tpu_fwd_kernel, st=st, nq=nq, nk=nk, segmented=segmented)
   return _tpu_call(
-      kernel, rows, [q, k, v, *_tpu_seg_args(seg)], in_specs,
+      kernel, rows, off, [q, k, v, *_tpu_seg_args(qseg, kseg)], in_specs,
       [pl.BlockSpec((None, None, bq, dv), q_idx), pl.BlockSpec((None, None, bq, 1), q_idx)],
       [jax.ShapeDtypeStruct((b, h, tp, dv), q.dtype),
        jax.ShapeDtypeStruct((b, h, tp, 1), jnp.float32)],
@@ -570,29 +598,31 @@ def _tpu_fwd(q, k, v, seg, st: _Static):
       (b, h, nq, nk), st, "mla_fwd")
 
 
-def _tpu_bwd(q, k, v, seg, o, lse, do, st: _Static):
+def _tpu_bwd(q, k, v, qseg, kseg, off, o, lse, do, st: _Static):
   """All in TPU layout ``[B, H, T, D]``; lse ``[B, H, Tp, 1]``."""
   b, h, tp, dk = q.shape
   sp, dv = k.shape[2], v.shape[-1]
   delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), -1, keepdims=True)
-  segmented = seg is not None
-  seg_args = _tpu_seg_args(seg)
+  segmented = qseg is not None
+  seg_args = _tpu_seg_args(qseg, kseg)
+  tables = functools.partial(block_tables, qseg, kseg, t=st.t, s=st.s, tp=tp, sp=sp,
+                             causal=st.causal, off=off)
 
   bq, bk = st.blocks.dkv_q, st.blocks.dkv_k
   nq, nk = tp // bq, sp // bk
-  _, cols = block_tables(seg, t=st.t, s=st.s, tp=tp, sp=sp, bq=bq, bk=bk, causal=st.causal)
+  _, cols = tables(bq=bq, bk=bk)
   base = lambda bi, j: ((bi if segmented else 0) * nk + j) * 4
-  q_idx = lambda bi, hi, j, i, tab: (bi, hi, _tpu_clamped(tab, base(bi, j), i), 0)
-  kv_idx = lambda bi, hi, j, i, tab: (bi, hi, j, 0)
+  q_idx = lambda bi, hi, j, i, tab, _: (bi, hi, _tpu_clamped(tab, base(bi, j), i), 0)
+  kv_idx = lambda bi, hi, j, i, tab, _: (bi, hi, j, 0)
   in_specs = [pl.BlockSpec((None, None, bq, dk), q_idx), pl.BlockSpec((None, None, bk, dk), kv_idx),
               pl.BlockSpec((None, None, bk, dv), kv_idx), pl.BlockSpec((None, None, bq, dv), q_idx),
               pl.BlockSpec((None, None, bq, 1), q_idx), pl.BlockSpec((None, None, bq, 1), q_idx)]
   if segmented:
-    in_specs += [pl.BlockSpec((None, bq, 1), lambda bi, hi, j, i, tab:
+    in_specs += [pl.BlockSpec((None, bq, 1), lambda bi, hi, j, i, tab, _:
                               (bi, _tpu_clamped(tab, base(bi, j), i), 0)),
-                 pl.BlockSpec((None, 1, bk), lambda bi, hi, j, i, tab: (bi, 0, j))]
+                 pl.BlockSpec((None, 1, bk), lambda bi, hi, j, i, tab, _: (bi, 0, j))]
   dk_, dv_ = _tpu_call(
-      functools.partial(_tpu_dkv_kernel, st=st, nq=nq, nk=nk, segmented=segmented), cols,
+      functools.partial(_tpu_dkv_kernel, st=st, nq=nq, nk=nk, segmented=segmented), cols, off,
       [q, k, v, do, lse, delta, *seg_args], in_specs,
       [pl.BlockSpec((None, None, bk, dk), kv_idx), pl.BlockSpec((None, None, bk, dv), kv_idx)],
       [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
@@ -601,19 +631,19 @@ def _tpu_bwd(q, k, v, seg, o, lse, do, st: _Static):
 
   bq, bk = st.blocks.dq_q, st.blocks.dq_k
   nq, nk = tp // bq, sp // bk
-  rows, _ = block_tables(seg, t=st.t, s=st.s, tp=tp, sp=sp, bq=bq, bk=bk, causal=st.causal)
+  rows, _ = tables(bq=bq, bk=bk)
   base = lambda bi, i: ((bi if segmented else 0) * nq + i) * 4
-  q_idx = lambda bi, hi, i, j, tab: (bi, hi, i, 0)
-  kv_idx = lambda bi, hi, i, j, tab: (bi, hi, _tpu_clamped(tab, base(bi, i), j), 0)
+  q_idx = lambda bi, hi, i, j, tab, _: (bi, hi, i, 0)
+  kv_idx = lambda bi, hi, i, j, tab, _: (bi, hi, _tpu_clamped(tab, base(bi, i), j), 0)
   in_specs = [pl.BlockSpec((None, None, bq, dk), q_idx), pl.BlockSpec((None, None, bk, dk), kv_idx),
               pl.BlockSpec((None, None, bk, dv), kv_idx), pl.BlockSpec((None, None, bq, dv), q_idx),
               pl.BlockSpec((None, None, bq, 1), q_idx), pl.BlockSpec((None, None, bq, 1), q_idx)]
   if segmented:
-    in_specs += [pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j, tab: (bi, i, 0)),
-                 pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j, tab:
+    in_specs += [pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j, tab, _: (bi, i, 0)),
+                 pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j, tab, _:
                               (bi, 0, _tpu_clamped(tab, base(bi, i), j)))]
   dq = _tpu_call(
-      functools.partial(_tpu_dq_kernel, st=st, nq=nq, nk=nk, segmented=segmented), rows,
+      functools.partial(_tpu_dq_kernel, st=st, nq=nq, nk=nk, segmented=segmented), rows, off,
       [q, k, v, do, lse, delta, *seg_args], in_specs,
       pl.BlockSpec((None, None, bq, dk), q_idx), jax.ShapeDtypeStruct(q.shape, q.dtype),
       [pltpu.VMEM((bq, dk), jnp.float32)], (b, h, nq, nk), st, "mla_bwd_dq")
@@ -627,31 +657,33 @@ def _to_tpu(x):
   return x.transpose(0, 2, 1, 3)  # [B, T, H, D] <-> [B, H, T, D]
 
 
-def _forward(q, k, v, seg, st: _Static):
+def _forward(q, k, v, qseg, kseg, off, st: _Static):
   if st.backend == "gpu":
-    return _gpu_fwd(q, k, v, seg, st)
-  o, lse = _tpu_fwd(_to_tpu(q), _to_tpu(k), _to_tpu(v), seg, st)
+    return _gpu_fwd(q, k, v, qseg, kseg, off, st)
+  o, lse = _tpu_fwd(_to_tpu(q), _to_tpu(k), _to_tpu(v), qseg, kseg, off, st)
   return _to_tpu(o), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, seg, st: _Static):
-  return _forward(q, k, v, seg, st)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, qseg, kseg, off, st: _Static):
+  """Padded q ``[B, Tp, H, Dk]``, k ``[B, Sp, H, Dk]``, v ``[B, Sp, H, Dv]``, segment ids
+  ``[B, Tp]`` / ``[B, Sp]`` (or None), off int32 ``[]`` -> ``[B, Tp, H, Dv]``."""
+  return _forward(q, k, v, qseg, kseg, off, st)[0]
 
 
-def _attention_fwd(q, k, v, seg, st: _Static):
-  o, lse = _forward(q, k, v, seg, st)
-  return o, (q, k, v, seg, o, lse)
+def _attention_fwd(q, k, v, qseg, kseg, off, st: _Static):
+  o, lse = _forward(q, k, v, qseg, kseg, off, st)
+  return o, (q, k, v, qseg, kseg, off, o, lse)
 
 
 def _attention_bwd(st: _Static, res, do):
-  q, k, v, seg, o, lse = res
+  q, k, v, qseg, kseg, off, o, lse = res
   if st.backend == "gpu":
-    dq, dk, dv = _gpu_bwd(q, k, v, seg, o, lse, do, st)
+    dq, dk, dv = _gpu_bwd(q, k, v, qseg, kseg, off, o, lse, do, st)
   else:
-    dq, dk, dv = map(_to_tpu, _tpu_bwd(*map(_to_tpu, (q, k, v)), seg, _to_tpu(o), lse,
-                                       _to_tpu(do), st))
-  return dq, dk, dv, None
+    dq, dk, dv = map(_to_tpu, _tpu_bwd(*map(_to_tpu, (q, k, v)), qseg, kseg, off, _to_tpu(o),
+                                       lse, _to_tpu(do), st))
+  return dq, dk, dv, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -662,12 +694,18 @@ def _pad_seq(x, n, mode="constant"):
                                            [(0, 0)] * (x.ndim - 2), mode=mode)
 
 
-def mla_attention(q, k, v, *, segment_ids=None, causal=True, scale, backend, blocks=None,
-                  interpret=None):
+def mla_attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=None, causal=True,
+                  scale, backend, blocks=None, interpret=None):
   """Flash attention over q ``[B, T, H, Dk]``, k ``[B, S, H, Dk]``, v ``[B, S, H, Dv]`` ->
-  ``[B, T, H, Dv]`` (q's dtype). segment_ids ``[B, T]`` int (needs S == T). Causal aligns the
-  last query with the last key. ``backend``: "gpu" (Triton) or "tpu" (Mosaic); interpret mode by
-  default off the matching platform. ``blocks`` overrides the tile sizes (``Blocks``)."""
+  ``[B, T, H, Dv]`` (q's dtype).
+
+  Query i may see key j iff (not causal or ``j <= q_offset + i``) and the segment ids agree;
+  rows that see no key give zeros. q_offset: int or int32 scalar array (may be traced), the key
+  position of query row 0; default ``S - T`` (the last query with the last key). segment_ids
+  ``[B, T]``: the queries' ids; kv_segment_ids ``[B, S]``: the keys' (default segment_ids, which
+  then needs S == T; only with segment_ids). ``backend``: "gpu" (Triton) or "tpu" (Mosaic);
+  interpret mode by default off the matching platform. ``blocks`` overrides the tile sizes
+  (``Blocks``). Gradients flow to q, k, v only."""
   if backend not in ("gpu", "tpu"):
     raise ValueError(f"mla_attention: unknown Pallas backend {backend!r}; expected 'gpu' or 'tpu'")
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
@@ -679,20 +717,37 @@ def mla_attention(q, k, v, *, segment_ids=None, causal=True, scale, backend, blo
     raise ValueError(f"mla_attention: shapes disagree: q {q.shape}, k {k.shape}, v {v.shape}")
   if dk % 16 or dv % 16:
     raise ValueError(f"mla_attention: head dims must be multiples of 16; got Dk={dk}, Dv={dv}")
-  if segment_ids is not None and (segment_ids.shape != (b, t) or s != t):
-    raise ValueError(f"mla_attention: segment_ids must be [B, T] with S == T; got "
-                     f"{segment_ids.shape} for q {q.shape}, k {k.shape}")
+  if kv_segment_ids is not None and segment_ids is None:
+    raise ValueError("mla_attention: kv_segment_ids needs segment_ids (the queries' ids)")
+  if segment_ids is not None and (segment_ids.shape != (b, t) or
+                                  (kv_segment_ids is None and s != t)):
+    raise ValueError(f"mla_attention: segment_ids must be [B, T] (with S == T unless "
+                     f"kv_segment_ids is given); got {segment_ids.shape} for q {q.shape}, "
+                     f"k {k.shape}")
+  if kv_segment_ids is not None and kv_segment_ids.shape != (b, s):
+    raise ValueError(f"mla_attention: kv_segment_ids must be [B, S] = {(b, s)}; got "
+                     f"{kv_segment_ids.shape}")
+  off = jnp.asarray(s - t if q_offset is None else q_offset)
+  if off.ndim != 0 or not jnp.issubdtype(off.dtype, jnp.integer):
+    raise ValueError(f"mla_attention: q_offset must be an integer scalar; got {off.dtype} "
+                     f"{off.shape}")
   if interpret is None:
     interpret = default_backend() != backend
   blk = (blocks or (GPU_BLOCKS if backend == "gpu" else TPU_BLOCKS)).fitted(t, s)
   n = blk.pad_to()
   tp, sp = -(-t // n) * n, -(-s // n) * n
+  static_off = None
+  if q_offset is None or isinstance(q_offset, int):
+    static_off = s - t if q_offset is None else q_offset
   st = _Static(backend=backend, causal=bool(causal), scale=float(scale), t=t, s=s, blocks=blk,
-               interpret=bool(interpret))
-  seg = None
+               interpret=bool(interpret), static_off=static_off)
+  qseg = kseg = None
   if segment_ids is not None:
-    seg = _pad_seq(segment_ids.astype(jnp.int32), tp, mode="edge")
-  o = _attention(_pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp), seg, st)
+    kv = segment_ids if kv_segment_ids is None else kv_segment_ids
+    qseg = _pad_seq(segment_ids.astype(jnp.int32), tp, mode="edge")
+    kseg = _pad_seq(kv.astype(jnp.int32), sp, mode="edge")
+  o = _attention(_pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp), qseg, kseg,
+                 off.astype(jnp.int32), st)
   return o[:, :t]
 
 

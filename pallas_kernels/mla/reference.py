@@ -1,4 +1,5 @@
-"""XLA references for MLA attention (causal, packed segments) and paged latent decode."""
+"""XLA references for MLA attention (causal at a query offset, packed segments) and paged latent
+decode."""
 
 from __future__ import annotations
 
@@ -6,22 +7,32 @@ import jax
 import jax.numpy as jnp
 
 
-def attention_mask(t: int, s: int, segment_ids=None, causal=True) -> jax.Array:
-  """``[B or 1, T, S]`` bool: query i may attend key j."""
-  i = jnp.arange(t)[:, None] + (s - t)
+def attention_mask(t: int, s: int, segment_ids=None, causal=True, *, kv_segment_ids=None,
+                   q_offset=None) -> jax.Array:
+  """``[B or 1, T, S]`` bool: query i may attend key j, i.e. (not causal or
+  ``j <= q_offset + i``; q_offset an int or int32 scalar, default ``s - t``) and
+  ``segment_ids[i] == kv_segment_ids[j]`` (``[B, T]`` / ``[B, S]``; kv_segment_ids defaults to
+  segment_ids and needs it)."""
+  if kv_segment_ids is not None and segment_ids is None:
+    raise ValueError("attention_mask: kv_segment_ids needs segment_ids (the queries' ids)")
+  i = jnp.arange(t)[:, None] + (s - t if q_offset is None else q_offset)
   j = jnp.arange(s)[None, :]
   mask = (j <= i) if causal else jnp.ones((t, s), bool)
   mask = mask[None]
   if segment_ids is not None:
-    mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    kv = segment_ids if kv_segment_ids is None else kv_segment_ids
+    mask = mask & (segment_ids[:, :, None] == kv[:, None, :])
   return mask
 
 
-def attention(q, k, v, *, segment_ids=None, causal=True, scale):
-  """q ``[B,T,H,Dk]``, k ``[B,S,H,Dk]``, v ``[B,S,H,Dv]`` -> ``[B,T,H,Dv]``."""
+def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=None, causal=True,
+              scale):
+  """q ``[B,T,H,Dk]``, k ``[B,S,H,Dk]``, v ``[B,S,H,Dv]`` -> ``[B,T,H,Dv]`` (mask: see
+  ``attention_mask``; rows that see no key give zeros)."""
   acc = jnp.promote_types(q.dtype, jnp.float32)
   s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=acc) * scale
-  mask = attention_mask(q.shape[1], k.shape[1], segment_ids, causal)[:, None]
+  mask = attention_mask(q.shape[1], k.shape[1], segment_ids, causal,
+                        kv_segment_ids=kv_segment_ids, q_offset=q_offset)[:, None]
   s = jnp.where(mask, s, -jnp.inf)
   p = jax.nn.softmax(s, axis=-1)
   p = jnp.where(mask, p, 0.0)  # rows with no visible key give zeros, not NaN
