@@ -11,6 +11,11 @@
 #   bash benchmarks/h200_round.sh peers     # KDA vs jla and fla at the three PERF.md shapes
 #   bash benchmarks/h200_round.sh kdasweep  # KDA variants and warp counts (ours only)
 #   bash benchmarks/h200_round.sh ncu       # Nsight Compute: our KDA kernels, fwd+bwd
+#   bash benchmarks/h200_round.sh glu       # packed SiTU-GLU kernels vs XLA, tile sweep
+#   bash benchmarks/h200_round.sh lse       # LM-head log-sum-exp kernel vs XLA, tile sweep
+#   bash benchmarks/h200_round.sh mladecode # MLA decode kernels (mosaic, seesaw) at N 1-256
+#   bash benchmarks/h200_round.sh qbselect  # exact QB's radix select kernel vs XLA
+#   bash benchmarks/h200_round.sh kdadecode # KDA decode configurations and copy ceilings
 #   bash benchmarks/h200_round.sh long step peers   # several at once (one lock for timed GPU work)
 #
 # The k3_1b runs compile without XLA's Triton GEMM fusions (85 s instead of 111 s, same step time).
@@ -79,10 +84,20 @@ long() {
 
 step() {
   # The one-GPU k3_1b step at 16 x 4096, profiled, under each remat policy (REMATS) and each
-  # kernel option set (STEP_SETS, ';'-separated; '-' for the defaults), one per GPU in turn
+  # option (STEP_SETS, ';'-separated: '-' for the defaults, MODULE:NAME=VALUE for a kernel
+  # option, else a config override such as train.loss_chunk=4096), one per GPU in turn
   # (XLA's autotuning while another process compiles would otherwise disturb the timed steps).
+  # STEP_BASE=DIR (a copy of an earlier commit, e.g. `git archive`) also times that code's
+  # defaults in the same run: the before/after of a change side by side.
   # Do not time it beside `long`, whose compiles autotune on both GPUs.
   local i=0 gpu remat set tag
+  if [ -n "${STEP_BASE:-}" ]; then
+    (cd "$STEP_BASE" && PYTHONPATH=/tmp/site:$PWD CUDA_VISIBLE_DEVICES=0 \
+      XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout $LIMIT python3 \
+      benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 12 --lock "$LOCK" \
+      --profile "$R/trace_base" --json "$R/1b_base.json" > "$R/1b_base.log" 2>&1) &
+    i=1
+  fi
   for remat in ${REMATS:-dots dots_kernels}; do
     IFS=';' read -ra sets <<< "${STEP_SETS:--}"
     for set in "${sets[@]}"; do
@@ -91,7 +106,8 @@ step() {
       CUDA_VISIBLE_DEVICES=$gpu XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout $LIMIT \
         python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 12 --lock "$LOCK" \
         --profile "$R/trace_$tag" --json "$R/1b_remat_$tag.json" model.remat=$remat \
-        $([ "$set" = "-" ] || echo "--set $set") > "$R/1b_remat_$tag.log" 2>&1 &
+        $(case "$set" in -) ;; *:*) echo "--set $set" ;; *) echo "$set" ;; esac) \
+        > "$R/1b_remat_$tag.log" 2>&1 &
     done
   done
 }
@@ -113,6 +129,41 @@ kdasweep() {
   say "kda sweep done"
 }
 
+glu() {
+  # The packed SiTU-GLU kernels against XLA at k3_1b's expert shape, and their tile sweep.
+  flock -o "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 60 python3 benchmarks/glu.py --sweep \
+    > "$R/glu.log" 2>&1
+  say "glu done"
+}
+
+lse() {
+  # The row log-sum-exp kernel of the LM-head loss against XLA, and its tile sweep.
+  flock -o "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 60 python3 benchmarks/logsumexp.py \
+    --sweep > "$R/logsumexp.log" 2>&1
+  say "logsumexp done"
+}
+
+mladecode() {
+  # The MLA decode kernels (each in a child process with its share of the budget) at N 1-256.
+  flock -o "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 150 python3 benchmarks/mla.py \
+    --decode-only > "$R/mla_decode.log" 2>&1
+  say "mla decode done"
+}
+
+qbselect() {
+  # Exact QB's radix select: the Pallas kernel against XLA's reductions, and its configurations.
+  flock -o "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 58 python3 benchmarks/radix_select.py \
+    --budget 42 > "$R/radix_select.log" 2>&1
+  say "select done"
+}
+
+kdadecode() {
+  # The KDA decode kernel's configurations and the pool's in-place copy ceilings.
+  flock -o "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 90 python3 benchmarks/kda.py \
+    --decode-sweep > "$R/kda_decode.log" 2>&1
+  say "kda decode done"
+}
+
 ncu() {
   # Hardware counters of our KDA kernels, one forward+backward at B1 T16384 H32 (jla's Mosaic
   # GPU kernels crash the profiler: segmentation fault, 2026-12-01).
@@ -127,10 +178,11 @@ ncu() {
 [ $# -gt 0 ] || set -- both
 for what in "$@"; do  # several modes run side by side; timed GPU work takes the lock in turn
   case "$what" in
-    kernels|multi|peers|kdasweep|ncu) $what & ;;  # these block: run them in the background
+    kernels|multi|peers|kdasweep|ncu|glu|lse|kdadecode|mladecode|qbselect) $what & ;;  # blocking
     train|long|step) $what ;;        # these start background jobs of this shell
     both) train; sleep 5; kernels & ;;
-    *) echo "usage: $0 kernels|train|both|multi|long|step|peers|kdasweep|ncu ..."; exit 2 ;;
+    *) echo "usage: $0 MODE... (the modes are listed at the top of this script)"
+       exit 2 ;;
   esac
 done
 wait

@@ -15,6 +15,11 @@ when importable, in the same run, within a time budget (the H200 run takes about
   python3 benchmarks/kda.py --shapes 4x4096x32x128,1x65536x16x128 --no-parts --no-decode
   python3 benchmarks/kda.py --emulate      # CPU: the check with the GPU's matrix-unit roundings
                                            # emulated, for the default and GATE_DOTS (~2 min)
+  python3 benchmarks/kda.py --decode-sweep # decode only: every tuning of decode.SWEEP at N=256,
+                                           # each checked vs the XLA path, with ceiling references
+                                           # (XLA and Pallas in-place scaling of the pool), then
+                                           # N=64 fastest first, within --budget (75 s) (~85 s)
+  python3 benchmarks/kda.py --decode-sweep --decode-ns 3 --decode-heads 2  # CPU dry run
 
 Every row is written to ``$OUT/kda_bench.json`` as soon as it is measured, so a run cut short
 keeps what it measured.
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import sys
 import time
@@ -40,6 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
 from pallas_kernels.kda import kda, kda_decode  # noqa: E402
 from pallas_kernels.kda import gpu as kda_gpu  # noqa: E402
@@ -366,36 +374,50 @@ def time_fla_decode(n):
   return do_bench(f, warmup=25, rep=100, return_mode="median")
 
 
-def time_decode(n, block_v=64, num_warps=4):
-  h, kd = 32, 128
-  q, k, v, f, beta, a_log, dt_bias = inputs(n, 1, h, kd)
+def decode_inputs(n, h=32, kd=128):
+  """One token for N requests (bf16 q, k, v; float32 log decay in (-1, 0), beta in (0, 1)) and a
+  float32 pool of N states."""
+  q, k, v, _, beta, _, _ = inputs(n, 1, h, kd)
   g = -jax.random.uniform(jax.random.key(5), (n, 1, h, kd), jnp.float32)
-  beta = jax.nn.sigmoid(beta)
   pool = jax.random.normal(jax.random.key(6), (n, h, kd, kd), jnp.float32)
-  slots = jnp.arange(n, dtype=jnp.int32)
-  step = jax.jit(lambda q, k, v, g, b, s: kda_gpu_decode(q, k, v, g, b, s, slots, block_v,
-                                                           num_warps),
-                 donate_argnums=(5,))
-  o, pool = step(q, k, v, g, beta, pool)
-  jax.block_until_ready(pool)
-  ts = []
-  for _ in range(15):
-    t0 = time.perf_counter()
-    for _ in range(20):
-      o, pool = step(q, k, v, g, beta, pool)
-    jax.block_until_ready(pool)
-    ts.append((time.perf_counter() - t0) / 20)
-  ts.sort()
-  ms = ts[len(ts) // 2] * 1e3
-  return ms, 2 * n * h * kd * kd * 4 / ms / 1e9
+  return (q, k, v, g, jax.nn.sigmoid(beta)), pool
 
 
-def kda_gpu_decode(q, k, v, g, b, s, slots, block_v, num_warps):
+def kda_gpu_decode(q, k, v, g, b, s, slots, **cfg):
+  """The decode kernel with L2 norm fused, precomputed decay and beta; ``cfg``: its tuning."""
   from pallas_kernels.kda import decode
   return decode._decode_gpu(q, k, v, g, b, s, slots, scale=q.shape[-1] ** -0.5,
                             use_qk_l2norm=True, A_log=None, dt_bias=None, gate=None,
-                            lower_bound=LB, beta_is_logit=False, block_v=block_v,
-                            num_warps=num_warps)
+                            lower_bound=LB, beta_is_logit=False, **cfg)
+
+
+def time_donated(fn, args, pool, reps=15, inner=20):
+  """Median ms per call of ``fn(*args, pool) -> (..., pool)`` (the pool donated), over ``reps``
+  samples of ``inner`` back-to-back calls. Returns ``(ms, pool)``."""
+  pool = fn(*args, pool)[-1]
+  jax.block_until_ready(pool)
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(inner):
+      pool = fn(*args, pool)[-1]
+    jax.block_until_ready(pool)
+    ts.append((time.perf_counter() - t0) / inner)
+  ts.sort()
+  return ts[len(ts) // 2] * 1e3, pool
+
+
+def state_tbps(pool_shape, ms):
+  """State traffic (read + write) per second in TB/s."""
+  return 2 * 4 * math.prod(pool_shape) / ms / 1e9
+
+
+def time_decode(n, **cfg):
+  args, pool = decode_inputs(n)
+  slots = jnp.arange(n, dtype=jnp.int32)
+  step = jax.jit(lambda *a: kda_gpu_decode(*a, slots, **cfg), donate_argnums=(5,))
+  ms, _ = time_donated(step, args, pool)
+  return ms, state_tbps(pool.shape, ms)
 
 
 def _round(x, bits):
@@ -437,8 +459,19 @@ def main():
   if "--emulate" in sys.argv:
     return emulate()
   t0 = time.perf_counter()
-  budget = float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.argv else 135.0
+  sweep_decode = "--decode-sweep" in sys.argv
+  budget = (float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.argv
+            else 75.0 if sweep_decode else 135.0)
   left = lambda: budget - (time.perf_counter() - t0)
+  if sweep_decode:
+    print("jax", jax.__version__, jax.devices(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+          flush=True)
+    ns = (tuple(int(x) for x in sys.argv[sys.argv.index("--decode-ns") + 1].split(","))
+          if "--decode-ns" in sys.argv else DECODE_N)
+    h = int(sys.argv[sys.argv.index("--decode-heads") + 1]) if "--decode-heads" in sys.argv else 32
+    decode_sweep(left, ns, h)
+    print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
+    return
   quick = "--quick" in sys.argv
   shapes = ([(1, 2048, 8, 128)] if quick else SHAPES if "--all-shapes" in sys.argv
             else SHAPES[:1])
@@ -489,24 +522,130 @@ def main():
   print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-# (V tile, warps); V tiles 32 and 16 and the K reductions as one matrix-unit product were slower
-DECODE_CONFIGS = ((64, 4), (128, 4), (128, 8), (64, 8))  # 2 warps: no faster (run 13)
-
-
 def decode():
+  """The default decode kernel at each N (``--decode-sweep`` times the other tunings)."""
   for n in DECODE_N:
-    best = None
-    for bv, nw in DECODE_CONFIGS:
-      tag = f"bv{bv} w{nw}"
+    try:
+      ms, tbps = time_decode(n)
+      emit(name=f"ours decode N{n} H32 K128", ms=round(ms, 4), tbps=round(tbps, 2))
+    except Exception as e:  # noqa: BLE001
+      print(f"decode N{n} FAILED", repr(e)[:1500], flush=True)
+
+
+def _copy_kernel(s_ref, so_ref, *, bv, nvt, order):
+  n, u = ((pl.program_id(0), pl.program_id(1)) if order == "requests"
+          else (pl.program_id(1), pl.program_id(0)))
+  tile = lambda ref: ref.at[n, u // nvt, :, pl.ds((u % nvt) * bv, bv)]
+  plgpu.store(tile(so_ref), plgpu.load(tile(s_ref)) * 1.0001)
+
+
+def pallas_scale(pool, *, block_v, num_warps, order):
+  """``pool * 1.0001`` in place as the decode kernel's tiles, grid and order: the copy speed of
+  its memory access pattern (ceiling reference). pool ``[N, HV, K, V]``."""
+  n, hv, _, vd = pool.shape
+  nvt = vd // block_v
+  return (pl.pallas_call(
+      functools.partial(_copy_kernel, bv=block_v, nvt=nvt, order=order),
+      out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+      grid=(n, hv * nvt) if order == "requests" else (hv * nvt, n),
+      input_output_aliases={0: 0},
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=kda_gpu._interpret(),
+      name="state_scale")(pool),)
+
+
+def _cfg_name(cfg):
+  return " ".join(f"{k}={v}" for k, v in cfg.items()) or "default"
+
+
+def decode_refs(slots):
+  """Ceiling references, each ``pool -> (pool,)`` donated: XLA ``pool * 1.0001`` (a fused
+  in-place stream), XLA ``pool.at[slots].multiply`` (an in-place scatter) and the Pallas
+  ``pallas_scale`` at three of the decode tilings."""
+  refs = {"xla pool*1.0001": lambda p: (p * 1.0001,),
+          "xla pool.at[slots].multiply": lambda p: (p.at[slots].multiply(1.0001),)}
+  for bv, nw, order in ((64, 4, "requests"), (64, 4, "units"), (32, 4, "units"),
+                        (16, 1, "units")):
+    refs[f"pallas scale block_v={bv} num_warps={nw} order={order}"] = functools.partial(
+        pallas_scale, block_v=bv, num_warps=nw, order=order)
+  return {name: jax.jit(fn, donate_argnums=(0,)) for name, fn in refs.items()}
+
+
+# Relative errors of the kernel vs the float32 XLA path (same maths): o is rounded to bf16, the
+# pool is float32 in both.
+DECODE_TOL = (1e-2, 1e-4)
+
+
+def decode_sweep(left, ns=DECODE_N, h=32):
+  """``--decode-sweep``: every tuning in ``decode.SWEEP`` and the ceiling references at the
+  largest N (each kernel first checked against the XLA token recurrence on the same inputs:
+  output and updated pool), then at the other Ns in the order of that first ranking while
+  ``left()`` seconds remain; one table with the best per N."""
+  from pallas_kernels.kda import decode as dec
+  results = {}
+  order = list(dec.SWEEP)
+  for i, n in enumerate(sorted(ns, reverse=True)):
+    args, pool0 = decode_inputs(n, h)
+    slots = jnp.arange(n, dtype=jnp.int32)
+    o_ref, p_ref = jax.jit(lambda *a: kda_decode(*a, slots=slots, use_qk_l2norm=True,
+                                                  implementation="naive"))(
+        *(x.astype(jnp.float32) for x in args), pool0)  # float32 maths, o not rounded
+    rows = results[n] = []
+    for name, fn in decode_refs(slots).items():
+      if left() < 6:
+        break
       try:
-        ms, tbps = time_decode(n, bv, nw)
-        emit(name=f"ours decode N{n} H32 K128 {tag}", ms=round(ms, 4), tbps=round(tbps, 2))
-        best = min(best or (ms, tag), (ms, tag))
+        ms, _ = time_donated(fn, (), jnp.copy(pool0))
+        rows.append((name, ms, None, None))
+        emit(name=f"decode ref N{n} {name}", ms=round(ms, 4),
+             tbps=round(state_tbps(pool0.shape, ms), 2))
       except Exception as e:  # noqa: BLE001
-        print(f"decode N{n} {tag} FAILED", repr(e)[:1500], flush=True)
-    if best:
-      emit(name=f"ours decode N{n} best: {best[1]}", ms=round(best[0], 4),
-           tbps=round(2 * n * 32 * 128 * 128 * 4 / best[0] / 1e9, 2))
+        print(f"decode ref N{n} {name} FAILED", repr(e)[:800], flush=True)
+    for cfg in order:
+      if left() < 6:
+        print(f"decode sweep: time budget spent, N{n} stops before {_cfg_name(cfg)}",
+              flush=True)
+        break
+      try:
+        step = jax.jit(lambda *a, cfg=cfg: kda_gpu_decode(*a, slots, **cfg),
+                       donate_argnums=(5,))
+        o, pool = step(*args, jnp.copy(pool0))
+        err = (rel(o, o_ref), rel(pool, p_ref))
+        ms, _ = time_donated(step, args, pool)
+        rows.append((_cfg_name(cfg), ms, *err))
+        emit(name=f"decode N{n} {_cfg_name(cfg)}", ms=round(ms, 4),
+             tbps=round(state_tbps(pool0.shape, ms), 2), o_err=float(f"{err[0]:.2e}"),
+             pool_err=float(f"{err[1]:.2e}"))
+        if not (err[0] < DECODE_TOL[0] and err[1] < DECODE_TOL[1]):
+          print(f"CHECK FAILED decode N{n} {_cfg_name(cfg)}: o {err[0]:.2e} pool {err[1]:.2e}",
+                flush=True)
+      except Exception as e:  # noqa: BLE001
+        print(f"decode N{n} {_cfg_name(cfg)} FAILED", repr(e)[:1500], flush=True)
+    if i == 0:  # the other Ns: fastest tunings of this N first
+      ms_of = {r[0]: r[1] for r in rows}
+      order.sort(key=lambda c: ms_of.get(_cfg_name(c), float("inf")))
+    del args, pool0, o_ref, p_ref
+  decode_table(results, h)
+
+
+def decode_table(results, h):
+  """One markdown table of the decode sweep (ms, state TB/s, errors) and the best per N."""
+  print("\n| N | kernel / reference | ms | state TB/s | o err | pool err |\n"
+        "|---|---|---|---|---|---|")
+  best = {}
+  for n, rows in sorted(results.items()):
+    for name, ms, eo, ep in rows:
+      tb = state_tbps((n, h, 128, 128), ms)
+      errs = " | ".join("-" if e is None else f"{e:.1e}" for e in (eo, ep))
+      print(f"| {n} | {name} | {ms:.4f} | {tb:.2f} | {errs} |", flush=True)
+      if eo is not None and eo < DECODE_TOL[0] and ep < DECODE_TOL[1]:
+        best[n] = min(best.get(n, (ms, name)), (ms, name))
+  for n, (ms, name) in sorted(best.items()):
+    ms_of = {r[0]: r[1] for r in results[n]}
+    vs = "".join(f", speed {ms_of[r] / ms:.2f}x that of {r}"
+                 for r in ("default", "xla pool*1.0001") if r in ms_of)
+    print(f"best N{n}: {name}: {ms:.4f} ms, {state_tbps((n, h, 128, 128), ms):.2f} TB/s{vs}",
+          flush=True)
 
 
 def decode_fla():

@@ -25,16 +25,19 @@ are printed as JSON and written to ``$OUT/moe.json`` when OUT is set.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.glu import situ_glu
+from pallas_kernels.glu import glu_packed
 from pallas_kernels import moe
 from pallas_kernels.moe import gpu, pallas
 from timing import Rows, median_ms, rel_err
+
+SITU = functools.partial(glu_packed, kind="situ")
 
 SHAPES = [(64, 32768, 2048, 1024), (32, 65536, 3584, 6144), (8, 32768, 1024, 512)]  # E, M, K, N
 # Tiling variants of the sweep, each a change to the heuristic's tiling at the shape, in order of
@@ -102,7 +105,7 @@ def mlp_checks():
 
   def mlp_loss(impl):
     def loss(xt, wts, wgu, wdn):
-      y = moe.expert_mlp(xt, ids, wts, wgu, wdn, situ_glu, implementation=impl)
+      y = moe.expert_mlp(xt, ids, wts, wgu, wdn, SITU, implementation=impl)
       return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(d, dtype=jnp.float32)))
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
 
@@ -296,7 +299,7 @@ def moe_layer(x, router, w_in, w_out, w_gate_up, w_down, norm, *, top, impl):
   scores = jax.nn.sigmoid(jnp.dot(x, router, preferred_element_type=jnp.float32))
   top_scores, ids = jax.lax.top_k(scores, top)
   weights = top_scores / jnp.sum(top_scores, axis=-1, keepdims=True)
-  y = moe.expert_mlp(x @ w_in, ids, weights, w_gate_up, w_down, situ_glu, implementation=impl)
+  y = moe.expert_mlp(x @ w_in, ids, weights, w_gate_up, w_down, SITU, implementation=impl)
   yf = y.astype(jnp.float32)
   y = (yf * jax.lax.rsqrt(jnp.mean(yf * yf, axis=-1, keepdims=True) + 1e-6) * norm).astype(x.dtype)
   return y @ w_out

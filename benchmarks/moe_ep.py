@@ -74,7 +74,7 @@ def main(argv=None):
   dy = jax.random.normal(keys[4], (n, d), jnp.bfloat16)
   counts = np.bincount(np.asarray(ids).reshape(-1) // (e // r), minlength=r)
   print(f"slots per home rank: {counts.tolist()} (max / mean {counts.max() / counts.mean():.2f})")
-  act = lambda g, u: jax.nn.silu(g) * u  # noqa: E731
+  act = lambda gu: jax.nn.silu(gu[:, :f]) * gu[:, f:]  # noqa: E731
 
   def loss(fn, x, w1, w2):
     return jnp.sum(fn(x, ids, wts, w1, w2, act).astype(jnp.float32) * dy)

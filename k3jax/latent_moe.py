@@ -61,7 +61,7 @@ class LatentMoE(nnx.Module):
     self.experts = Experts(cfg, width, rngs=rngs)
     if m.num_shared_experts:
       self.shared_experts = GLU(cfg, m.num_shared_experts * m.expert_intermediate, rngs=rngs)
-    self.act = glu_activation(cfg)
+    self.act = glu_activation(cfg, packed=True)
 
   def __call__(self, x: jax.Array, *, valid: jax.Array | None = None):
     """valid: ``[B, T]`` bool, tokens that count for balancing (padding excluded)."""

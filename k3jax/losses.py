@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.logsumexp import logsumexp
+
 
 def cross_entropy(h: jax.Array, w_head: jax.Array, targets: jax.Array, weights: jax.Array, *,
                   chunk_size: int = 1024) -> tuple[jax.Array, jax.Array]:
@@ -39,7 +41,7 @@ def _chunk_logits(hc, wh, tc):
   is the head already in hc's dtype (cast once, outside the loop over chunks)."""
   acc = jnp.promote_types(hc.dtype, jnp.float32)
   logits = jnp.dot(hc, wh, preferred_element_type=acc)
-  lse = jax.nn.logsumexp(logits, axis=-1)
+  lse = logsumexp(logits)
   tgt = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
   return logits, lse, lse - tgt
 

@@ -4,12 +4,14 @@
 (``nnx.to_pure_dict`` of the ``nnx.Param`` state): gradient clipping by global norm, then
 
 - ``adamw``: AdamW on every parameter;
-- ``muon``: ``optax.contrib.muon`` on the weight matrices, update RMS matched to AdamW
-  (``0.2 * sqrt(max(fan_in, fan_out))``), Nesterov momentum; AdamW on everything that is not a
+- ``muon``: Muon on the weight matrices: ``optax.contrib.scale_by_muon``'s Nesterov momentum
+  (normalised per matrix), then our own Newton-Schulz iteration (optax's quintic coefficients,
+  5 steps) carried in bf16 (``optimizer.muon_ns_precision``; float32 accumulation inside each
+  matmul, as in Moonlight and Keller Jordan's Muon: optax keeps the iterate in float32, so every
+  step converted it for the matmuls and wrote float32 results, twice the traffic), update RMS
+  matched to AdamW (``0.2 * sqrt(max(fan_in, fan_out))``); AdamW on everything that is not a
   hidden-layer matrix: norms, biases, ``A_log``, ``dt_bias``, Block AttnRes vectors, the embedding,
-  ``lm_head`` and the short-conv kernels. The Newton-Schulz matmuls take bf16 operands with
-  float32 accumulation (``optimizer.muon_ns_precision``), as in Moonlight and Keller Jordan's
-  Muon. Expert weights ``[E, L, 2F]`` / ``[E, F, L]`` are orthogonalised per expert (and
+  ``lm_head`` and the short-conv kernels. Expert weights ``[E, L, 2F]`` / ``[E, F, L]`` are orthogonalised per expert (and
   gate/up separately); with ``optimizer.muon_per_head`` the attention projections are
   orthogonalised per head (``[d, H*K]`` viewed as ``[d, H, K]``).
 
@@ -156,20 +158,87 @@ def _viewed(inner: optax.GradientTransformation, roles) -> optax.GradientTransfo
   return optax.GradientTransformation(init, update)
 
 
-_NS_PRECISION = {"bf16": "BF16_BF16_F32", "f32": None}
+NS_COEFFS = (3.4445, -4.775, 2.0315)  # the quintic Newton-Schulz step of optax / Keller Jordan
+NS_STEPS = 5
+_NS_DTYPE = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 
 
-def _with_matmul_precision(inner: optax.GradientTransformation, precision: str | None
-                           ) -> optax.GradientTransformation:
-  """``inner`` with its update traced under ``jax.default_matmul_precision(precision)``."""
-  if precision is None:
-    return inner
+def _as_axes(a) -> tuple[int, ...]:
+  return (a,) if isinstance(a, int) else tuple(a)
+
+
+def _matrices(x: jax.Array, dims: MuonDimensionNumbers):
+  """x viewed as wide matrices ``[batch, m, n]`` (``m <= n``) by ``dims``, the ``sqrt(max(fan_in,
+  fan_out))`` of the view, and the function that takes such matrices back to x's layout."""
+  red, out = _as_axes(dims.reduction_axis), _as_axes(dims.output_axis)
+  red, out = tuple(a % x.ndim for a in red), tuple(a % x.ndim for a in out)
+  batch = tuple(a for a in range(x.ndim) if a not in red + out)
+  perm = batch + red + out
+  size = lambda axes: math.prod(x.shape[a] for a in axes)
+  m, n = size(red), size(out)
+  y = x.transpose(perm).reshape(size(batch), m, n)
+  inv = tuple(sorted(range(x.ndim), key=lambda i: perm[i]))
+
+  def undo(z):
+    z = z.mT if m > n else z
+    return z.reshape(tuple(x.shape[a] for a in perm)).transpose(inv).astype(x.dtype)
+
+  return (y.mT if m > n else y), math.sqrt(max(m, n)), undo
+
+
+def _iterate(y: jax.Array, dtype) -> jax.Array:
+  """``NS_STEPS`` steps ``X <- a X + (b A + c A^2) X``, ``A = X X^T``, on wide matrices ``y
+  [..., m, n]``, the iterate and every product in ``dtype`` (float32 accumulation inside each
+  matmul)."""
+  a, b, c = NS_COEFFS
+  dot = lambda u, v: jnp.matmul(u, v, preferred_element_type=jnp.float32)
+  y = y.astype(dtype)
+  for _ in range(NS_STEPS):
+    s = dot(y, y.mT).astype(dtype)  # A
+    s = (b * s.astype(jnp.float32) + c * dot(s, s)).astype(dtype)  # b A + c A^2
+    y = (a * y.astype(jnp.float32) + dot(s, y)).astype(dtype)
+  return y
+
+
+def newton_schulz(xs: list[jax.Array], dims: list[MuonDimensionNumbers], dtype,
+                  rms: float) -> list[jax.Array]:
+  """The orthogonalised ``xs`` (each Frobenius-normalised per matrix already), times ``rms *
+  sqrt(max(fan_in, fan_out))``, each in its dtype. Each x is viewed as matrices ``[batch,
+  fan_in, fan_out]`` by its dimension numbers; leaves whose views have one shape (the same
+  projection in every layer, every layer's experts) are stacked and iterated together, so the
+  optimizer runs a few large batched matmuls instead of thousands of small kernels. The stack
+  axis goes after each view's batch axis (``[batch, leaves, m, n]``, merged into one batch axis
+  of the matmuls), so a batch axis split over a mesh (the experts) stays split in place."""
+  views = [_matrices(x, d) for x, d in zip(xs, dims)]
+  groups: dict[tuple, list[int]] = {}
+  for i, (y, _, _) in enumerate(views):
+    groups.setdefault(y.shape, []).append(i)
+  out: list = [None] * len(xs)
+  for members in groups.values():
+    y = jnp.stack([views[i][0] for i in members], axis=1)
+    nb, nl, m, n = y.shape
+    done = _iterate(y.reshape(nb * nl, m, n), dtype).reshape(nb, nl, m, n)
+    for k, i in enumerate(members):
+      _, scale, undo = views[i]
+      out[i] = undo(done[:, k].astype(jnp.float32) * (rms * scale))
+  return out
+
+
+def _orthogonalise(dims_fn, dtype, rms: float) -> optax.GradientTransformation:
+  """Stateless: :func:`newton_schulz` on the leaves whose dimension numbers are set."""
+  is_dims = lambda d: d is None or isinstance(d, MuonDimensionNumbers)
 
   def update(updates, state, params=None):
-    with jax.default_matmul_precision(precision):
-      return inner.update(updates, state, params)
+    del params
+    dims, treedef = jax.tree.flatten(dims_fn(updates), is_leaf=is_dims)
+    leaves = treedef.flatten_up_to(updates)
+    picked = [i for i, d in enumerate(dims) if d is not None]
+    done = newton_schulz([leaves[i] for i in picked], [dims[i] for i in picked], dtype, rms)
+    for i, x in zip(picked, done):
+      leaves[i] = x
+    return treedef.unflatten(leaves), state
 
-  return optax.GradientTransformation(inner.init, update)
+  return optax.GradientTransformation(optax.init_empty_state, update)
 
 
 def make_optimizer(cfg: Config, params) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -185,12 +254,18 @@ def make_optimizer(cfg: Config, params) -> tuple[optax.GradientTransformation, o
     is_role = lambda r: isinstance(r, _Role)
     labels = jax.tree.map(lambda r: "adam" if r.dims is None else "muon", roles, is_leaf=is_role)
     dims = jax.tree.map(lambda r: r.dims, roles, is_leaf=is_role)
-    muon_dims = lambda p: jax.tree.map(lambda d, _: d, dims, p, is_leaf=lambda d: d is None or
+    # Inside the partition the other branch's leaves are optax's masked (empty) nodes: keep them
+    # as they are, so the dimension numbers have the updates' tree structure.
+    muon_dims = lambda p: jax.tree.map(lambda d, x: d if hasattr(x, "shape") else x, dims, p,
+                                       is_leaf=lambda d: d is None or
                                        isinstance(d, MuonDimensionNumbers))
-    muon = optax.contrib.muon(
-        schedule, beta=o.muon_beta, eps=o.eps, weight_decay=o.weight_decay,
-        muon_weight_dimension_numbers=muon_dims, consistent_rms=0.2, nesterov=True)
-    muon = _with_matmul_precision(muon, _NS_PRECISION[o.muon_ns_precision])
+    muon = optax.chain(
+        # momentum and the per-matrix normalisation only (no Newton-Schulz step): ns_steps=0
+        optax.contrib.scale_by_muon(ns_steps=0, beta=o.muon_beta, eps=o.eps, nesterov=True,
+                                    weight_dimension_numbers=muon_dims),
+        _orthogonalise(muon_dims, _NS_DTYPE[o.muon_ns_precision], rms=0.2),
+        optax.add_decayed_weights(o.weight_decay),
+        optax.scale_by_learning_rate(schedule))
     adam = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                        mask=decay_mask)
     base = _viewed(optax.partition({"muon": muon, "adam": adam}, labels), roles)

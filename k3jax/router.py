@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import MoEConfig
+from pallas_kernels import select
 from pallas_kernels.moe import reference as moe_reference
 
 
@@ -54,32 +55,15 @@ def _target(n_valid, cfg: MoEConfig):
   return jnp.floor(n_valid * cfg.top_k / cfg.num_experts).astype(jnp.int32)
 
 
-def kth_smallest(x: jax.Array, k) -> jax.Array:
-  """``jnp.sort(x, axis=0)[k]`` for float32 ``x [N, E]`` and an int ``k`` (traced or not), exactly
-  and without a sort: a radix select over the floats' order-preserving uint32 keys, 4 bits per
-  pass (8 passes, each one count of N x E comparisons per digit value). No NaNs."""
-  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-  sign = jnp.uint32(1 << 31)
-  key = jnp.where(bits >= sign, ~bits, bits | sign)  # larger float, larger key
-  rank = jnp.broadcast_to(jnp.asarray(k, jnp.int32), x.shape[1:])  # [E] left to skip
-  prefix = jnp.zeros(x.shape[1:], jnp.uint32)  # the answer's bits found so far
-  match = jnp.ones(x.shape, bool)  # [N, E] keys that agree with them
-  digits = jnp.arange(16, dtype=jnp.uint32)
-  for shift in range(28, -1, -4):
-    digit = (key >> shift) & 15
-    counts = jnp.sum(match[..., None] & (digit[..., None] == digits), axis=0,
-                     dtype=jnp.int32)  # [E, 16]
-    cum = jnp.cumsum(counts, axis=-1)
-    d = jnp.sum(cum <= rank[..., None], axis=-1)  # [E] the digit holding the rank-th key
-    rank = rank - jnp.where(d > 0, jnp.take_along_axis(cum, jnp.maximum(d - 1, 0)[..., None],
-                                                       -1)[..., 0], 0)
-    prefix = prefix | (d.astype(jnp.uint32) << shift)
-    match = match & (digit == d.astype(jnp.uint32))
-  bits = jnp.where(prefix >= sign, prefix & ~sign, ~prefix)
-  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+def kth_smallest(x: jax.Array, k, implementation: str | None = None) -> jax.Array:
+  """``jnp.sort(x, axis=0)[k]`` ``[E]`` for ``x [N, E]`` (as float32) and an int ``0 <= k < N``
+  (traced or not), exactly and without a sort: :func:`pallas_kernels.select.kth_smallest`, a
+  radix select over the floats' order-preserving uint32 keys (one Triton kernel on GPU, fused XLA
+  reductions elsewhere; ``implementation`` picks one). No NaNs."""
+  return select.kth_smallest(x.astype(jnp.float32), k, implementation=implementation)
 
 
-def quantile_bias(scores, bias, cfg: MoEConfig, valid=None) -> jax.Array:
+def quantile_bias(scores, bias, cfg: MoEConfig, valid=None, implementation=None) -> jax.Array:
   """Exact Quantile Balancing: the next bias ``[E]`` from one batch.
 
   One QB step takes the cutoffs ``alpha_i`` at the current bias; the selection then shifts
@@ -92,7 +76,7 @@ def quantile_bias(scores, bias, cfg: MoEConfig, valid=None) -> jax.Array:
   for _ in range(cfg.balancing_iters):
     d = _margins(scores, bias, cfg.top_k, valid)
     # b_j = -((q+1)-th largest margin) = (q+1)-th smallest of alpha - s
-    new = kth_smallest(d, jnp.minimum(q, d.shape[0] - 1))
+    new = kth_smallest(d, jnp.minimum(q, d.shape[0] - 1), implementation)
     bias = new - jnp.mean(new)
   return bias
 
@@ -133,10 +117,10 @@ def bias_from_histogram(hist: jax.Array, bias: jax.Array, cfg: MoEConfig) -> jax
   return new - jnp.mean(new)
 
 
-def bias_stat(scores, bias, ids, cfg: MoEConfig, valid=None):
+def bias_stat(scores, bias, ids, cfg: MoEConfig, valid=None, implementation=None):
   """What :func:`next_bias` needs from one micro-batch, by ``cfg.balancing``."""
   if cfg.balancing == "quantile":
-    return quantile_bias(scores, bias, cfg, valid)
+    return quantile_bias(scores, bias, cfg, valid, implementation)
   if cfg.balancing == "quantile_hist":
     return quantile_histogram(scores, bias, cfg, valid)
   return expert_load(ids, cfg.num_experts, valid)

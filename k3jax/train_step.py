@@ -18,6 +18,7 @@ Metrics: ``loss``, ``grad_norm``, ``lr``, ``nonfinite``, ``tokens`` (tokens with
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -35,13 +36,14 @@ def moe_layers(cfg: Config) -> list[int]:
   return [i for i in range(cfg.model.num_layers) if cfg.model.is_moe(i)]
 
 
-def _loss(graphdef, params, biases, batch: Batch):
-  """(summed token loss, (summed weights, per-layer router stats)) of one micro-batch."""
+def _loss(graphdef, params, biases, batch: Batch, loss_chunk: int = 4096):
+  """(summed token loss, (summed weights, per-layer router stats)) of one micro-batch; the head's
+  logits are formed ``loss_chunk`` tokens at a time."""
   model = nnx.merge(graphdef, params, biases)
   h, aux = model.hidden(batch["input_ids"], segment_ids=batch["segment_ids"])
   with jax.named_scope("lm_head_loss"):
     loss_sum, weight_sum = losses.cross_entropy(h, model.lm_head.kernel[...], batch["targets"],
-                                                batch["weights"])
+                                                batch["weights"], chunk_size=loss_chunk)
   return loss_sum, (weight_sum, aux["moe"])
 
 
@@ -62,7 +64,8 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation,
   """The (unjitted) step ``(params, opt_state, biases, step, rng, batch) -> (params, opt_state,
   biases, metrics)``."""
   accum = cfg.train.grad_accum
-  grad_fn = jax.value_and_grad(_loss, argnums=1, has_aux=True)
+  grad_fn = jax.value_and_grad(functools.partial(_loss, loss_chunk=cfg.train.loss_chunk),
+                               argnums=1, has_aux=True)
   layers = moe_layers(cfg)
 
   def train_step(params, opt_state, biases, step, rng, batch: Batch):
@@ -115,10 +118,10 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation,
   return train_step
 
 
-def make_eval_step(graphdef) -> Callable:
+def make_eval_step(graphdef, loss_chunk: int = 4096) -> Callable:
   """``(params, biases, batch) -> (summed token loss, summed weights)``."""
   def eval_step(params, biases, batch: Batch):
-    loss_sum, (weight_sum, _) = _loss(graphdef, params, biases, batch)
+    loss_sum, (weight_sum, _) = _loss(graphdef, params, biases, batch, loss_chunk)
     return loss_sum, weight_sum
   return eval_step
 

@@ -4,6 +4,9 @@
 - :mod:`pallas_kernels.mla`: MLA attention (prefill/training) and paged latent decode.
 - :mod:`pallas_kernels.moe`: grouped matmuls and token permutation for the MoE layer.
 - :mod:`pallas_kernels.conv`: the KDA layer's causal short convolution + SiLU.
+- :mod:`pallas_kernels.select`: the k-th smallest value of each column (exact QB's quantile).
+- :mod:`pallas_kernels.glu`: the gated activations (SiTU-GLU, SiLU-GLU), packed gate and up.
+- :mod:`pallas_kernels.logsumexp`: row log-sum-exp of the LM head's float32 logits.
 """
 
 import jax

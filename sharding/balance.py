@@ -6,7 +6,8 @@ its own tokens (:func:`k3jax.router.quantile_histogram`) and one ``psum`` over e
 (``data, fsdp, expert, context``) sums them: traffic ``E * bins`` int32 per step and layer,
 independent of the batch. The bins depend only on the current bias, which is replicated, so
 every rank reads the same counts and computes the same next bias. Other balancing modes use
-:func:`k3jax.router.bias_stat` on the global arrays (GSPMD inserts their collectives).
+:func:`k3jax.router.bias_stat` on the global arrays (GSPMD inserts their collectives; exact QB
+then selects with XLA's reductions rather than the one-device Pallas kernel).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ def bias_stat(scores, bias, ids, cfg: MoEConfig, valid=None):
   is split over the token axes of the current mesh."""
   spec = token_spec()
   if cfg.balancing != "quantile_hist" or spec[0] is None:
-    return router.bias_stat(scores, bias, ids, cfg, valid)
+    # Tokens split over the mesh: exact QB's select stays in XLA, whose count reductions GSPMD
+    # splits too (the Pallas select would gather every rank's margins first).
+    select = None if spec[0] is None else "xla"
+    return router.bias_stat(scores, bias, ids, cfg, valid, implementation=select)
   axes = spec[0]
 
   def body(s, b, *v):

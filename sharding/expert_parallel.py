@@ -100,7 +100,7 @@ def moe_dispatch(x, expert_ids, weights, w_gate_up, w_down, activation, *, capac
   """Routed experts over the expert axis: same contract as :func:`pallas_kernels.moe.expert_mlp`.
 
   x: ``[N, L]`` tokens; expert_ids, weights: ``[N, k]``; w_gate_up ``[E, L, 2F]``; w_down
-  ``[E, F, L]``; activation ``(gate, up) -> h``. Returns ``[N, L]``.
+  ``[E, F, L]``; activation ``gu [M, 2F] -> h [M, F]``. Returns ``[N, L]``.
   """
   moonep = _OPTIONS["moonep"] if moonep is None else moonep
   ax = axes()
@@ -156,8 +156,7 @@ def moe_dispatch(x, expert_ids, weights, w_gate_up, w_down, activation, *, capac
     xs = jnp.take(recv.reshape(m, width), order, axis=0)
     sizes = jnp.zeros((groups + 1,), jnp.int32).at[sg].add(1)[:groups]
     h = moe_ops.gmm(xs, w1.astype(x.dtype), sizes, implementation=implementation)
-    f = w2.shape[1]
-    h = activation(h[:, :f], h[:, f:]).astype(x.dtype)
+    h = activation(h).astype(x.dtype)
     y = moe_ops.gmm(h, w2.astype(x.dtype), sizes, implementation=implementation)
     back = jnp.zeros((m, width), y.dtype).at[order].set(y).reshape(r, cap, width)
     back = jax.lax.all_to_all(back, ax, 0, 0)

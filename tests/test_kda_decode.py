@@ -60,21 +60,67 @@ def test_decode_rejects_bad_state():
                implementation="pallas_gpu")
 
 
-@pytest.mark.parametrize("block_v,num_warps", [(32, 4), (128, 8)])
-def test_decode_gpu_tiles(block_v, num_warps):
-  """The tilings the benchmark sweeps: 4 V tiles of 32, one of 128."""
-  n, tn, h, kd, vd = 2, 2, 1, 32, 128
-  r = np.random.default_rng(block_v)
+TUNINGS = [  # (Tn, tuning of _decode_gpu); H=2, HV=4 (grouped values), V=32
+    (1, dict(block_v=16, num_warps=1, units=4, order="units")),  # 2 heads per program
+    (3, dict(block_v=16, num_warps=2, units=8, order="requests", eviction_policy="evict_first")),
+    (3, dict(block_v=8, num_warps=1, order="units")),  # one tile per program
+    (1, dict(block_v=32, units=2, order="units", eviction_policy="evict_first")),
+    (3, dict(block_v=32, num_warps=8)),  # one V tile spanning V
+]
+
+
+@pytest.mark.parametrize("tn,cfg", TUNINGS, ids=lambda x: "-".join(map(str, x.values()))
+                         if isinstance(x, dict) else f"tn{x}")
+def test_decode_gpu_tunings(tn, cfg):
+  """The kernel's tunings (benchmarks/kda.py --decode-sweep): V tiles, pipelined loops over
+  several tiles and heads, grid orders, eviction hints; grouped values, non-contiguous slots."""
+  n, h, hv, kd, vd = 3, 2, 4, 16, 32
+  r = np.random.default_rng(tn + len(cfg))
   f = lambda *s: r.standard_normal(s).astype(np.float32)
-  q, k, v, g, beta = f(n, tn, h, kd), f(n, tn, h, kd), f(n, tn, h, vd), f(n, tn, h, kd), f(n, tn, h)
-  pool, A_log, dt_bias = f(3, h, kd, vd), 0.5 * f(h), 0.5 * f(h * kd)
-  slots = np.array([2, 0], np.int32)
-  o, new_pool = decode._decode_gpu(
-      *(jnp.asarray(x) for x in (q, k, v, g, beta, pool)), jnp.asarray(slots), scale=0.3,
-      use_qk_l2norm=True, A_log=jnp.asarray(A_log), dt_bias=jnp.asarray(dt_bias),
-      gate="bounded", lower_bound=-5.0, beta_is_logit=True, block_v=block_v,
-      num_warps=num_warps)
+  q, k, g = f(n, tn, h, kd), f(n, tn, h, kd), f(n, tn, hv, kd)
+  v, beta = f(n, tn, hv, vd), f(n, tn, hv)
+  pool, A_log, dt_bias = f(6, hv, kd, vd), 0.5 * f(hv), 0.5 * f(hv * kd)
+  slots = np.array([4, 0, 2], np.int32)
+  step = jax.jit(lambda *a: decode._decode_gpu(
+      *a, jnp.asarray(slots), scale=0.3, use_qk_l2norm=True, A_log=jnp.asarray(A_log),
+      dt_bias=jnp.asarray(dt_bias), gate="bounded", lower_bound=-5.0, beta_is_logit=True,
+      **cfg), donate_argnums=(5,))
+  o, new_pool = step(*(jnp.asarray(x) for x in (q, k, v, g, beta, pool)))
   o_np, pool_np = np_decode(q, k, v, g, beta, pool, slots, scale=0.3, l2=True, gate="bounded",
                             A_log=A_log, dt_bias=dt_bias, lb=-5.0, logit=True)
   np.testing.assert_allclose(o, o_np, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(new_pool, pool_np, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(new_pool)[[1, 3, 5]], pool[[1, 3, 5]])
+
+
+def test_decode_gpu_rejects_bad_tuning():
+  x = jnp.ones((2, 1, 1, 16))
+  args = (x, x, jnp.ones((2, 1, 2, 32)), jnp.ones((2, 1, 2, 16)), jnp.ones((2, 1, 2)),
+          jnp.ones((2, 2, 16, 32)), jnp.arange(2))
+  kw = dict(scale=0.3, use_qk_l2norm=False, A_log=None, dt_bias=None, gate=None,
+            lower_bound=-5.0, beta_is_logit=False)
+  for bad in (dict(block_v=16, units=3), dict(block_v=24), dict(order="heads"),
+              dict(eviction_policy="evict_sometimes")):
+    with pytest.raises(ValueError, match="must divide"):
+      decode._decode_gpu(*args, **kw, **bad)
+
+
+@pytest.mark.parametrize("cfg", decode.SWEEP, ids=lambda c: "-".join(map(str, c.values()))
+                         or "default")
+def test_decode_sweep_lowers_for_cuda(monkeypatch, cfg):
+  """Every tuning the benchmark times lowers through Pallas' Triton path for an H200 at the
+  benchmark shape (N=256, H=32, K=V=128, Tn=1; inputs as shapes only), without a GPU."""
+  gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+  monkeypatch.setattr(gpu_info, "get_gpu_info",
+                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+  monkeypatch.setattr(decode.gpu, "_interpret", lambda: False)  # the real Triton lowering
+  n, h, kd = 256, 32, 128
+  S = jax.ShapeDtypeStruct
+  args = [S((n, 1, h, kd), jnp.bfloat16)] * 3 + [
+      S((n, 1, h, kd), jnp.float32), S((n, 1, h), jnp.float32), S((n, h, kd, kd), jnp.float32),
+      S((n,), jnp.int32)]
+  fn = lambda *a: decode._decode_gpu(*a, scale=kd ** -0.5, use_qk_l2norm=True, A_log=None,
+                                     dt_bias=None, gate=None, lower_bound=-5.0,
+                                     beta_is_logit=False, **cfg)
+  text = jax.jit(fn, donate_argnums=(5,)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert 'name = "kda_decode"' in text

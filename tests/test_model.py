@@ -181,6 +181,20 @@ def _kernel_counts(jaxpr) -> dict:
   return counts
 
 
+def _grad_kernel_counts(cfg):
+  """Pallas kernel name -> calls in the traced gradient of the loss of ``cfg``'s model (shapes
+  only: nothing is lowered or run)."""
+  from k3jax.latent_moe import RouterBias
+  from k3jax.train_step import _loss
+  model = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0)))
+  graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
+  params, biases = nnx.to_pure_dict(params), nnx.to_pure_dict(biases)
+  batch = {k: jax.ShapeDtypeStruct((1, 64), jnp.float32 if k == "weights" else jnp.int32)
+           for k in ("input_ids", "targets", "segment_ids", "positions", "weights")}
+  jaxpr = jax.make_jaxpr(jax.grad(lambda p, b: _loss(graphdef, p, biases, b)[0]))(params, batch)
+  return _kernel_counts(jaxpr.jaxpr)
+
+
 @pytest.mark.parametrize("remat, save, runs", [("dots", False, 3), ("dots_kernels", False, 2),
                                                ("dots", True, 2), ("dots_kernels", True, 1)])
 def test_remat_dots_kernels_keeps_kernel_outputs(monkeypatch, remat, save, runs):
@@ -189,19 +203,25 @@ def test_remat_dots_kernels_keeps_kernel_outputs(monkeypatch, remat, save, runs)
   Pallas outputs, so the layer recompute does not rerun them; with the kernel's residuals saved
   (``model.kda.save_residuals``) its backward does not either. Traced for the GPU kernels (no lowering,
   no GPU)."""
-  from k3jax.train_step import _loss
-  from k3jax.latent_moe import RouterBias
   from pallas_kernels.kda import gpu
   monkeypatch.setattr(gpu, "_interpret", lambda: False)
   cfg = tiny_config("model.kda.implementation=pallas_gpu", f"model.remat={remat}",
                     f"model.kda.save_residuals={save}")
-  model = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0)))
-  graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
-  params, biases = nnx.to_pure_dict(params), nnx.to_pure_dict(biases)
-  batch = {k: jax.ShapeDtypeStruct((1, 64), jnp.float32 if k == "weights" else jnp.int32)
-           for k in ("input_ids", "targets", "segment_ids", "positions", "weights")}
-  jaxpr = jax.make_jaxpr(jax.grad(lambda p, b: _loss(graphdef, p, biases, b)[0]))(params, batch)
-  counts = _kernel_counts(jaxpr.jaxpr)
+  counts = _grad_kernel_counts(cfg)
   n_kda = sum(cfg.model.layer_kind(i) == "kda" for i in range(cfg.model.num_layers))
   assert counts["kda_chunk_a"] == runs * n_kda and counts["kda_fwd_recurrence"] == runs * n_kda
   assert counts["kda_chunk_dqkg"] == n_kda  # one backward per layer either way
+
+
+@pytest.mark.parametrize("remat,runs", [("dots", 2), ("dots_kernels", 1)])
+def test_remat_dots_kernels_keeps_the_expert_activation(monkeypatch, remat, runs):
+  """The routed experts' packed GLU kernel runs once per MoE layer in the gradient under
+  ``dots_kernels`` (its output kept), twice under ``dots`` (recomputed). Traced, no GPU."""
+  import pallas_kernels.glu as glu_ops
+  from pallas_kernels.glu import gpu
+  monkeypatch.setattr(gpu, "_interpret", lambda: False)
+  monkeypatch.setattr(glu_ops, "resolve", lambda implementation: "pallas_gpu")
+  cfg = tiny_config(f"model.remat={remat}")
+  counts = _grad_kernel_counts(cfg)
+  n_moe = sum(cfg.model.is_moe(i) for i in range(cfg.model.num_layers))
+  assert counts["glu_fwd"] == runs * n_moe and counts["glu_bwd"] == n_moe

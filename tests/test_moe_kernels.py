@@ -104,7 +104,8 @@ def small_mlp(seed=0, t=37, d=128, f=64, e=5, k=2):
   return x, ids, wts, wgu, wdn
 
 
-def glu(a, b):
+def glu(gu):  # SiTU-GLU by XLA's autodiff, packed gate and up
+  a, b = jnp.split(gu, 2, axis=-1)
   return 4.0 * jnp.tanh(a / 4.0) * jax.nn.sigmoid(a) * 25.0 * jnp.tanh(b / 25.0)
 
 

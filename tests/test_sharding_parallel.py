@@ -83,6 +83,11 @@ def test_expert_parallel_dispatch():
     assert err["y"] < TOL and err["grad"] < GRAD_TOL, (case, err)
 
 
+def test_muon_update_on_meshes_matches_one_device():
+  out = _run("muon_sharded")
+  assert out["expert"] < 1e-4 and out["fsdp"] < 1e-4, out
+
+
 def test_quantile_balancing_histogram_across_ranks():
   out = _run("qb_histogram")
   assert out["hist_equal"], out  # the all-reduced histogram is the global one

@@ -226,7 +226,7 @@ def expert_dispatch():
   """Expert-parallel dispatch (plain and MoonEP) vs the single-device expert MLP, on skewed
   routing that needs redundant experts."""
   import pallas_kernels.moe as moe_ops
-  from k3jax.glu import situ_glu
+  from pallas_kernels.glu import glu_packed
   from sharding import expert_parallel as ep
   rng = np.random.default_rng(3)
   n, width, f, e, k = 64, 16, 8, 16, 4
@@ -238,7 +238,7 @@ def expert_dispatch():
   w2 = jnp.asarray(rng.normal(size=(e, f, width)) * 0.3)
 
   def loss(fn, x, wts, w1, w2):
-    y = fn(x, ids, wts, w1, w2, situ_glu)
+    y = fn(x, ids, wts, w1, w2, lambda gu: glu_packed(gu, "situ"))
     return jnp.sum(y * jnp.sin(y)), y
 
   ref = jax.jit(jax.value_and_grad(lambda *a: loss(moe_ops.expert_mlp, *a), argnums=(0, 1, 2, 3),
@@ -279,6 +279,38 @@ def conv_sharded():
     with jax.set_mesh(_mesh(**sizes)):
       (_, y2), g2 = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
     out[name] = {"y": _max_rel(y1, y2), "grad": max(_max_rel(a, c) for a, c in zip(g1, g2))}
+  return out
+
+
+def muon_sharded():
+  """One Muon update of the tiny preset's parameters (float32, Newton-Schulz in float32) with
+  the parameters split over expert and FSDP meshes vs one device: the stacked Newton-Schulz of
+  same-shaped leaves must give every leaf its own update on any layout."""
+  from flax import nnx
+  from k3jax import optim
+  from k3jax.config import load
+  from k3jax.latent_moe import RouterBias
+  from k3jax.model import K3Model
+  cfg = load("configs/k3_tiny.yaml", ["optimizer.name=muon", "optimizer.muon_ns_precision=f32"])
+  _, params, _ = nnx.split(K3Model(cfg.model, rngs=nnx.Rngs(0)), nnx.Param, RouterBias)
+  params = nnx.to_pure_dict(params)
+  rng = np.random.default_rng(6)
+  grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), params)
+  tx, _ = optim.make_optimizer(cfg, params)
+
+  def update(p, g):
+    return tx.update(g, tx.init(p), p)[0]
+
+  with jax.default_matmul_precision("highest"):
+    ref = jax.jit(update)(params, grads)
+  names = mesh_lib.names_tree(cfg.model)
+  out = {}
+  for name, sizes in (("expert", dict(data=2, expert=4)), ("fsdp", dict(data=1, fsdp=8))):
+    mesh = mesh_lib.make_mesh(MeshConfig(**{"data": 1, **sizes}))
+    with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+      got = jax.jit(update)(mesh_lib.shard_params(params, mesh, names),
+                            mesh_lib.shard_params(grads, mesh, names))
+    out[name] = max(jax.tree.leaves(jax.tree.map(_max_rel, ref, got)))
   return out
 
 

@@ -1,0 +1,73 @@
+"""Row log-sum-exp of the LM head's float32 logits on one GPU: check the Triton kernel against
+float64 on the card, then time it beside XLA's one-pass reduction and XLA's two-pass
+``jax.nn.logsumexp``, then (with --sweep) other tilings. Finishes in ~30 s on an H200.
+
+  python3 benchmarks/logsumexp.py                 # one loss chunk: [4096, 163840] float32
+  python3 benchmarks/logsumexp.py --shape 37x3001 --interpret   # CPU: the check path
+
+GB/s counts one read of the input. Rows go to ``$OUT/logsumexp_bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels.logsumexp import gpu, logsumexp  # noqa: E402
+from timing import Rows, median_ms  # noqa: E402
+
+ROWS = Rows("logsumexp_bench.json")
+SWEEP = [dict(ROWS=4), dict(ROWS=16), dict(COLS=1024), dict(COLS=4096), dict(SPLITS=4),
+         dict(SPLITS=16), dict(STAGES=2), dict(STAGES=4), dict(WARPS=8)]
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--shape", default="4096x163840", help="N x V")
+  ap.add_argument("--interpret", action="store_true", help="one sample each (CPU check path)")
+  ap.add_argument("--sweep", action="store_true")
+  args = ap.parse_args()
+  n, v = (int(s) for s in args.shape.split("x"))
+  x = jax.random.normal(jax.random.key(0), (n, v), jnp.float32) * 4.0
+  reps = dict(reps=1, inner=1) if args.interpret else {}
+  rows = np.random.default_rng(0).choice(n, size=min(n, 64), replace=False)
+  x64 = np.asarray(x[rows], np.float64)
+  m = x64.max(-1, keepdims=True)
+  want = (m + np.log(np.exp(x64 - m).sum(-1, keepdims=True)))[:, 0]
+  gbps = lambda ms: round(x.size * 4 / ms / 1e6)
+
+  def run(name, fn):
+    got = np.asarray(fn(x))[rows]
+    err = float(np.max(np.abs(got - want) / np.abs(want)))
+    row = dict(name=name, max_rel_err=float(f"{err:.2e}"))
+    if err > 1e-5:
+      row["FAILED"] = True
+    else:
+      ms = median_ms(fn, x, **reps)
+      row.update(ms=round(ms, 4), gbps=gbps(ms))
+    ROWS.emit(row)
+
+  run(f"xla one-pass N{n} V{v}", jax.jit(lambda a: logsumexp(a, implementation="xla")))
+  run("xla jax.nn.logsumexp (two passes)", jax.jit(lambda a: jax.nn.logsumexp(a, axis=-1)))
+  tiles = lambda: f"{gpu.ROWS}x{gpu.COLS} splits {gpu.SPLITS} w{gpu.WARPS} s{gpu.STAGES}"
+  run(f"pallas {tiles()} (default)", jax.jit(lambda a: logsumexp(a, implementation="pallas_gpu")))
+  if args.sweep:
+    for change in SWEEP:
+      old = {k: getattr(gpu, k) for k in change}
+      for k, val in change.items():
+        setattr(gpu, k, val)
+      run(f"pallas {tiles()}", jax.jit(lambda a: logsumexp(a, implementation="pallas_gpu")))
+      for k, val in old.items():
+        setattr(gpu, k, val)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,107 @@
+"""GLU activations: SiTU-GLU (K3) and SiLU-GLU (Kimi Linear), in float32 with explicit VJPs.
+
+:func:`glu` takes the gate and up halves apart (the dense GLU, whose halves may lie on different
+tensor-parallel ranks); :func:`glu_packed` takes them packed as ``gu [..., 2F]``, as the routed
+experts' grouped matmul writes them, and returns ``d gu`` whole (autodiff of two slices would
+pad each half's cotangent and add them: an extra pass over ``[..., 2F]``).
+
+``implementation`` of :func:`glu_packed`: ``"xla"`` (:mod:`pallas_kernels.glu.reference`),
+``"pallas_gpu"`` (Triton kernels, :mod:`pallas_kernels.glu.gpu`; interpret mode on CPU),
+``"pallas"`` (``pallas_gpu`` off TPU; on TPU, where XLA fuses the maths well, ``"xla"``) or
+``None`` (``pallas_gpu`` on GPU, ``xla`` elsewhere); ``"pallas_tpu"`` means ``"xla"`` too, so a
+MoE configured for the TPU kernels passes its setting through unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import default_backend, resolve_implementation
+from pallas_kernels.glu import reference
+from pallas_kernels.glu.reference import KINDS, f32, glu_math
+
+IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas_tpu", "pallas")
+
+
+def resolve(implementation: str | None) -> str:
+  """``"xla"`` or ``"pallas_gpu"``: the concrete implementation on the current backend."""
+  if implementation == "pallas_tpu" or (implementation == "pallas" and default_backend() == "tpu"):
+    return "xla"
+  return resolve_implementation("glu", implementation, IMPLEMENTATIONS,
+                                {"gpu": "pallas_gpu", "tpu": "xla", "cpu": "xla"})
+
+
+def _check(kind: str):
+  if kind not in KINDS:
+    raise ValueError(f"glu: unknown activation {kind!r}; expected one of {KINDS}")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def glu(a: jax.Array, b: jax.Array, kind: str = "situ", beta: float = 4.0,
+        beta_lin: float = 25.0) -> jax.Array:
+  """Gate ``a`` and up ``b`` ``[..., F]`` -> ``h [..., F]`` in their dtype (XLA).
+
+  ``kind="situ"``: SiTU-GLU ``(beta * tanh(a / beta) * sigmoid(a)) * (beta_lin * tanh(b /
+  beta_lin))``, bounded by ``beta * beta_lin`` (100 for K3), SwiGLU-like near the origin;
+  ``kind="silu"``: ``silu(a) * b``."""
+  _check(kind)
+  return _glu_value(a, b, kind, beta, beta_lin)
+
+
+def _glu_value(a, b, kind, beta, beta_lin):
+  return glu_math(kind, beta, beta_lin, f32(a), f32(b), grads=False).astype(jnp.result_type(a, b))
+
+
+def _glu_fwd(a, b, kind, beta, beta_lin):
+  return _glu_value(a, b, kind, beta, beta_lin), (a, b)
+
+
+def _glu_bwd(kind, beta, beta_lin, res, g):
+  a, b = res
+  _, da, db = glu_math(kind, beta, beta_lin, f32(a), f32(b))
+  g = f32(g)
+  return (g * da).astype(a.dtype), (g * db).astype(b.dtype)
+
+
+glu.defvjp(_glu_fwd, _glu_bwd)
+
+
+def _backend(implementation: str):
+  if implementation == "xla":
+    return reference
+  from pallas_kernels.glu import gpu
+  return gpu
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _glu_packed(gu, kind, beta, beta_lin, implementation):
+  return _backend(implementation).glu_fwd(gu, kind, beta, beta_lin)
+
+
+def _glu_packed_fwd(gu, kind, beta, beta_lin, implementation):
+  # The kernel itself, not ``_glu_packed`` (a nested custom_vjp call): a remat policy that keeps
+  # Pallas outputs (``dots_kernels``) sees the pallas_call and keeps h.
+  return _backend(implementation).glu_fwd(gu, kind, beta, beta_lin), gu
+
+
+def _glu_packed_bwd(kind, beta, beta_lin, implementation, gu, g):
+  return (_backend(implementation).glu_bwd(gu, g, kind, beta, beta_lin),)
+
+
+_glu_packed.defvjp(_glu_packed_fwd, _glu_packed_bwd)
+
+
+def glu_packed(gu: jax.Array, kind: str = "situ", beta: float = 4.0, beta_lin: float = 25.0, *,
+               implementation: str | None = None) -> jax.Array:
+  """:func:`glu` of ``gu [..., 2F]`` (gate then up) -> ``h [..., F]`` in gu's dtype;
+  differentiable, its backward one pass that returns ``d gu`` whole."""
+  _check(kind)
+  if gu.shape[-1] % 2:
+    raise ValueError(f"glu_packed: gu {gu.shape} must have an even last dimension (gate, up)")
+  return _glu_packed(gu, kind, float(beta), float(beta_lin), resolve(implementation))
+
+
+__all__ = ["glu", "glu_packed", "resolve", "IMPLEMENTATIONS", "KINDS"]

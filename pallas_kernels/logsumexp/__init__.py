@@ -1,0 +1,39 @@
+"""Row log-sum-exp of large float32 matrices (the LM-head loss's logits), one read of the input.
+
+``implementation``: ``"xla"`` (:mod:`pallas_kernels.logsumexp.reference`, a one-pass variadic
+reduction), ``"pallas_gpu"`` (a Triton kernel, :mod:`pallas_kernels.logsumexp.gpu`; interpret
+mode on CPU), ``"pallas"`` (``pallas_gpu`` off TPU; on TPU ``"xla"``) or ``None`` (``pallas_gpu``
+on GPU, ``xla`` elsewhere). Not differentiable: the loss forms its own gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import default_backend, resolve_implementation
+from pallas_kernels.logsumexp import reference
+
+IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas")
+
+
+def resolve(implementation: str | None) -> str:
+  """``"xla"`` or ``"pallas_gpu"``: the concrete implementation on the current backend."""
+  if implementation == "pallas" and default_backend() == "tpu":
+    return "xla"
+  return resolve_implementation("logsumexp", implementation, IMPLEMENTATIONS,
+                                {"gpu": "pallas_gpu", "tpu": "xla", "cpu": "xla"})
+
+
+def logsumexp(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
+  """``log(sum(exp(x), -1))`` of ``x [..., V]`` -> ``[...]``; the Pallas kernel takes float32."""
+  impl = resolve(implementation)
+  if impl == "xla" or (implementation is None and x.dtype != jnp.float32):
+    return reference.logsumexp(x)
+  if x.dtype != jnp.float32:
+    raise ValueError(f"logsumexp: the Pallas kernel takes float32, got {x.dtype}")
+  from pallas_kernels.logsumexp import gpu
+  return gpu.logsumexp(x)
+
+
+__all__ = ["logsumexp", "resolve", "IMPLEMENTATIONS"]

@@ -1,0 +1,45 @@
+"""pallas_kernels.logsumexp (XLA's one-pass reduction and the Triton kernel in interpret mode)
+against float64 NumPy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.logsumexp import gpu, logsumexp
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
+@pytest.mark.parametrize("shape", [(11, 3001), (1, 5), (2, 3, 40)])
+def test_matches_float64(impl, shape, monkeypatch):
+  """Rows of very different scales, one huge logit, a constant row, a -inf entry; V not a
+  multiple of the column tile, rows not a multiple of the row tile, one row; the kernel with
+  small tiles so a row spans several tiles and splits (and a split past the last tile)."""
+  monkeypatch.setattr(gpu, "COLS", 256)
+  monkeypatch.setattr(gpu, "SPLITS", 5)
+  rng = np.random.default_rng(sum(shape))
+  x = rng.normal(size=shape).reshape(-1, shape[-1])
+  x *= np.resize([0.01, 1, 30, 300, 1, 1], (x.shape[0], 1))
+  x[0, min(3, shape[-1] - 1)] = -np.inf
+  if x.shape[0] > 5:
+    x[4, 17] = 1e4
+    x[5] = 2.5
+  xj = jnp.asarray(x.reshape(shape), jnp.float32)
+  got = np.asarray(jax.jit(lambda a: logsumexp(a, implementation=impl))(xj), np.float64)
+  x32 = np.asarray(xj, np.float64)
+  m = x32.max(-1, keepdims=True)
+  want = (m + np.log(np.exp(x32 - m).sum(-1, keepdims=True)))[..., 0]
+  assert got.shape == shape[:-1]
+  np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+
+
+def test_kernel_rejects_bf16_and_lowers_for_cuda(monkeypatch):
+  with pytest.raises(ValueError, match="takes float32"):
+    logsumexp(jnp.ones((2, 8), jnp.bfloat16), implementation="pallas_gpu")
+  gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+  monkeypatch.setattr(gpu_info, "get_gpu_info",
+                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+  monkeypatch.setattr(gpu, "_interpret", lambda: False)  # the real Triton lowering
+  x = jax.ShapeDtypeStruct((1024, 163840), jnp.float32)  # one chunk of the K3 head's logits
+  text = jax.jit(gpu.logsumexp).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+  assert 'name = "logsumexp"' in text
