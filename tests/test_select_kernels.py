@@ -112,3 +112,26 @@ def test_kernel_lowers_for_cuda(monkeypatch, config):
   lowered = jax.jit(lambda x, k: gpu.kth_smallest(x, k, config)).trace(*args).lower(
       lowering_platforms=("cuda",))
   assert "kth_smallest" in lowered.as_text()
+
+
+def test_exact_qb_selects_in_xla_when_tokens_are_split(monkeypatch):
+  """With the tokens split over a mesh, exact QB's select stays in XLA (GSPMD splits its count
+  reductions; the Pallas kernel would gather every rank's margins); on one device it takes the
+  kernel. Traced on an abstract mesh with the kernel forced as the default."""
+  from k3jax.config import MoEConfig
+  from sharding import balance
+  monkeypatch.setattr(select, "resolve",
+                      lambda impl: "xla" if impl == "xla" else "pallas_gpu")
+  cfg = MoEConfig(num_experts=8, top_k=2, balancing="quantile", balancing_iters=1)
+  scores = jax.ShapeDtypeStruct((64, 8), jnp.float32)
+  bias = jax.ShapeDtypeStruct((8,), jnp.float32)
+  ids = jax.ShapeDtypeStruct((64, 2), jnp.int32)
+
+  def has_kernel():
+    jaxpr = jax.make_jaxpr(lambda s, b, i: balance.bias_stat(s, b, i, cfg))(scores, bias, ids)
+    return "pallas_call" in str(jaxpr)
+
+  assert has_kernel()
+  mesh = jax.sharding.AbstractMesh((4,), ("data",))
+  with jax.sharding.use_abstract_mesh(mesh):
+    assert not has_kernel()
