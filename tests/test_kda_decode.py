@@ -66,6 +66,8 @@ TUNINGS = [  # (Tn, tuning of _decode_gpu); H=2, HV=4 (grouped values), V=32
     (3, dict(block_v=8, num_warps=1, order="units")),  # one tile per program
     (1, dict(block_v=32, units=2, order="units", eviction_policy="evict_first")),
     (3, dict(block_v=32, num_warps=8)),  # one V tile spanning V
+    (3, dict(block_v=16, reductions="together")),  # o = q.S + (q.k) delta
+    (1, dict(block_v=8, units=2, reductions="together")),
 ]
 
 
@@ -100,7 +102,7 @@ def test_decode_gpu_rejects_bad_tuning():
   kw = dict(scale=0.3, use_qk_l2norm=False, A_log=None, dt_bias=None, gate=None,
             lower_bound=-5.0, beta_is_logit=False)
   for bad in (dict(block_v=16, units=3), dict(block_v=24), dict(order="heads"),
-              dict(eviction_policy="evict_sometimes")):
+              dict(eviction_policy="evict_sometimes"), dict(reductions="both")):
     with pytest.raises(ValueError, match="must divide"):
       decode._decode_gpu(*args, **kw, **bad)
 

@@ -27,11 +27,13 @@ from pallas_kernels.kda.reference import L2_EPS
 
 ORDERS = ("requests", "units")  # which grid axis the GPU schedules fastest
 EVICTION_POLICIES = (None, "evict_first")
+REDUCTIONS = ("sequential", "together")
 # Keyword arguments of ``_decode_gpu`` timed by ``benchmarks/kda.py --decode-sweep``, the
-# default first (the sweep of 2026-12-01 on an H200, N=256: 3.37 TB/s for the default, 3.33 at
-# V tile 32, 3.30 with evict_first, 3.25 at V tile 128, 3.22 by request, 3.0 with prefetching
-# units, 2.7 with one warp). Registers per thread at H=32, K=V=128, Tn=1 (Triton 3.5.1, ptxas sm_90a, no
-# spills) in brackets: the tiles in registers fill about half of the register file per SM in all.
+# default first (the sweeps of 2026-12-01 on an H200, N=256: 3.40 TB/s for the default, 3.33
+# with the reductions in sequence, 3.25-3.28 at V tile 32, with evict_first, 3.21 at V tile 128,
+# 3.18 by request, 3.0 with prefetching units, 2.7 with one warp). Registers per thread at H=32,
+# K=V=128, Tn=1 with the reductions in sequence (Triton 3.5.1, ptxas sm_90a, no spills) in
+# brackets: the tiles in registers fill about half of the register file per SM in all.
 SWEEP = (
     {},  # V tile 64, 4 warps, consecutive programs on consecutive tiles of a request [128]
     dict(order="requests"),  # consecutive programs on different requests (2 MB apart) [128]
@@ -42,12 +44,13 @@ SWEEP = (
     dict(block_v=32, units=4),  # the next tile's load issued before this one's work [118]
     dict(block_v=64, units=2),  # [253]
     dict(block_v=16, num_warps=1),  # one warp: no block-wide barriers [128]
+    dict(reductions="sequential"),  # q.S' after the update: the reductions one after the other
 )
 
 
 def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_ref, s_ref,
-                   o_ref, so_ref, *, tn, group, bv, nvt, units, order, evict, scale, l2, gate,
-                   lower_bound, beta_logit):
+                   o_ref, so_ref, *, tn, group, bv, nvt, units, order, evict, together, scale,
+                   l2, gate, lower_bound, beta_logit):
   f32 = jnp.float32
   n, p = ((pl.program_id(0), pl.program_id(1)) if order == "requests"
           else (pl.program_id(1), pl.program_id(0)))
@@ -79,8 +82,11 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_r
         beta = jax.nn.sigmoid(beta)
       s = s * jnp.exp(g)[:, None]
       pred = jnp.sum(k[:, None] * s, axis=0)
-      s = s + k[:, None] * (beta * (v_ref[n, t, h, vs].astype(f32) - pred))[None, :]
-      o = jnp.sum(q[:, None] * s, axis=0)
+      if together:  # q.S' = q.S + (q.k) delta: both reductions read the decayed S
+        qs = jnp.sum(q[:, None] * s, axis=0)
+      delta = beta * (v_ref[n, t, h, vs].astype(f32) - pred)
+      s = s + k[:, None] * delta[None, :]
+      o = qs + jnp.sum(q * k) * delta if together else jnp.sum(q[:, None] * s, axis=0)
       o_ref[n, t, h, vs] = (scale * o).astype(o_ref.dtype)
     plgpu.store(tile(so_ref, u), s, eviction_policy=evict)
 
@@ -95,29 +101,35 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_r
 
 def _decode_gpu(q, k, v, g, beta, state, slots, *, scale, use_qk_l2norm, A_log, dt_bias, gate,
                 lower_bound, beta_is_logit, block_v=64, num_warps=4, units=1, order="units",
-                eviction_policy=None):
+                eviction_policy=None, reductions="together"):
   """The Pallas GPU kernel. Tuning: ``block_v`` (V tile width), ``num_warps``, ``units`` (tiles
   per program, the next one's load issued before the current one is worked on), ``order``
   (``"requests"``: consecutive programs take different requests; ``"units"``: consecutive
   programs take consecutive tiles of one request, i.e. contiguous memory) and
-  ``eviction_policy`` of the state loads and stores. (Triton's ``num_stages`` is left at 1: it
+  ``eviction_policy`` of the state loads and stores, ``reductions``: ``"sequential"`` (k.S, the
+  update, then q.S') or ``"together"`` (k.S and q.S of the decayed state side by side, then
+  ``o = q.S + (q.k) delta``: the two reductions over K no longer wait for each other). (Triton's
+  ``num_stages`` is left at 1: it
   leaves this kernel's IR unchanged, as nothing here feeds a matrix product.) Defaults: the
-  fastest at N=256 of ``benchmarks/kda.py --decode-sweep`` on an H200 (2026-12-01: 0.319 ms,
-  3.37 TB/s, against 3.22 with ``order="requests"``; an in-place XLA scaling of the same pool
-  3.99 TB/s)."""
+  fastest at N=256 and N=64 of ``benchmarks/kda.py --decode-sweep`` on an H200 (2026-12-01
+  06:25 UTC: 0.316 ms, 3.40 TB/s at N=256 and 2.92 TB/s at N=64, against 3.33 and 2.72 with
+  the reductions in sequence and 3.18 / 2.82 with ``order="requests"``; an in-place XLA
+  scaling of the same pool 4.00 / 3.57 TB/s)."""
   n, tn, h, kd = q.shape
   hv, vd = v.shape[2], v.shape[3]
   bv = min(block_v, vd)
   if vd % bv or (hv * (vd // bv)) % units or order not in ORDERS or (
-      eviction_policy not in EVICTION_POLICIES):
+      eviction_policy not in EVICTION_POLICIES) or reductions not in REDUCTIONS:
     raise ValueError(f"kda_decode: block_v {block_v} must divide V={vd}, units {units} must "
                      f"divide HV*V/block_v={hv * (vd // bv)}, order {order!r} in {ORDERS}, "
-                     f"eviction_policy {eviction_policy!r} in {EVICTION_POLICIES}")
+                     f"eviction_policy {eviction_policy!r} in {EVICTION_POLICIES}, "
+                     f"reductions {reductions!r} in {REDUCTIONS}")
   if gate is None:
     A_log, dt_bias = jnp.zeros((hv,), jnp.float32), jnp.zeros((hv * kd,), jnp.float32)
   programs = hv * (vd // bv) // units
   kern = functools.partial(_decode_kernel, tn=tn, group=hv // h, bv=bv, nvt=vd // bv,
-                           units=units, order=order, evict=eviction_policy, scale=float(scale),
+                           units=units, order=order, evict=eviction_policy,
+                           together=reductions == "together", scale=float(scale),
                            l2=bool(use_qk_l2norm), gate=gate, lower_bound=float(lower_bound),
                            beta_logit=bool(beta_is_logit))
   return pl.pallas_call(

@@ -43,8 +43,9 @@ def expert_mlp(x, expert_ids, weights, w_gate_up, w_down, activation, *, impleme
   """Routed experts on tokens ``x [N, D]``.
 
   expert_ids, weights: ``[N, k]``; w_gate_up: ``[E, D, 2F]`` (gate then up); w_down: ``[E, F, D]``;
-  activation: ``gu [M, 2F] -> h [M, F]`` (gate then up, packed). Sorts the N*k token-expert pairs by expert (stable), runs the
-  GLU with two grouped matmuls and scatters back with the routing weights. Returns ``[N, D]``.
+  activation: ``gu [M, 2F] -> h [M, F]`` (gate then up, packed). Sorts the N*k token-expert
+  pairs by expert (stable), runs the GLU with two grouped matmuls and scatters back with the
+  routing weights. Returns ``[N, D]``.
   """
   with jax.named_scope("permute"):
     xs, group_sizes, order = permute(x, expert_ids, w_gate_up.shape[0])
