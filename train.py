@@ -346,7 +346,8 @@ def main(argv=None) -> int:
     cfg = config_lib.load(args.config, args.overrides)
     run_dir = Path(args.run_dir or f"runs/{cfg.model.name}")
     train(cfg, run_dir, progress=not args.no_progress)
-  except (config_lib.ConfigError, data_lib.DataError, TrainError) as e:
+  except (config_lib.ConfigError, data_lib.DataError, TrainError,
+          checkpoint_lib.LayoutError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   return 0

@@ -8,8 +8,12 @@ never a half-written step.
 
 ``restore_latest`` walks the complete checkpoints from the newest down: one that fails to load is
 reported by name and renamed to ``<step>.corrupt`` (kept for inspection, and so that a later save of
-the same step never lands on top of it), and the previous one is tried. Temporary directories of
-interrupted saves are reported and left alone. A save never replaces an existing step.
+the same step never lands on top of it), and the previous one is tried. A checkpoint that reads
+but holds a state of another layout than the one asked for (another optimizer, or a state saved
+by code whose optimizer state was laid out differently) is not corrupt: the restore stops with
+:class:`LayoutError` and moves nothing, since every older checkpoint of the run has the same
+layout. Temporary directories of interrupted saves are reported and left alone. A save never
+replaces an existing step.
 """
 
 from __future__ import annotations
@@ -23,6 +27,15 @@ import jax
 import orbax.checkpoint as ocp
 
 ITEMS = ("state", "data", "meta")
+
+
+class LayoutError(RuntimeError):
+  """A checkpoint holds a training state of another tree layout than the one being restored."""
+
+
+def _layout_mismatch(e: Exception) -> bool:
+  """Orbax's error for a readable checkpoint whose tree differs from the requested one."""
+  return isinstance(e, ValueError) and "tree structures do not match" in str(e)
 
 
 def _say(msg: str) -> None:
@@ -83,6 +96,12 @@ class Checkpointer:
             data=grain.checkpoint.CheckpointRestore(data_iter),
             meta=ocp.args.JsonRestore()))
       except Exception as e:  # any failure to read means this checkpoint cannot be trusted
+        if _layout_mismatch(e):
+          raise LayoutError(
+              f"checkpoint {path} holds a training state laid out differently from the one this "
+              "config builds (another optimizer, or one saved before a change of the optimizer "
+              "state's layout); nothing was moved. Resume with the settings the run was started "
+              "with, or start a new --run-dir. Orbax: " + str(e).splitlines()[0][:200]) from e
         target = path.with_name(f"{path.name}.corrupt")
         n = 1
         while target.exists():

@@ -107,6 +107,23 @@ def test_resume_after_crash_skips_a_corrupt_checkpoint_and_is_bitwise_exact(
   assert losses_by_step(run_dir) == losses_by_step(full_run)  # floats compared exactly
 
 
+def test_resume_with_another_optimizer_layout_stops_and_moves_nothing(full_run, tmp_path,
+                                                                       capsys):
+  """Resuming a run whose checkpoints hold AdamW's state with Muon (another optimizer state
+  layout) stops with one error naming the checkpoint; the checkpoints are not moved aside as
+  corrupt and nothing is trained."""
+  run_dir = tmp_path / "layout"
+  shutil.copytree(full_run, run_dir)
+  capsys.readouterr()
+  argv = ["--no-progress", "--run-dir", str(run_dir), f"train.steps={STEPS + 2}", *SMALL,
+          "optimizer.name=muon"]
+  assert train.main(argv) == 2
+  err = capsys.readouterr().err
+  assert f"checkpoint {run_dir / 'checkpoints' / '6'} holds a training state laid out" in err
+  assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2", "4", "6"]
+  assert losses_by_step(run_dir) == losses_by_step(full_run)
+
+
 def test_out_of_memory_gives_a_clear_error(tmp_path, monkeypatch, capsys):
   real = train_step.jit_train_step
 
