@@ -39,6 +39,14 @@ KGPU=$(( NGPU - 1 ))  # kernels on the last GPU, training steps on GPU 0
 T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 
+bench() {
+  # One benchmark script on the kernel GPU under the lock: bench NAME SECONDS SCRIPT ARGS...
+  local name=$1 secs=$2; shift 2
+  flock -o "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout "$secs" python3 "$@" \
+    > "$R/$name.log" 2>&1
+  say "$name done"
+}
+
 train() {
   # The k3_1b step: default flags, then without XLA's Triton GEMM fusions (compile-time trial).
   CUDA_VISIBLE_DEVICES=0 timeout 420 python3 benchmarks/bench_train.py --config configs/k3_1b.yaml \
@@ -49,16 +57,10 @@ train() {
     --json "$R/1b_no_triton_gemm.json" --lock "$LOCK" > "$R/1b_no_triton_gemm.log" 2>&1 &
 }
 
-kernels() {
-  flock -o "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 150 python3 benchmarks/kda.py --sweep \
-    --ours-only --no-decode --budget 105 > "$R/kda.log" 2>&1
-  say "kda done"
-  flock -o "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 120 python3 benchmarks/mla.py --decode-only \
-    --budget 90 > "$R/mla.log" 2>&1
-  say "mla done"
-  flock -o "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 150 python3 benchmarks/moe.py --sweep \
-    > "$R/moe.log" 2>&1
-  say "moe done"
+kernels() {  # KDA variants, MLA decode kernels, MoE tilings, one after the other
+  bench kda 150 benchmarks/kda.py --sweep --ours-only --no-decode --budget 105
+  bench mla 120 benchmarks/mla.py --decode-only --budget 90
+  bench moe 150 benchmarks/moe.py --sweep
 }
 
 multi() {
@@ -112,57 +114,22 @@ step() {
   done
 }
 
-peers() {
-  # KDA at the three PERF.md shapes next to jla and fla, forward and forward+backward.
-  # Then the decode kernel's configurations, fla last in what is left of the budget (its
-  # autotuning takes minutes).
-  flock -o "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout ${PEERS_S:-300} python3 benchmarks/kda.py \
-    --shapes 1x16384x32x128,4x4096x32x128,1x65536x16x128 \
-    --budget $(( ${PEERS_S:-300} - 20 )) > "$R/kda_peers.log" 2>&1
-  say "kda peers done"
+peers() {  # KDA vs jla and fla at the PERF.md shapes, fwd and fwd+bwd; fla last (autotuning)
+  bench kda_peers "${PEERS_S:-300}" benchmarks/kda.py \
+    --shapes 1x16384x32x128,4x4096x32x128,1x65536x16x128 --budget $(( ${PEERS_S:-300} - 20 ))
 }
 
-kdasweep() {
-  # The KDA kernel variants and warp counts at B1 T16384 H32 (ours only), while the steps compile.
-  flock -o "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 200 python3 benchmarks/kda.py --sweep \
-    --ours-only --no-decode --budget 170 > "$R/kda_sweep.log" 2>&1
-  say "kda sweep done"
+kdasweep() {  # KDA variants and warp counts at B1 T16384 H32 (ours only)
+  bench kda_sweep 200 benchmarks/kda.py --sweep --ours-only --no-decode --budget 170
 }
 
-glu() {
-  # The packed SiTU-GLU kernels against XLA at k3_1b's expert shape, and their tile sweep.
-  flock -o "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 60 python3 benchmarks/glu.py --sweep \
-    > "$R/glu.log" 2>&1
-  say "glu done"
-}
-
-lse() {
-  # The row log-sum-exp kernel of the LM-head loss against XLA, and its tile sweep.
-  flock -o "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 60 python3 benchmarks/logsumexp.py \
-    --sweep > "$R/logsumexp.log" 2>&1
-  say "logsumexp done"
-}
-
-mladecode() {
-  # The MLA decode kernels (each in a child process with its share of the budget) at N 1-256.
-  flock -o "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 150 python3 benchmarks/mla.py \
-    --decode-only > "$R/mla_decode.log" 2>&1
-  say "mla decode done"
-}
-
-qbselect() {
-  # Exact QB's radix select: the Pallas kernel against XLA's reductions, and its configurations.
-  flock -o "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 58 python3 benchmarks/radix_select.py \
-    --budget 42 > "$R/radix_select.log" 2>&1
-  say "select done"
-}
-
-kdadecode() {
-  # The KDA decode kernel's configurations and the pool's in-place copy ceilings.
-  flock -o "$LOCK" env CUDA_VISIBLE_DEVICES=$KGPU timeout 90 python3 benchmarks/kda.py \
-    --decode-sweep > "$R/kda_decode.log" 2>&1
-  say "kda decode done"
-}
+# The step's glue kernels against XLA with their tile sweeps, the decode kernels' configurations
+# (KDA: with the pool's in-place copy ceilings; MLA: each kernel in a child process).
+glu() { bench glu 60 benchmarks/glu.py --sweep; }
+lse() { bench logsumexp 60 benchmarks/logsumexp.py --sweep; }
+qbselect() { bench radix_select 58 benchmarks/radix_select.py --budget 42; }
+kdadecode() { bench kda_decode 90 benchmarks/kda.py --decode-sweep; }
+mladecode() { bench mla_decode 150 benchmarks/mla.py --decode-only; }
 
 ncu() {
   # Hardware counters of our KDA kernels, one forward+backward at B1 T16384 H32 (jla's Mosaic

@@ -532,22 +532,21 @@ def decode():
       print(f"decode N{n} FAILED", repr(e)[:1500], flush=True)
 
 
-def _copy_kernel(s_ref, so_ref, *, bv, nvt, order):
-  n, u = ((pl.program_id(0), pl.program_id(1)) if order == "requests"
-          else (pl.program_id(1), pl.program_id(0)))
+def _copy_kernel(s_ref, so_ref, *, bv, nvt):
+  u, n = pl.program_id(0), pl.program_id(1)
   tile = lambda ref: ref.at[n, u // nvt, :, pl.ds((u % nvt) * bv, bv)]
   plgpu.store(tile(so_ref), plgpu.load(tile(s_ref)) * 1.0001)
 
 
-def pallas_scale(pool, *, block_v, num_warps, order):
-  """``pool * 1.0001`` in place as the decode kernel's tiles, grid and order: the copy speed of
-  its memory access pattern (ceiling reference). pool ``[N, HV, K, V]``."""
+def pallas_scale(pool, *, block_v, num_warps):
+  """``pool * 1.0001`` in place as the decode kernel's tiles and grid: the copy speed of its
+  memory access pattern (ceiling reference). pool ``[N, HV, K, V]``."""
   n, hv, _, vd = pool.shape
   nvt = vd // block_v
   return (pl.pallas_call(
-      functools.partial(_copy_kernel, bv=block_v, nvt=nvt, order=order),
+      functools.partial(_copy_kernel, bv=block_v, nvt=nvt),
       out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
-      grid=(n, hv * nvt) if order == "requests" else (hv * nvt, n),
+      grid=(hv * nvt, n),
       input_output_aliases={0: 0},
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=kda_gpu._interpret(),
@@ -561,13 +560,14 @@ def _cfg_name(cfg):
 def decode_refs(slots):
   """Ceiling references, each ``pool -> (pool,)`` donated: XLA ``pool * 1.0001`` (a fused
   in-place stream), XLA ``pool.at[slots].multiply`` (an in-place scatter) and the Pallas
-  ``pallas_scale`` at three of the decode tilings."""
+  ``pallas_scale`` at the decode tilings of ``decode.SWEEP``."""
   refs = {"xla pool*1.0001": lambda p: (p * 1.0001,),
           "xla pool.at[slots].multiply": lambda p: (p.at[slots].multiply(1.0001),)}
-  for bv, nw, order in ((64, 4, "requests"), (64, 4, "units"), (32, 4, "units"),
-                        (16, 1, "units")):
-    refs[f"pallas scale block_v={bv} num_warps={nw} order={order}"] = functools.partial(
-        pallas_scale, block_v=bv, num_warps=nw, order=order)
+  from pallas_kernels.kda import decode as dec
+  for cfg in dec.SWEEP:
+    bv, nw = cfg.get("block_v", 64), cfg.get("num_warps", 4)
+    refs[f"pallas scale block_v={bv} num_warps={nw}"] = functools.partial(
+        pallas_scale, block_v=bv, num_warps=nw)
   return {name: jax.jit(fn, donate_argnums=(0,)) for name, fn in refs.items()}
 
 

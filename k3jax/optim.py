@@ -11,8 +11,8 @@
   step converted it for the matmuls and wrote float32 results, twice the traffic), update RMS
   matched to AdamW (``0.2 * sqrt(max(fan_in, fan_out))``); AdamW on everything that is not a
   hidden-layer matrix: norms, biases, ``A_log``, ``dt_bias``, Block AttnRes vectors, the embedding,
-  ``lm_head`` and the short-conv kernels. Expert weights ``[E, L, 2F]`` / ``[E, F, L]`` are orthogonalised per expert (and
-  gate/up separately); with ``optimizer.muon_per_head`` the attention projections are
+  ``lm_head`` and the short-conv kernels. Expert weights ``[E, L, 2F]`` / ``[E, F, L]`` are
+  orthogonalised per expert (and gate/up separately); with ``optimizer.muon_per_head`` the attention projections are
   orthogonalised per head (``[d, H*K]`` viewed as ``[d, H, K]``).
 
 Weight decay (decoupled, scaled by the learning rate) applies to matrices only: never to norms,

@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 
 from k3jax import losses, router
-from k3jax.config import Config
+from k3jax.config import Config, TrainConfig
 
 Batch = dict[str, jax.Array]
 
@@ -36,7 +36,7 @@ def moe_layers(cfg: Config) -> list[int]:
   return [i for i in range(cfg.model.num_layers) if cfg.model.is_moe(i)]
 
 
-def _loss(graphdef, params, biases, batch: Batch, loss_chunk: int = 4096):
+def _loss(graphdef, params, biases, batch: Batch, loss_chunk: int = TrainConfig.loss_chunk):
   """(summed token loss, (summed weights, per-layer router stats)) of one micro-batch; the head's
   logits are formed ``loss_chunk`` tokens at a time."""
   model = nnx.merge(graphdef, params, biases)
@@ -118,7 +118,7 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation,
   return train_step
 
 
-def make_eval_step(graphdef, loss_chunk: int = 4096) -> Callable:
+def make_eval_step(graphdef, loss_chunk: int = TrainConfig.loss_chunk) -> Callable:
   """``(params, biases, batch) -> (summed token loss, summed weights)``."""
   def eval_step(params, biases, batch: Batch):
     loss_sum, (weight_sum, _) = _loss(graphdef, params, biases, batch, loss_chunk)

@@ -137,33 +137,34 @@ def test_muon_per_head_orthogonalisation(per_head):
 def test_newton_schulz_matches_a_float64_loop(shape, dims):
   """:func:`optim.newton_schulz` in float32 against the same quintic iteration in float64 NumPy,
   matrix by matrix, on wide and tall matrices and on batched views whose fan-in and fan-out axes
-  are not the last two (including fan-out before fan-in); the leaf is stacked with others of its
-  view's shape (one of them scaled: each leaf keeps its own matrices)."""
+  are not the last two (including fan-out before fan-in); three leaves of one view shape are
+  stacked (one scaled: each leaf must get the iteration of its own matrices)."""
   from optax.contrib import MuonDimensionNumbers
   rng = np.random.default_rng(len(shape))
-  x = rng.normal(size=shape)
   red, out = dims
   batch = [a for a in range(len(shape)) if a not in dims]
-  mats = np.transpose(x, batch + [red, out]).reshape(-1, shape[red], shape[out])
+  layout = batch + [red, out]
+  mats = np.transpose(rng.normal(size=shape), layout).reshape(-1, shape[red], shape[out])
   mats = mats / np.linalg.norm(mats, axis=(1, 2), keepdims=True)
   a, b, c = optim.NS_COEFFS
-  want = []
-  for m in mats:
-    tall = m.shape[0] > m.shape[1]
-    y = m.T if tall else m
-    for _ in range(optim.NS_STEPS):
-      s = y @ y.T
-      y = a * y + (b * s + c * s @ s) @ y
-    want.append((y.T if tall else y) * 0.2 * np.sqrt(max(m.shape)))
-  want = np.stack(want).reshape([shape[i] for i in batch + [red, out]])
-  want = np.transpose(want, np.argsort(batch + [red, out]))
-  xn = np.transpose(mats.reshape([shape[i] for i in batch + [red, out]]),
-                    np.argsort(batch + [red, out]))  # the normalised input, in x's layout
+
+  def ns64(ms):  # the iteration in float64, back in x's layout
+    res = []
+    for m in ms:
+      tall = m.shape[0] > m.shape[1]
+      y = m.T if tall else m
+      for _ in range(optim.NS_STEPS):
+        s = y @ y.T
+        y = a * y + (b * s + c * s @ s) @ y
+      res.append((y.T if tall else y) * 0.2 * np.sqrt(max(m.shape)))
+    return np.transpose(np.stack(res).reshape([shape[i] for i in layout]), np.argsort(layout))
+
+  xn = np.transpose(mats.reshape([shape[i] for i in layout]), np.argsort(layout))
   xj = jnp.asarray(xn, jnp.float32)
-  with jax.default_matmul_precision("highest"):  # twice: stacked with itself, and alone
+  with jax.default_matmul_precision("highest"):
     got = optim.newton_schulz([xj, xj * 0.5, xj], [MuonDimensionNumbers(red, out)] * 3,
                               jnp.float32, rms=0.2)
-  for g in (got[0], got[2]):
+  for g, want in zip(got, (ns64(mats), ns64(mats * 0.5), ns64(mats))):
     np.testing.assert_allclose(np.asarray(g, np.float64), want, rtol=1e-4, atol=1e-4)
 
 

@@ -61,9 +61,8 @@ def _glu_fwd(a, b, kind, beta, beta_lin):
 
 def _glu_bwd(kind, beta, beta_lin, res, g):
   a, b = res
-  _, da, db = glu_math(kind, beta, beta_lin, f32(a), f32(b))
-  g = f32(g)
-  return (g * da).astype(a.dtype), (g * db).astype(b.dtype)
+  da, db = reference.glu_grads(a, b, g, kind, beta, beta_lin)
+  return da.astype(a.dtype), db.astype(b.dtype)
 
 
 glu.defvjp(_glu_fwd, _glu_bwd)

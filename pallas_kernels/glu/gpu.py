@@ -61,7 +61,8 @@ def _bwd_kernel(gu_ref, g_ref, d_ref, *, m, f, bm, bf, kind, beta, beta_lin):
   plgpu.store(d_ref.at[r, pl.ds(c0 + f, bf)], (g * db).astype(d_ref.dtype), mask=mask)
 
 
-def _call(kernel, out_shape, gu, *args, kind, beta, beta_lin, name):
+def _call(kernel, halves, gu, *args, kind, beta, beta_lin, name):
+  """``kernel`` over ``gu [..., 2F]`` (and ``args [..., F]``) -> ``[..., halves * F]``."""
   lead = gu.shape[:-1]
   gu = gu.reshape(-1, gu.shape[-1])
   m, f = gu.shape[0], gu.shape[1] // 2
@@ -69,12 +70,12 @@ def _call(kernel, out_shape, gu, *args, kind, beta, beta_lin, name):
   kern = functools.partial(kernel, m=m, f=f, bm=bm, bf=bf, kind=kind, beta=float(beta),
                            beta_lin=float(beta_lin))
   out = pl.pallas_call(
-      kern, out_shape=jax.ShapeDtypeStruct((m, out_shape * f), gu.dtype),
+      kern, out_shape=jax.ShapeDtypeStruct((m, halves * f), gu.dtype),
       grid=(pl.cdiv(m, bm), pl.cdiv(f, bf)),
       compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=1),
       interpret=_interpret(), name=name,
   )(gu, *(a.reshape(m, f) for a in args))
-  return out.reshape(*lead, out_shape * f)
+  return out.reshape(*lead, halves * f)
 
 
 def glu_fwd(gu, kind: str, beta: float, beta_lin: float):

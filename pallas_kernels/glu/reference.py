@@ -60,8 +60,14 @@ def glu_fwd(gu, kind: str, beta: float, beta_lin: float):
   return glu_math(kind, beta, beta_lin, *split(gu), grads=False).astype(gu.dtype)
 
 
+def glu_grads(a, b, g, kind: str, beta: float, beta_lin: float):
+  """Float32 (or wider) ``(d a, d b)`` for gate ``a``, up ``b`` and output cotangent ``g``."""
+  _, da, db = glu_math(kind, beta, beta_lin, f32(a), f32(b))
+  g = f32(g)
+  return g * da, g * db
+
+
 def glu_bwd(gu, g, kind: str, beta: float, beta_lin: float):
   """``d gu [..., 2F]`` of ``gu`` for the output cotangent ``g [..., F]``."""
-  _, da, db = glu_math(kind, beta, beta_lin, *split(gu))
-  g = f32(g)
-  return jnp.concatenate([g * da, g * db], axis=-1).astype(gu.dtype)
+  da, db = glu_grads(*split(gu), g, kind, beta, beta_lin)
+  return jnp.concatenate([da, db], axis=-1).astype(gu.dtype)
