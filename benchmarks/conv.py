@@ -35,10 +35,11 @@ from timing import Rows, median_ms, rel_err  # noqa: E402
 
 ROWS = Rows("conv_bench.json")
 CHECK_TOL = 1e-2  # relative error of the kernels vs the reference (both float32 inside, bf16 out)
-# Tilings tried after the default (forward tile / backward tile, steps, warps).
-SWEEP = [gpu.Config(bt=64), gpu.Config(bt=16), gpu.Config(bwd_bc=128, bwd_warps=8),
-         gpu.Config(bwd_bc=32, bwd_warps=2), gpu.Config(bwd_bt=32),
-         gpu.Config(bwd_steps=16), gpu.Config(bwd_steps=4), gpu.Config(stages=2)]
+# Tilings tried after the default (rows and channels per program, warps, rows per load group).
+SWEEP = [gpu.Config(bc=512, warps=4, bwd_bc=512, bwd_warps=4),
+         gpu.Config(bc=128, warps=1, bwd_bc=128, bwd_warps=1),
+         gpu.Config(unroll=8, bwd_unroll=8), gpu.Config(unroll=2, bwd_unroll=2),
+         gpu.Config(rows=128, bwd_rows=128), gpu.Config(rows=32, bwd_rows=32)]
 
 
 def segments(b, t, seed=0):
@@ -95,7 +96,7 @@ def main():
   p.add_argument("--shape", default="16x4096x1024", help="B x T x C")
   p.add_argument("--width", type=int, default=4)
   p.add_argument("--dtype", default="bfloat16")
-  p.add_argument("--budget", type=float, default=50.0)
+  p.add_argument("--budget", type=float, default=75.0)
   p.add_argument("--no-sweep", action="store_true")
   p.add_argument("--interpret", action="store_true", help="allow a CPU run (kernels interpreted)")
   a = p.parse_args()

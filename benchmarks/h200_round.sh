@@ -16,6 +16,9 @@
 #   bash benchmarks/h200_round.sh mladecode # MLA decode kernels (mosaic, seesaw) at N 1-256
 #   bash benchmarks/h200_round.sh qbselect  # exact QB's radix select kernel vs XLA
 #   bash benchmarks/h200_round.sh kdadecode # KDA decode configurations and copy ceilings
+#   bash benchmarks/h200_round.sh conv      # KDA short conv + SiLU kernels vs XLA, tile sweep
+#   bash benchmarks/h200_round.sh attnres   # AttnRes mixture kernels vs XLA, tile sweep
+#   bash benchmarks/h200_round.sh unpermute # MoE unpermute backward kernel vs XLA, tile sweep
 #   bash benchmarks/h200_round.sh long step peers   # several at once (one lock for timed GPU work)
 #
 # The k3_1b runs compile without XLA's Triton GEMM fusions (85 s instead of 111 s, same step time).
@@ -90,7 +93,8 @@ step() {
   # option, else a config override such as train.loss_chunk=4096), one per GPU in turn
   # (XLA's autotuning while another process compiles would otherwise disturb the timed steps).
   # STEP_BASE=DIR (a copy of an earlier commit, e.g. `git archive`) also times that code's
-  # defaults in the same run: the before/after of a change side by side.
+  # defaults in the same run: the before/after of a change side by side. STEP_HLO=1 also writes
+  # each compiled step's HLO text (gzip) beside its log.
   # Do not time it beside `long`, whose compiles autotune on both GPUs.
   local i=0 gpu remat set tag
   if [ -n "${STEP_BASE:-}" ]; then
@@ -108,6 +112,7 @@ step() {
       CUDA_VISIBLE_DEVICES=$gpu XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout $LIMIT \
         python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 12 --lock "$LOCK" \
         --profile "$R/trace_$tag" --json "$R/1b_remat_$tag.json" model.remat=$remat \
+        ${STEP_HLO:+--hlo "$R/hlo_$tag.txt.gz"} \
         $(case "$set" in -) ;; *:*) echo "--set $set" ;; *) echo "$set" ;; esac) \
         > "$R/1b_remat_$tag.log" 2>&1 &
     done
@@ -130,6 +135,9 @@ lse() { bench logsumexp 60 benchmarks/logsumexp.py --sweep; }
 qbselect() { bench radix_select 58 benchmarks/radix_select.py --budget 42; }
 kdadecode() { bench kda_decode 90 benchmarks/kda.py --decode-sweep; }
 mladecode() { bench mla_decode 150 benchmarks/mla.py --decode-only; }
+conv() { bench conv 100 benchmarks/conv.py; }
+attnres() { bench attn_res 120 benchmarks/attn_res.py --budget 100; }
+unpermute() { bench moe_unpermute 75 benchmarks/moe_unpermute.py --budget 55; }
 
 ncu() {
   # Hardware counters of our KDA kernels, one forward+backward at B1 T16384 H32 (jla's Mosaic
@@ -145,7 +153,7 @@ ncu() {
 [ $# -gt 0 ] || set -- both
 for what in "$@"; do  # several modes run side by side; timed GPU work takes the lock in turn
   case "$what" in
-    kernels|multi|peers|kdasweep|ncu|glu|lse|kdadecode|mladecode|qbselect) $what & ;;  # blocking
+    kernels|multi|peers|kdasweep|ncu|glu|lse|kdadecode|mladecode|qbselect|conv|attnres|unpermute) $what & ;;  # blocking
     train|long|step) $what ;;        # these start background jobs of this shell
     both) train; sleep 5; kernels & ;;
     *) echo "usage: $0 MODE... (the modes are listed at the top of this script)"

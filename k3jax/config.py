@@ -91,6 +91,8 @@ class MoEConfig:
 class AttnResConfig:
   enabled: bool = True
   block_size: int = 12
+  # The mixing op (pallas_kernels.attn_res): None = the fused Pallas kernels on GPU, XLA elsewhere.
+  implementation: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,6 +382,8 @@ def validate(cfg: Config) -> None:
   _one_of(k.output_gate, ("full", "low_rank"), "model.kda.output_gate")
   _one_of(k.conv_implementation, (None, "xla", "pallas", "pallas_gpu"),
           "model.kda.conv_implementation")
+  _one_of(m.attn_res.implementation, (None, "xla", "pallas", "pallas_gpu"),
+          "model.attn_res.implementation")
   _check(k.head_dim in KERNEL_HEAD_DIMS, "model.kda.head_dim",
          f"the KDA kernels take head dims {KERNEL_HEAD_DIMS}, got {k.head_dim}")
   _check(k.v_head_dim in KERNEL_HEAD_DIMS, "model.kda.v_head_dim",

@@ -15,6 +15,7 @@ from k3jax.kda import KDA
 from k3jax.latent_moe import LatentMoE
 from k3jax.mla import MLA
 from k3jax.nn import Embed, Linear, RMSNorm
+from pallas_kernels import KERNEL_OUTPUT
 from sharding import shard
 
 _ACT = ("batch", "length", "embed")
@@ -23,9 +24,13 @@ _REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     # The Pallas kernels' outputs too: the backward then reruns no forward kernel of the layer
     # (under "dots" each KDA forward kernel runs three times per step).
+    # Mosaic GPU kernels (the grouped matmuls) are ``mpmd_map`` calls inside ``custom_vmap``,
+    # which no primitive policy sees: their wrappers name their outputs instead.
     "dots_kernels": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        lambda prim, *_, **__: prim.name == "pallas_call"),
+        jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            lambda prim, *_, **__: prim.name == "pallas_call"),
+        jax.checkpoint_policies.save_only_these_names(KERNEL_OUTPUT)),
 }
 
 
@@ -42,8 +47,9 @@ class DecoderLayer(nnx.Module):
     self.self_attn = MLA(cfg, rngs=rngs) if self.kind == "mla" else KDA(cfg, rngs=rngs)
     self.mlp = LatentMoE(cfg, rngs=rngs) if self.moe else GLU(cfg, cfg.dense_intermediate, rngs=rngs)
     if self.attn_res_on:
-      self.self_attention_res = AttnRes(d, eps, rngs=rngs, dtype=dt)
-      self.mlp_res = AttnRes(d, eps, rngs=rngs, dtype=dt)
+      impl = cfg.attn_res.implementation
+      self.self_attention_res = AttnRes(d, eps, rngs=rngs, dtype=dt, implementation=impl)
+      self.mlp_res = AttnRes(d, eps, rngs=rngs, dtype=dt, implementation=impl)
 
   def _mlp(self, x, valid):
     if self.moe:
@@ -98,7 +104,8 @@ class K3Model(nnx.Module):
     self.embed_tokens = Embed(cfg.vocab_size, d, rngs=rngs, dtype=dt, std=cfg.init_std)
     self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
     if cfg.attn_res.enabled:
-      self.output_attn_res = AttnRes(d, cfg.rms_norm_eps, rngs=rngs, dtype=dt)
+      self.output_attn_res = AttnRes(d, cfg.rms_norm_eps, rngs=rngs, dtype=dt,
+                                     implementation=cfg.attn_res.implementation)
     self.norm = RMSNorm(d, cfg.rms_norm_eps, rngs=rngs, dtype=dt)
     self.lm_head = Linear(d, cfg.vocab_size, ("embed", "vocab"), rngs=rngs, dtype=dt,
                           std=cfg.init_std)

@@ -188,13 +188,14 @@ def _matrices(x: jax.Array, dims: MuonDimensionNumbers):
 
 def _iterate(y: jax.Array, dtype) -> jax.Array:
   """``NS_STEPS`` steps ``X <- a X + (b A + c A^2) X``, ``A = X X^T``, on wide matrices ``y
-  [..., m, n]``, the iterate and every product in ``dtype`` (float32 accumulation inside each
-  matmul)."""
+  [..., m, n]``: the iterate, every matmul's operands and outputs in ``dtype`` (each matmul
+  accumulates in float32 and rounds once at its output, so no float32 product is written to
+  memory and converted), the two sums in float32."""
   a, b, c = NS_COEFFS
-  dot = lambda u, v: jnp.matmul(u, v, preferred_element_type=jnp.float32)
+  dot = lambda u, v: jnp.matmul(u, v, preferred_element_type=dtype).astype(jnp.float32)
   y = y.astype(dtype)
   for _ in range(NS_STEPS):
-    s = dot(y, y.mT).astype(dtype)  # A
+    s = jnp.matmul(y, y.mT, preferred_element_type=dtype)  # A
     s = (b * s.astype(jnp.float32) + c * dot(s, s)).astype(dtype)  # b A + c A^2
     y = (a * y.astype(jnp.float32) + dot(s, y)).astype(dtype)
   return y

@@ -7,9 +7,20 @@
 - :mod:`pallas_kernels.select`: the k-th smallest value of each column (exact QB's quantile).
 - :mod:`pallas_kernels.glu`: the gated activations (SiTU-GLU, SiLU-GLU), packed gate and up.
 - :mod:`pallas_kernels.logsumexp`: row log-sum-exp of the LM head's float32 logits.
+- :mod:`pallas_kernels.attn_res`: Block Attention Residuals' softmax mixture over depth sources.
 """
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
+
+KERNEL_OUTPUT = "kernel_output"
+
+
+def kernel_output(x: jax.Array) -> jax.Array:
+  """``x`` named :data:`KERNEL_OUTPUT` for the remat policies that keep kernel outputs (the
+  model's ``dots_kernels``): a kernel whose primitive such a policy cannot see (a Mosaic GPU
+  kernel is an ``mpmd_map`` inside a ``custom_vmap``) marks its output with it."""
+  return checkpoint_name(x, KERNEL_OUTPUT)
 
 
 def default_backend() -> str:

@@ -86,13 +86,15 @@ def test_values_and_grads_match_numpy(case, impl):
     assert rel(got, want) < tol, (name, rel(got, want))
 
 
-def test_small_tiles_cross_program_boundaries():
+@pytest.mark.parametrize("width", [4, 1])
+def test_small_tiles_cross_program_boundaries(width):
   """Several programs along T and C in both kernels (documents crossing them, a partial last
-  tile each way), several row steps per backward program: dw partials summed."""
-  t, c, width = 83, 100, 4
+  tile each way, halo rows read from the neighbouring programs' rows), loads of 4 and 2 rows at
+  a time: dw partials summed; and a single tap (no halo)."""
+  t, c = 83, 100
   x, w, dy = operands(5, t, c, width, jnp.float32)
   seg = packed_segments(t, (15, 16, 33, 60))
-  cfg = gpu.Config(bt=16, bc=32, bwd_bt=16, bwd_bc=64, bwd_steps=2)
+  cfg = gpu.Config(rows=16, bc=32, bwd_rows=16, bwd_bc=64, unroll=4, bwd_unroll=2)
   y, vjp = jax.vjp(lambda x, w: gpu.causal_conv_silu(x, w, seg, cfg), x, w)
   for name, got, want in zip(("y", "dx", "dw"), (y, *vjp(dy)), np_conv(x, w, np.asarray(seg), dy)):
     assert rel(got, want) < 1e-5, (name, rel(got, want))

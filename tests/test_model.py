@@ -160,15 +160,20 @@ def test_tiny_model_loss_falls_with_adamw():
 
 
 def _kernel_counts(jaxpr) -> dict:
-  """pallas_call names and how often they appear in a jaxpr (nested jaxprs included)."""
+  """Kernel names and how often they appear in a jaxpr (nested jaxprs included): pallas_call
+  names, and ``"mosaic_gpu"`` for every Mosaic GPU kernel (an ``mpmd_map``)."""
   from jax.extend import core
   counts: dict = {}
 
   def walk(j):
     for e in j.eqns:
+      name = None
       if e.primitive.name == "pallas_call":
         info = e.params.get("name_and_src_info")
         name = getattr(info, "name", None) or e.params.get("name") or "?"
+      elif e.primitive.name == "mpmd_map":
+        name = "mosaic_gpu"
+      if name:
         counts[name] = counts.get(name, 0) + 1
       for v in e.params.values():
         for x in v if isinstance(v, (tuple, list)) else (v,):
@@ -211,6 +216,23 @@ def test_remat_dots_kernels_keeps_kernel_outputs(monkeypatch, remat, save, runs)
   n_kda = sum(cfg.model.layer_kind(i) == "kda" for i in range(cfg.model.num_layers))
   assert counts["kda_chunk_a"] == runs * n_kda and counts["kda_fwd_recurrence"] == runs * n_kda
   assert counts["kda_chunk_dqkg"] == n_kda  # one backward per layer either way
+
+
+@pytest.mark.parametrize("remat,runs", [("dots", 8), ("dots_kernels", 6)])
+def test_remat_dots_kernels_keeps_the_grouped_matmuls(monkeypatch, remat, runs):
+  """The routed experts' Mosaic GPU grouped matmuls per MoE layer in the gradient: two forward,
+  two for the lhs cotangents and two for the weights'; under ``dots`` the two forward ones run
+  again in the layer recompute, under ``dots_kernels`` their named outputs are kept (no
+  primitive policy sees a Mosaic GPU kernel). Traced for the GPU (no lowering, no GPU)."""
+  import pallas_kernels.moe as moe_ops
+  from pallas_kernels.moe import gpu
+  monkeypatch.setattr(gpu, "default_backend", lambda: "gpu")  # no interpret-mode callbacks
+  monkeypatch.setattr(moe_ops, "resolve", lambda implementation: "pallas_gpu")
+  cfg = tiny_config(f"model.remat={remat}", "model.compute_dtype=bfloat16",
+                    "model.moe.expert_intermediate=128")
+  counts = _grad_kernel_counts(cfg)
+  n_moe = sum(cfg.model.is_moe(i) for i in range(cfg.model.num_layers))
+  assert counts["mosaic_gpu"] == runs * n_moe
 
 
 @pytest.mark.parametrize("remat,runs", [("dots", 2), ("dots_kernels", 1)])

@@ -100,7 +100,8 @@ def test_muon_update_rms_matches_adamw_scale():
 @pytest.mark.parametrize("precision,operand", [("bf16", "bf16"), ("f32", "f32")])
 def test_muon_newton_schulz_precision(precision, operand):
   """``muon_ns_precision=bf16`` carries the Newton-Schulz iterate in bf16: every matmul of the
-  optimizer takes bf16 operands and accumulates in float32; ``f32`` keeps float32 operands."""
+  optimizer takes bf16 operands and gives a bf16 product (float32 accumulation inside); ``f32``
+  keeps float32 operands and products."""
   cfg = cfg_with("optimizer.name=muon", f"optimizer.muon_ns_precision={precision}", *NO_DECAY_NO_CLIP)
   params = fake_params()
   tx, _ = optim.make_optimizer(cfg, params)
@@ -110,7 +111,7 @@ def test_muon_newton_schulz_precision(precision, operand):
   for line in dots:
     types = line.split("(tensor<")[1]
     assert all(t.split(">")[0].endswith("x" + operand) for t in types.split("tensor<")[:2]), line
-    assert line.rstrip().endswith("xf32>"), line
+    assert line.rstrip().endswith("x" + operand + ">"), line
   with pytest.raises(ValueError, match="muon_ns_precision"):
     cfg_with("optimizer.muon_ns_precision=fp8")
 

@@ -1,17 +1,21 @@
 """Causal depthwise short conv + SiLU as Triton kernels through Pallas (interpret mode off GPU).
 
-Forward: one program per (T block, C block, batch row) loads its ``[BT, BC]`` tile of x at the W
-row offsets ``0, -1, .., -(W-1)`` (masked loads: rows before 0, past T, or in another document
-read zeros), accumulates ``z`` in float32 and stores ``silu(z)``. Nothing is saved but x.
+Both kernels walk rows: a program takes ``rows`` rows of one batch row and ``bc`` channels and
+steps through the rows one at a time, carrying the W-1 previous rows of x (and their document
+ids) in registers, so every row of x, dy, y and dx is loaded or stored once per program (plus
+W-1 halo rows at each end) and each row's ``z`` is formed once. Loads of ``unroll`` rows are
+issued together ahead of their use.
 
-Backward, one pass: a program walks ``steps`` row blocks of ``BT`` rows. For each block it
-recomputes ``z`` at rows ``t .. t+W-1`` from x at offsets ``-(W-1) .. W-1``, forms
-``dz = dy * silu'(z)``, and writes ``dx[t] = sum_e w[W-1-e] dz[t+e]`` (masked like the forward's
-taps); the per-program ``dw[j] = sum_t x[t-(W-1-j)] dz[t]`` is kept in float32 registers and
-written as partials ``[num_programs_T * B, W, C]`` summed outside the kernel.
+Forward: ``y[u] = silu(z[u])``, ``z[u] = sum_j w[j] x[u-(W-1-j)]`` (taps reading rows before 0 or
+in another document read zeros). Nothing is saved but x.
 
-Row offsets are gathers with indices clamped into ``[0, T)`` and the loads masked (interpret
-mode shifts dynamic slices that start before 0, and a negative start would break 64-bit offsets).
+Backward, one pass: walking rows ``u = r0 .. r0+rows+W-2`` it forms ``dz[u] = dy[u] silu'(z[u])``
+and, W-1 rows behind, ``dx[v] = sum_e w[W-1-e] dz[v+e]`` for ``v = u-(W-1)`` from the carried dz;
+``dw[j] = sum_u x[u-(W-1-j)] dz[u]`` over the program's own rows is kept in float32 registers
+and written as partials ``[num_programs_T * B, W, C]`` summed outside the kernel.
+
+Row indices are clamped into ``[0, T)`` and the loads masked (interpret mode shifts dynamic
+slices that start before 0, and a negative start would break 64-bit offsets).
 """
 
 from __future__ import annotations
@@ -27,20 +31,19 @@ from jax.experimental.pallas import triton as plgpu
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Tiles and warps. Forward: ``bt`` x ``bc`` tile per program, ``warps`` warps. Backward:
-  ``bwd_bt`` x ``bwd_bc`` tiles, ``bwd_steps`` of them per program (fewer dw partials),
-  ``bwd_warps`` warps. The backward holds x at 2W-1 row offsets, dy at W and their pointers.
-  Defaults: the fastest of `benchmarks/conv.py`'s sweep on an H200 at x [16, 4096, 1024] bf16
-  (2026-12-01: forward 32 x 128 0.129 ms against 0.151 at 64 x 128; backward 16 x 64 at 4 warps
-  0.709 ms forward+backward against 0.857 at 16 x 128 and 8 warps)."""
-  bt: int = 32
-  bc: int = 128
-  warps: int = 4
-  bwd_bt: int = 16
-  bwd_bc: int = 64
-  bwd_steps: int = 8
-  bwd_warps: int = 4
-  stages: int = 1
+  """Rows ``rows`` x channels ``bc`` per program, ``warps`` warps, loads issued ``unroll`` rows
+  at a time; ``bwd_*`` the same for the backward. Defaults: the fastest of
+  `benchmarks/conv.py`'s sweep on an H200 at x [16, 4096, 1024] bf16 (2026-12-01, 07:41 UTC:
+  forward+backward 0.311 ms, forward 0.106 ms; 512 channels at 4 warps 0.314 / 0.103, rows of
+  32 or 128 0.32, unroll 8 0.334, unroll 2 0.340; the earlier tiled kernels 0.677 / 0.127)."""
+  rows: int = 64
+  bc: int = 256
+  warps: int = 2
+  unroll: int = 4
+  bwd_rows: int = 64
+  bwd_bc: int = 256
+  bwd_warps: int = 2
+  bwd_unroll: int = 4
 
 
 def _interpret() -> bool:
@@ -52,133 +55,143 @@ def _block(n: int, cap: int) -> int:
   return max(16, min(cap, pl.next_power_of_2(n)))
 
 
-def _col_ok(cols, c, bc):
-  """``[1, bc]``: channel < C, or None where C is a multiple of the tile."""
-  return (cols < c)[None, :] if c % bc else None
-
-
 def _taps(w_ref, cols, col_ok, width):
-  """The W rows of w at ``cols [bc]`` as float32 ``[1, bc]`` (zeros past C)."""
-  masked = {} if col_ok is None else {"mask": col_ok[0], "other": 0}
-  return [plgpu.load(w_ref.at[jnp.int32(k), cols], **masked).astype(jnp.float32)[None, :]
+  """The W rows of w at ``cols [bc]`` as float32 ``[bc]`` (zeros past C)."""
+  masked = {} if col_ok is None else {"mask": col_ok, "other": 0}
+  return [plgpu.load(w_ref.at[jnp.int32(k), cols], **masked).astype(jnp.float32)
           for k in range(width)]
 
 
-class _Rows:
-  """Masked loads of one ``[bt, bc]`` tile of batch row b at row offsets (trace-time helper).
+class _Row:
+  """Loads and stores of single rows ``[bc]`` of batch row b (trace-time helper)."""
 
-  rows: ``[bt]`` token indices of the tile; cols: ``[bc]`` channel indices."""
+  def __init__(self, seg_ref, b, c0, t, c, bc):
+    self.seg_ref, self.b, self.t, self.c0, self.bc = seg_ref, b, t, c0, bc
+    self.cols = c0 + jnp.arange(bc, dtype=jnp.int32)
+    self.col_ok = self.cols < c if c % bc else None  # None: C is a multiple of the tile
 
-  def __init__(self, seg_ref, b, rows, cols, t, c, bc):
-    self.seg_ref, self.b, self.rows, self.cols, self.t = seg_ref, b, rows, cols, t
-    self.col_ok = _col_ok(cols, c, bc)
-    self._seg = {}
+  def _mask(self, ok):
+    return jnp.broadcast_to(ok, self.cols.shape) if self.col_ok is None else ok & self.col_ok
 
-  def idx(self, d):
-    return jnp.clip(self.rows + d, 0, self.t - 1)
+  def load(self, ref, u):
+    """``ref[b, u, cols]`` as float32 ``[bc]``, zeros where u < 0 or u >= T."""
+    ok = (u >= 0) & (u < self.t)
+    row = plgpu.load(ref.at[self.b, jnp.clip(u, 0, self.t - 1), self.cols], mask=self._mask(ok),
+                     other=0)
+    return row.astype(jnp.float32)
 
-  def in_range(self, d):
-    """``[bt]``: 0 <= row + d < T."""
-    u = self.rows + d
-    return (u >= 0) & (u < self.t)
+  def seg(self, u):
+    """The document of row u (clamped into [0, T): rows outside read zeros anyway), or None."""
+    return None if self.seg_ref is None else self.seg_ref[self.b, jnp.clip(u, 0, self.t - 1)]
 
-  def seg(self, d):
-    if d not in self._seg:
-      self._seg[d] = self.seg_ref[self.b, self.idx(d)]
-    return self._seg[d]
-
-  def tap_ok(self, e, s):
-    """``[bt]``: output row ``row + e`` (< T) reads row ``row + e - s`` (>= 0, same document)."""
-    ok = (self.rows + e < self.t) & (self.rows + e - s >= 0)
-    if self.seg_ref is not None and s:
-      ok = ok & (self.seg(e - s) == self.seg(e))
-    return ok
-
-  def load(self, ref, d, ok):
-    """``ref[b, row + d, cols]`` as float32 ``[bt, bc]``, zeros where ``ok [bt]`` is False."""
-    mask = ok[:, None] if self.col_ok is None else ok[:, None] & self.col_ok
-    tile = plgpu.load(ref.at[self.b, self.idx(d)[:, None], self.cols[None, :]], mask=mask,
-                      other=0)
-    return tile.astype(jnp.float32)
-
-  def store(self, ref, r0, c0, val, bt, bc):
-    ok = (self.rows < self.t)[:, None]
-    mask = ok if self.col_ok is None else ok & self.col_ok
-    plgpu.store(ref.at[self.b, pl.ds(r0, bt), pl.ds(c0, bc)], val.astype(ref.dtype), mask=mask)
+  def store(self, ref, u, val):
+    ok = u < self.t
+    plgpu.store(ref.at[self.b, jnp.minimum(u, self.t - 1), pl.ds(self.c0, self.bc)],
+                val.astype(ref.dtype), mask=self._mask(ok))
 
 
-def _z(tile: _Rows, x, taps, e, width):
-  """z at rows ``row + e`` (float32 ``[bt, bc]``); ``x(d)`` is x at row offset d, in range."""
-  z = jnp.zeros((tile.rows.shape[0], tile.cols.shape[0]), jnp.float32)
-  for j in range(width):
-    s = width - 1 - j
-    z = z + jnp.where(tile.tap_ok(e, s)[:, None], x(e - s), 0.0) * taps[j]
+def _same(val, s_a, s_b):
+  """``val`` where rows a and b are in one document (always without segment ids), else 0."""
+  return val if s_a is None else jnp.where(s_a == s_b, val, 0.0)
+
+
+def _z(taps, xw, sw):
+  """z at the last row of the window: x rows ``xw`` (W of them, oldest first), ids ``sw``."""
+  width = len(taps)
+  z = taps[width - 1] * xw[-1]
+  for s in range(1, width):
+    z = z + taps[width - 1 - s] * _same(xw[-1 - s], sw[-1 - s], sw[-1])
   return z
 
 
-def _fwd_kernel(x_ref, w_ref, *refs, t, c, width, bt, bc, segmented):
+def _fwd_kernel(x_ref, w_ref, *refs, t, c, width, rows, bc, unroll, segmented):
   seg_ref, y_ref = refs if segmented else (None, *refs)
   i, j, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  rows = i * bt + jnp.arange(bt, dtype=jnp.int32)
-  cols = j * bc + jnp.arange(bc, dtype=jnp.int32)
-  tile = _Rows(seg_ref, b, rows, cols, t, c, bc)
-  taps = _taps(w_ref, cols, tile.col_ok, width)
-  z = _z(tile, lambda d: tile.load(x_ref, d, tile.in_range(d)), taps, 0, width)
-  tile.store(y_ref, i * bt, j * bc, jax.nn.silu(z), bt, bc)
+  io = _Row(seg_ref, b, j * bc, t, c, bc)
+  taps = _taps(w_ref, io.cols, io.col_ok, width)
+  r0 = i * rows
+  halo = [r0 - (width - 1) + k for k in range(width - 1)]
+
+  def group(g, carry):
+    xw, sw = list(carry[0]), list(carry[1])
+    u0 = r0 + g * unroll
+    xs = [io.load(x_ref, u0 + q) for q in range(unroll)]
+    ss = [io.seg(u0 + q) for q in range(unroll)]
+    for q in range(unroll):
+      xw, sw = xw + [xs[q]], sw + [ss[q]]
+      io.store(y_ref, u0 + q, jax.nn.silu(_z(taps, xw, sw)))
+      xw, sw = xw[1:], sw[1:]
+    return tuple(xw), tuple(sw)
+
+  jax.lax.fori_loop(0, rows // unroll, group,
+                    (tuple(io.load(x_ref, u) for u in halo), tuple(io.seg(u) for u in halo)))
 
 
-def _bwd_kernel(x_ref, w_ref, dy_ref, *refs, t, c, width, bt, bc, steps, nb, segmented):
+def _bwd_kernel(x_ref, w_ref, dy_ref, *refs, t, c, width, rows, bc, unroll, nb, segmented):
   seg_ref, dx_ref, dw_ref = refs if segmented else (None, *refs)
   i, j, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  cols = j * bc + jnp.arange(bc, dtype=jnp.int32)
-  col_ok = _col_ok(cols, c, bc)
-  taps = _taps(w_ref, cols, col_ok, width)
+  io = _Row(seg_ref, b, j * bc, t, c, bc)
+  taps = _taps(w_ref, io.cols, io.col_ok, width)
+  r0 = i * rows
+  own_end = jnp.minimum(r0 + rows, t)
 
-  def step(k, dws):  # dws: W tiles [bt, bc] of dw terms, summed over rows after the loop
-    r0 = (i * steps + k) * bt
-    tile = _Rows(seg_ref, b, r0 + jnp.arange(bt, dtype=jnp.int32), cols, t, c, bc)
-    xs = {}
+  def dz_row(u, xw, sw, dws):
+    """dz at row u (the x window ``xw`` ends at row u) and the dw terms with row u's."""
+    z = _z(taps, xw, sw)
+    sg = jax.nn.sigmoid(z)
+    dz = io.load(dy_ref, u) * (sg * (1.0 + z * (1.0 - sg)))
+    own = jnp.where(u < own_end, dz, 0.0)  # dw counts the program's own rows only
+    return dz, [dws[k] + _same(xw[k], sw[k], sw[-1]) * own for k in range(width)]
 
-    def x(d):
-      if d not in xs:
-        xs[d] = tile.load(x_ref, d, tile.in_range(d))
-      return xs[d]
+  xw = [io.load(x_ref, r0 - (width - 1) + k) for k in range(2 * width - 2)]
+  sw = [io.seg(r0 - (width - 1) + k) for k in range(2 * width - 2)]
+  dws, dzw = [jnp.zeros((bc,), jnp.float32)] * width, []
+  for k in range(width - 1):  # dz of rows r0 .. r0+W-2: no dx row is complete yet
+    dz, dws = dz_row(r0 + k, xw[k:k + width], sw[k:k + width], dws)
+    dzw.append(dz)
 
-    dx = jnp.zeros((bt, bc), jnp.float32)
-    dws = list(dws)
-    for e in range(width):  # dz at rows row + e
-      z = _z(tile, x, taps, e, width)
-      sg = jax.nn.sigmoid(z)
-      dz = tile.load(dy_ref, e, tile.in_range(e)) * (sg * (1.0 + z * (1.0 - sg)))
-      if e == 0:
-        for jj in range(width):
-          s = width - 1 - jj
-          dws[jj] = dws[jj] + jnp.where(tile.tap_ok(0, s)[:, None], x(-s), 0.0) * dz
-      dx = dx + jnp.where(tile.tap_ok(e, e)[:, None], dz, 0.0) * taps[width - 1 - e]
-    tile.store(dx_ref, r0, j * bc, dx, bt, bc)
-    return tuple(dws)
+  def group(g, carry):
+    xw, sw, dzw, dws = (list(v) for v in carry)
+    u0 = r0 + width - 1 + g * unroll
+    xs = [io.load(x_ref, u0 + q) for q in range(unroll)]
+    ss = [io.seg(u0 + q) for q in range(unroll)]
+    for q in range(unroll):
+      xw, sw = xw + [xs[q]], sw + [ss[q]]
+      dz, dws = dz_row(u0 + q, xw, sw, dws)
+      dzw = dzw + [dz]  # rows v .. v+W-1, v = u0+q-(W-1)
+      dx = taps[width - 1] * dzw[0]
+      for e in range(1, width):
+        dx = dx + taps[width - 1 - e] * _same(dzw[e], sw[e], sw[0])
+      io.store(dx_ref, u0 + q - (width - 1), dx)
+      xw, sw, dzw = xw[1:], sw[1:], dzw[1:]
+    return tuple(xw), tuple(sw), tuple(dzw), tuple(dws)
 
-  dws = jax.lax.fori_loop(0, steps, step, (jnp.zeros((bt, bc), jnp.float32),) * width)
-  mask = None if col_ok is None else col_ok[0]
+  carry = (tuple(xw[width - 1:]), tuple(sw[width - 1:]), tuple(dzw), tuple(dws))
+  dws = jax.lax.fori_loop(0, rows // unroll, group, carry)[3]
   for k in range(width):
-    plgpu.store(dw_ref.at[i * nb + b, jnp.int32(k), pl.ds(j * bc, bc)], jnp.sum(dws[k], axis=0),
-                mask=mask)
+    plgpu.store(dw_ref.at[i * nb + b, jnp.int32(k), pl.ds(j * bc, bc)], dws[k], mask=io.col_ok)
 
 
 def _grid(n, blk):
   return -(-n // blk)
 
 
+def _tiling(t, c, rows, bc, unroll):
+  """(rows per program: a multiple of ``unroll``, channels per program)."""
+  rows = _grid(_block(t, rows), unroll) * unroll
+  return rows, _block(c, bc)
+
+
 def _forward(cfg: Config, x, w, seg):
   bsz, t, c = x.shape
   width = w.shape[0]
-  bt, bc = _block(t, cfg.bt), _block(c, cfg.bc)
-  kern = functools.partial(_fwd_kernel, t=t, c=c, width=width, bt=bt, bc=bc,
-                           segmented=seg is not None)
+  rows, bc = _tiling(t, c, cfg.rows, cfg.bc, cfg.unroll)
+  kern = functools.partial(_fwd_kernel, t=t, c=c, width=width, rows=rows, bc=bc,
+                           unroll=cfg.unroll, segmented=seg is not None)
   return pl.pallas_call(
-      kern, grid=(_grid(t, bt), _grid(c, bc), bsz),
+      kern, grid=(_grid(t, rows), _grid(c, bc), bsz),
       out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=_interpret(),
-      compiler_params=plgpu.CompilerParams(num_warps=cfg.warps, num_stages=cfg.stages),
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.warps, num_stages=1),
       name="conv_silu_fwd")(x, w, *(() if seg is None else (seg,)))
 
 
@@ -186,17 +199,16 @@ def _backward(cfg: Config, x, w, seg, dy):
   """(dx in x.dtype, dw float32 ``[W, C]``)."""
   bsz, t, c = x.shape
   width = w.shape[0]
-  bt, bc = _block(t, cfg.bwd_bt), _block(c, cfg.bwd_bc)
-  steps = min(cfg.bwd_steps, _grid(t, bt))
-  nt = _grid(t, bt * steps)
-  kern = functools.partial(_bwd_kernel, t=t, c=c, width=width, bt=bt, bc=bc, steps=steps,
-                           nb=bsz, segmented=seg is not None)
+  rows, bc = _tiling(t, c, cfg.bwd_rows, cfg.bwd_bc, cfg.bwd_unroll)
+  nt = _grid(t, rows)
+  kern = functools.partial(_bwd_kernel, t=t, c=c, width=width, rows=rows, bc=bc,
+                           unroll=cfg.bwd_unroll, nb=bsz, segmented=seg is not None)
   dx, dw = pl.pallas_call(
       kern, grid=(nt, _grid(c, bc), bsz),
       out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype),
                  jax.ShapeDtypeStruct((nt * bsz, width, c), jnp.float32)),
       interpret=_interpret(),
-      compiler_params=plgpu.CompilerParams(num_warps=cfg.bwd_warps, num_stages=cfg.stages),
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.bwd_warps, num_stages=1),
       name="conv_silu_bwd")(x, w, dy, *(() if seg is None else (seg,)))
   return dx, jnp.sum(dw, axis=0)
 

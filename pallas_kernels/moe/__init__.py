@@ -6,6 +6,9 @@ kernels for Hopper, :mod:`pallas_kernels.moe.gpu`), ``"pallas_tpu"`` (megablox,
 GPU/TPU where the kernels take the operands (GPU: bf16/f16, K and N multiples of 64), else XLA.
 An explicit Pallas implementation raises on operands its kernels do not take. On a CPU backend the
 Pallas kernels run in interpret mode.
+
+:func:`unpermute` has a GPU kernel for its backward only (:mod:`pallas_kernels.moe.unpermute_gpu`,
+Triton); ``"pallas_tpu"`` (and ``"pallas"`` or ``None`` on TPU) means XLA for it.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import jax
 
 from pallas_kernels import resolve_implementation
 from pallas_kernels.moe import reference
-from pallas_kernels.moe.reference import permute, unpermute
+from pallas_kernels.moe.reference import permute
 
 IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas_tpu", "pallas")
 
@@ -45,7 +48,8 @@ def expert_mlp(x, expert_ids, weights, w_gate_up, w_down, activation, *, impleme
   expert_ids, weights: ``[N, k]``; w_gate_up: ``[E, D, 2F]`` (gate then up); w_down: ``[E, F, D]``;
   activation: ``gu [M, 2F] -> h [M, F]`` (gate then up, packed). Sorts the N*k token-expert
   pairs by expert (stable), runs the GLU with two grouped matmuls and scatters back with the
-  routing weights. Returns ``[N, D]``.
+  routing weights. Returns ``[N, D]``. ``implementation`` picks the grouped matmuls' kernels and
+  :func:`unpermute`'s backward.
   """
   with jax.named_scope("permute"):
     xs, group_sizes, order = permute(x, expert_ids, w_gate_up.shape[0])
@@ -54,7 +58,22 @@ def expert_mlp(x, expert_ids, weights, w_gate_up, w_down, activation, *, impleme
     h = activation(h).astype(x.dtype)
     y = gmm(h, w_down, group_sizes, implementation=implementation)
   with jax.named_scope("unpermute"):
-    return unpermute(y, order, weights)
+    return unpermute(y, order, weights, implementation=implementation)
+
+
+def unpermute(y, order, weights, *, implementation=None):
+  """Inverse of :func:`permute`: ``y [N*k, D]`` rows sorted by expert, ``order [N*k]`` int32 (the
+  pair ``n*k + j`` of each sorted row), ``weights [N, k]``. Returns ``out [N, D]`` in y's dtype,
+  ``out[n] = sum_j weights[n, j] * y[row of pair n*k + j]`` accumulated in float32.
+
+  The forward is always :func:`reference.unpermute` (XLA, the meaning of ``"xla"``);
+  ``"pallas_gpu"`` computes both cotangents (dy, dweights) in one Triton kernel; ``None`` takes it
+  on GPU where it takes the operands (float32/bf16/f16), XLA elsewhere."""
+  if resolve(implementation) == "pallas_gpu":
+    from pallas_kernels.moe import unpermute_gpu
+    if implementation is not None or unpermute_gpu.supported(y, weights):
+      return unpermute_gpu.unpermute(y, order, weights)
+  return reference.unpermute(y, order, weights)
 
 
 __all__ = ["gmm", "expert_mlp", "permute", "unpermute", "resolve", "IMPLEMENTATIONS"]

@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import kernel_output
 from pallas_kernels.moe import gpu, tpu
 
 BACKENDS = ("gpu", "tpu")
@@ -87,5 +88,5 @@ def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None, backend="gpu"):
   rows = max(-(-m // 8) * 8, gpu.MIN_ROWS) if backend == "gpu" else -(-m // tpu.ROW_MULTIPLE) * tpu.ROW_MULTIPLE
   if rows != m:  # padded rows belong to no group
     lhs = jnp.pad(lhs, ((0, rows - m), (0, 0)))
-  out = _gmm(lhs, rhs, group_sizes.astype(jnp.int32), backend, out_dtype)
+  out = kernel_output(_gmm(lhs, rhs, group_sizes.astype(jnp.int32), backend, out_dtype))
   return out[:m] if rows != m else out

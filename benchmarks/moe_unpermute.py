@@ -1,0 +1,155 @@
+"""The MoE unpermute (weighted sum of each token's k expert rows) on one GPU: check the Triton
+backward against the XLA reference at the k3_1b step shape, then time XLA and the kernel side by
+side (forward, forward+backward, backward alone), then (budget permitting) other tilings of the
+kernel. Finishes in ~30 s on an H200.
+
+  python3 benchmarks/moe_unpermute.py               # N65536 k8 D512 bf16 y, float32 weights, E48
+  python3 benchmarks/moe_unpermute.py --budget 50   # seconds after which optional steps are skipped
+  python3 benchmarks/moe_unpermute.py --no-sweep    # default tiling only
+  python3 benchmarks/moe_unpermute.py --shape 300x8x96 --interpret   # CPU: the check path, the
+                                                    # kernel interpreted, one timing sample each
+
+Expert ids are a random routing (top-k of Gaussian scores over E experts, so the groups are
+ragged), order their stable sort. Forward+backward is ``jax.vjp`` returning out and (dy, dweights)
+for a fixed cotangent g, so out is materialised as in training; the backward alone is the same VJP
+with out unused (XLA drops the forward but keeps the inverse permutation its backward gathers
+with). GB/s counts the minimal traffic: forward y + out + order + weights; backward y + g + dy +
+order + weights + dweights. Every row is written to ``$OUT/unpermute_bench.json`` as it comes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_kernels import moe  # noqa: E402
+from pallas_kernels.moe import unpermute_gpu  # noqa: E402
+from timing import Rows, median_ms, rel_err  # noqa: E402
+
+ROWS = Rows("unpermute_bench.json")
+CHECK_TOL = 1e-5  # dy is the same rounded product (equal); out is the same XLA forward
+# Tilings timed after the default (rows per program, D tile, warps).
+SWEEP = [unpermute_gpu.Config(rows=8), unpermute_gpu.Config(rows=32),
+         unpermute_gpu.Config(rows=32, warps=8), unpermute_gpu.Config(rows=64, warps=8),
+         unpermute_gpu.Config(rows=16, warps=8), unpermute_gpu.Config(rows=4, warps=2),
+         unpermute_gpu.Config(rows=32, block_d=256), unpermute_gpu.Config(rows=64, block_d=128),
+         unpermute_gpu.Config(rows=8, warps=2)]
+
+
+def operands(n, k, d, experts, dtype):
+  """y ``[N*k, D]``, order ``[N*k]``, weights ``[N, k]`` float32, g ``[N, D]``."""
+  ks = jax.random.split(jax.random.key(0), 4)
+  ids = jax.lax.top_k(jax.random.normal(ks[0], (n, experts)), k)[1]
+  order = jnp.argsort(ids.reshape(-1), stable=True).astype(jnp.int32)
+  y = jax.random.normal(ks[1], (n * k, d), jnp.float32).astype(dtype)
+  w = jax.random.uniform(ks[2], (n, k), jnp.float32, 0.1, 1.0)
+  w = w / jnp.sum(w, axis=-1, keepdims=True)
+  g = jax.random.normal(ks[3], (n, d), jnp.float32).astype(dtype)
+  return y, order, w, g
+
+
+def ops(impl=None, config=None):
+  """Jitted (forward, forward+backward, backward): y, order, w[, g] -> out | (out, dy, dw) |
+  (dy, dw)."""
+  if config is None:
+    f = lambda y, o, w: moe.unpermute(y, o, w, implementation=impl)
+  else:
+    f = lambda y, o, w: unpermute_gpu.unpermute(y, o, w, config=config)
+
+  def fb(y, o, w, g):
+    out, vjp = jax.vjp(lambda y, w: f(y, o, w), y, w)
+    return (out, *vjp(g))
+
+  return jax.jit(f), jax.jit(fb), jax.jit(lambda *a: fb(*a)[1:])
+
+
+def check(name, fb, want, args):
+  """``fb``'s (out, dy, dw) vs ``want``: relative errors; prints CHECK FAILED past CHECK_TOL."""
+  errs = {n: round(rel_err(a, b), 8) for n, a, b in zip(("out", "dy", "dw"), fb(*args), want)}
+  ROWS.emit({"name": f"check {name} vs xla", **errs})
+  bad = {k: v for k, v in errs.items() if not v < CHECK_TOL}
+  if bad:
+    print("CHECK FAILED", name, bad, flush=True)
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--shape", default="65536x8x512", help="N x k x D")
+  p.add_argument("--experts", type=int, default=48)
+  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--budget", type=float, default=50.0)
+  p.add_argument("--no-sweep", action="store_true")
+  p.add_argument("--interpret", action="store_true", help="allow a CPU run (kernel interpreted)")
+  a = p.parse_args()
+  t0 = time.perf_counter()
+  left = lambda: a.budget - (time.perf_counter() - t0)
+  if jax.default_backend() != "gpu" and not a.interpret:
+    sys.exit("moe_unpermute.py: no GPU (pass --interpret to run the check path on CPU)")
+  n, k, d = (int(v) for v in a.shape.split("x"))
+  dtype = jnp.dtype(a.dtype)
+  args = operands(n, k, d, a.experts, dtype)
+  reps = dict(reps=1, inner=1) if a.interpret else dict(reps=9, inner=20)
+  rows_b, tok_b = n * k * d * dtype.itemsize, n * d * dtype.itemsize
+  traffic = {"fwd": rows_b + tok_b + 8 * n * k, "bwd": 2 * rows_b + tok_b + 12 * n * k}
+  traffic["fwdbwd"] = traffic["fwd"] + traffic["bwd"]
+  print("jax", jax.__version__, jax.devices()[0], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        f"N{n} k{k} D{d} E{a.experts} {dtype.name}; minimal traffic fwd "
+        f"{traffic['fwd'] / 1e9:.3f} GB, bwd {traffic['bwd'] / 1e9:.3f} GB", flush=True)
+  want = ops("xla")[1](*args)
+  try:
+    check("pallas_gpu", ops("pallas_gpu")[1], want, args)
+  except Exception as e:  # noqa: BLE001 - the timings below are still worth having
+    print("CHECK ERROR", repr(e)[:2000], flush=True)
+
+  def timed(name, fwd, fb, bwd, parts=("fwd", "fwdbwd", "bwd")):
+    fns = {"fwd": (fwd, args[:3]), "fwdbwd": (fb, args), "bwd": (bwd, args)}
+    res = {p: median_ms(fns[p][0], *fns[p][1], **reps) for p in parts}
+    row = {"name": name}
+    for p, ms in res.items():
+      row[f"{p}_ms"] = round(ms, 4)
+      row[f"{p}_GBps"] = round(traffic[p] / ms / 1e6, 1)
+    ROWS.emit(row)
+    return res
+
+  res = {}
+  for impl in ("xla", "pallas_gpu"):
+    try:
+      res[impl] = timed(impl, *ops(impl))
+    except Exception as e:  # noqa: BLE001
+      print(impl, "FAILED", repr(e)[:1500], flush=True)
+  if len(res) == 2:
+    print(f"{'':8s}{'xla ms':>9s}{'pallas ms':>11s}{'xla GB/s':>10s}{'pallas GB/s':>12s}"
+          f"{'xla/pallas':>11s}", flush=True)
+    for p in ("fwd", "fwdbwd", "bwd"):
+      x_ms, p_ms = res["xla"][p], res["pallas_gpu"][p]
+      print(f"{p:8s}{x_ms:9.3f}{p_ms:11.3f}{traffic[p] / x_ms / 1e6:10.0f}"
+            f"{traffic[p] / p_ms / 1e6:12.0f}{x_ms / p_ms:11.2f}", flush=True)
+  best = (res.get("pallas_gpu", {}).get("bwd", float("inf")), unpermute_gpu.Config())
+  for cfg in [] if a.no_sweep else SWEEP:
+    if left() < 4:
+      print(f"budget: sweep stopped before {cfg}", flush=True)
+      break
+    diff = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if getattr(cfg, f.name) != getattr(unpermute_gpu.Config(), f.name)}
+    try:
+      fns = ops(config=cfg)
+      check(f"pallas_gpu {diff}", fns[1], want, args)
+      ms = timed(f"pallas_gpu {diff}", *fns, parts=("bwd",))["bwd"]
+      best = min(best, (ms, cfg), key=lambda t: t[0])
+    except Exception as e:  # noqa: BLE001
+      print(diff, "FAILED", repr(e)[:800], flush=True)
+  print(f"fastest backward: {best[1]} {best[0]:.3f} ms", flush=True)
+  print(f"done in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+  main()
