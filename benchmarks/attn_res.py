@@ -18,7 +18,6 @@ row is written to ``$OUT/attn_res_bench.json`` as soon as it is measured.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import os
 import sys
@@ -31,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels.attn_res import attn_res, gpu  # noqa: E402
-from timing import Rows, median_ms, rel_err  # noqa: E402
+from timing import Rows, config_diff, kernel_bench_args, print_ratios  # noqa: E402
 
 ROWS = Rows("attn_res_bench.json")
 CHECK_TOL = 1e-2  # relative error of the kernels vs the reference (both float32 inside, bf16 out)
@@ -77,33 +76,19 @@ def ops(impl=None, config=None):
 def check(args):
   """pallas_gpu vs xla: out, every source gradient, dproj, dnorm relative errors."""
   s = len(args[0])
-  want = ops("xla")[1](*args)
-  got = ops("pallas_gpu")[1](*args)
   names = ("out", *(f"dv{i}" for i in range(s)), "dproj", "dnorm")
-  errs = {n: round(rel_err(a, b), 6) for n, a, b in zip(names, got, want)}
-  ROWS.emit({"name": f"check S={s} pallas_gpu vs xla", **errs})
-  bad = {k: v for k, v in errs.items() if not v < CHECK_TOL}
-  if bad:
-    print("CHECK FAILED", bad, flush=True)
+  ROWS.check(f"check S={s} pallas_gpu vs xla", names, ops("pallas_gpu")[1](*args),
+             ops("xla")[1](*args), CHECK_TOL)
 
 
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--shape", default="16x4096x1024", help="B x T x d")
   p.add_argument("--sources", default="2,3,5", help="numbers of sources S to time")
-  p.add_argument("--dtype", default="bfloat16")
-  p.add_argument("--budget", type=float, default=70.0)
-  p.add_argument("--no-sweep", action="store_true")
-  p.add_argument("--interpret", action="store_true", help="allow a CPU run (kernels interpreted)")
-  a = p.parse_args()
-  t0 = time.perf_counter()
-  left = lambda: a.budget - (time.perf_counter() - t0)
-  if jax.default_backend() != "gpu" and not a.interpret:
-    sys.exit("attn_res.py: no GPU (pass --interpret to run the check path on CPU)")
+  a, elapsed, left, reps = kernel_bench_args(p, budget=70.0)
   b, t, d = (int(n) for n in a.shape.split("x"))
   dtype = jnp.dtype(a.dtype)
   counts = [int(n) for n in a.sources.split(",")]
-  reps = dict(reps=1, inner=1) if a.interpret else dict(reps=9, inner=20)
   unit = b * t * d * dtype.itemsize
   traffic = lambda s: {"fwd": (s + 1) * unit, "fwdbwd": (3 * s + 2) * unit}
   print("jax", jax.__version__, jax.devices()[0], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -116,19 +101,11 @@ def main():
       print("CHECK ERROR", repr(e)[:2000], flush=True)
 
   def timed(name, s, fwd, fb, which=("fwd", "fwdbwd"), cfg=gpu.Config()):
-    res = {}
-    if "fwd" in which:
-      res["fwd"] = median_ms(fwd, *args[s][:3], **reps)
-    if "fwdbwd" in which:
-      res["fwdbwd"] = median_ms(fb, *args[s], **reps)
-    row = {"name": name, "S": s}
+    fns = {"fwd": (fwd, args[s][:3]), "fwdbwd": (fb, args[s])}
+    extra = {"S": s}
     if name != "xla":  # the tiles the kernels ran with (rows, columns)
-      row.update(zip(("fwd_tile", "bwd_tile"), gpu.tiles(cfg, s, b * t, d)))
-    for k, ms in res.items():
-      row[f"{k}_ms"] = round(ms, 4)
-      row[f"{k}_GBps"] = round(traffic(s)[k] / ms / 1e6, 1)
-    ROWS.emit(row)
-    return res
+      extra.update(zip(("fwd_tile", "bwd_tile"), gpu.tiles(cfg, s, b * t, d)))
+    return ROWS.times(name, {k: fns[k] for k in which}, traffic(s), reps, **extra)
 
   res = {}
   for s in counts:
@@ -137,18 +114,11 @@ def main():
         res[s, impl] = timed(impl, s, *ops(impl))
       except Exception as e:  # noqa: BLE001
         print(impl, s, "FAILED", repr(e)[:1500], flush=True)
-  print(f"{'':12s}{'S':>3s}{'xla ms':>10s}{'pallas ms':>11s}{'xla GB/s':>10s}{'pallas GB/s':>12s}"
-        f"{'xla/pallas':>11s}", flush=True)
-  for s in counts:
-    if (s, "xla") not in res or (s, "pallas_gpu") not in res:
-      continue
-    for k in ("fwd", "fwdbwd"):
-      x_ms, p_ms = res[s, "xla"][k], res[s, "pallas_gpu"][k]
-      print(f"{k:12s}{s:3d}{x_ms:10.3f}{p_ms:11.3f}{traffic(s)[k] / x_ms / 1e6:10.0f}"
-            f"{traffic(s)[k] / p_ms / 1e6:12.0f}{x_ms / p_ms:11.2f}", flush=True)
+  print_ratios([(f"{k} S={s}", res[s, "xla"][k], res[s, "pallas_gpu"][k], traffic(s)[k])
+                for s in counts if (s, "xla") in res and (s, "pallas_gpu") in res
+                for k in ("fwd", "fwdbwd")])
   for which, cfg in [] if a.no_sweep else SWEEP:
-    diff = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-            if getattr(cfg, f.name) != getattr(gpu.Config(), f.name)}
+    diff = config_diff(cfg, gpu.Config())
     for s in (min(counts), max(counts)):
       if left() < 5:
         print(f"budget: sweep stopped before {diff} S={s}", flush=True)
@@ -160,7 +130,7 @@ def main():
     else:
       continue
     break
-  print(f"done in {time.perf_counter() - t0:.1f} s", flush=True)
+  print(f"done in {elapsed():.1f} s", flush=True)
 
 
 if __name__ == "__main__":

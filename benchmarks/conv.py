@@ -18,7 +18,6 @@ written to ``$OUT/conv_bench.json`` as soon as it is measured.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -31,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels.conv import causal_conv_silu, gpu  # noqa: E402
-from timing import Rows, median_ms, rel_err  # noqa: E402
+from timing import Rows, config_diff, kernel_bench_args, print_ratios  # noqa: E402
 
 ROWS = Rows("conv_bench.json")
 CHECK_TOL = 1e-2  # relative error of the kernels vs the reference (both float32 inside, bf16 out)
@@ -82,32 +81,18 @@ def ops(impl=None, config=None):
 def check(args):
   """pallas_gpu vs xla: y, dx, dw relative errors at the benchmark shape."""
   x, w, s, dy = args
-  want = ops("xla")[1](x, w, s, dy)
-  got = ops("pallas_gpu")[1](x, w, s, dy)
-  errs = {n: round(rel_err(a, b), 6) for n, a, b in zip(("y", "dx", "dw"), got, want)}
-  ROWS.emit({"name": "check pallas_gpu vs xla", **errs})
-  bad = {k: v for k, v in errs.items() if not v < CHECK_TOL}
-  if bad:
-    print("CHECK FAILED", bad, flush=True)
+  ROWS.check("check pallas_gpu vs xla", ("y", "dx", "dw"), ops("pallas_gpu")[1](x, w, s, dy),
+             ops("xla")[1](x, w, s, dy), CHECK_TOL)
 
 
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--shape", default="16x4096x1024", help="B x T x C")
   p.add_argument("--width", type=int, default=4)
-  p.add_argument("--dtype", default="bfloat16")
-  p.add_argument("--budget", type=float, default=75.0)
-  p.add_argument("--no-sweep", action="store_true")
-  p.add_argument("--interpret", action="store_true", help="allow a CPU run (kernels interpreted)")
-  a = p.parse_args()
-  t0 = time.perf_counter()
-  left = lambda: a.budget - (time.perf_counter() - t0)
-  if jax.default_backend() != "gpu" and not a.interpret:
-    sys.exit("conv.py: no GPU (pass --interpret to run the check path on CPU)")
+  a, elapsed, left, reps = kernel_bench_args(p, budget=75.0)
   b, t, c = (int(n) for n in a.shape.split("x"))
   dtype = jnp.dtype(a.dtype)
   args = operands(b, t, c, a.width, dtype)
-  reps = dict(reps=1, inner=1) if a.interpret else dict(reps=9, inner=20)
   unit = b * t * c * dtype.itemsize
   traffic = {"fwd": 2 * unit + b * t * 4, "fwdbwd": 5 * unit + 2 * b * t * 4}
   print("jax", jax.__version__, jax.devices()[0], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -119,13 +104,7 @@ def main():
     print("CHECK ERROR", repr(e)[:2000], flush=True)
 
   def timed(name, fwd, fb):
-    res = {"fwd": median_ms(fwd, *args[:3], **reps), "fwdbwd": median_ms(fb, *args, **reps)}
-    row = {"name": name}
-    for k, ms in res.items():
-      row[f"{k}_ms"] = round(ms, 4)
-      row[f"{k}_GBps"] = round(traffic[k] / ms / 1e6, 1)
-    ROWS.emit(row)
-    return res
+    return ROWS.times(name, {"fwd": (fwd, args[:3]), "fwdbwd": (fb, args)}, traffic, reps)
 
   res = {}
   for impl in ("xla", "pallas_gpu"):
@@ -134,23 +113,17 @@ def main():
     except Exception as e:  # noqa: BLE001
       print(impl, "FAILED", repr(e)[:1500], flush=True)
   if len(res) == 2:
-    print(f"{'':12s}{'xla ms':>10s}{'pallas ms':>11s}{'xla GB/s':>10s}{'pallas GB/s':>12s}"
-          f"{'xla/pallas':>11s}", flush=True)
-    for k in ("fwd", "fwdbwd"):
-      x_ms, p_ms = res["xla"][k], res["pallas_gpu"][k]
-      print(f"{k:12s}{x_ms:10.3f}{p_ms:11.3f}{traffic[k] / x_ms / 1e6:10.0f}"
-            f"{traffic[k] / p_ms / 1e6:12.0f}{x_ms / p_ms:11.2f}", flush=True)
+    print_ratios([(k, res["xla"][k], res["pallas_gpu"][k], traffic[k]) for k in ("fwd", "fwdbwd")])
   for cfg in [] if a.no_sweep else SWEEP:
     if left() < 6:
       print(f"budget: sweep stopped before {cfg}", flush=True)
       break
-    diff = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-            if getattr(cfg, f.name) != getattr(gpu.Config(), f.name)}
+    diff = config_diff(cfg, gpu.Config())
     try:
       timed(f"pallas_gpu {diff}", *ops(config=cfg))
     except Exception as e:  # noqa: BLE001
       print(diff, "FAILED", repr(e)[:800], flush=True)
-  print(f"done in {time.perf_counter() - t0:.1f} s", flush=True)
+  print(f"done in {elapsed():.1f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ order + weights + dweights. Every row is written to ``$OUT/unpermute_bench.json`
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -33,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels import moe  # noqa: E402
 from pallas_kernels.moe import unpermute_gpu  # noqa: E402
-from timing import Rows, median_ms, rel_err  # noqa: E402
+from timing import Rows, config_diff, kernel_bench_args, print_ratios  # noqa: E402
 
 ROWS = Rows("unpermute_bench.json")
 CHECK_TOL = 1e-5  # dy is the same rounded product (equal); out is the same XLA forward
@@ -74,30 +73,17 @@ def ops(impl=None, config=None):
 
 def check(name, fb, want, args):
   """``fb``'s (out, dy, dw) vs ``want``: relative errors; prints CHECK FAILED past CHECK_TOL."""
-  errs = {n: round(rel_err(a, b), 8) for n, a, b in zip(("out", "dy", "dw"), fb(*args), want)}
-  ROWS.emit({"name": f"check {name} vs xla", **errs})
-  bad = {k: v for k, v in errs.items() if not v < CHECK_TOL}
-  if bad:
-    print("CHECK FAILED", name, bad, flush=True)
+  ROWS.check(f"check {name} vs xla", ("out", "dy", "dw"), fb(*args), want, CHECK_TOL)
 
 
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--shape", default="65536x8x512", help="N x k x D")
   p.add_argument("--experts", type=int, default=48)
-  p.add_argument("--dtype", default="bfloat16")
-  p.add_argument("--budget", type=float, default=50.0)
-  p.add_argument("--no-sweep", action="store_true")
-  p.add_argument("--interpret", action="store_true", help="allow a CPU run (kernel interpreted)")
-  a = p.parse_args()
-  t0 = time.perf_counter()
-  left = lambda: a.budget - (time.perf_counter() - t0)
-  if jax.default_backend() != "gpu" and not a.interpret:
-    sys.exit("moe_unpermute.py: no GPU (pass --interpret to run the check path on CPU)")
+  a, elapsed, left, reps = kernel_bench_args(p, budget=50.0)
   n, k, d = (int(v) for v in a.shape.split("x"))
   dtype = jnp.dtype(a.dtype)
   args = operands(n, k, d, a.experts, dtype)
-  reps = dict(reps=1, inner=1) if a.interpret else dict(reps=9, inner=20)
   rows_b, tok_b = n * k * d * dtype.itemsize, n * d * dtype.itemsize
   traffic = {"fwd": rows_b + tok_b + 8 * n * k, "bwd": 2 * rows_b + tok_b + 12 * n * k}
   traffic["fwdbwd"] = traffic["fwd"] + traffic["bwd"]
@@ -112,13 +98,7 @@ def main():
 
   def timed(name, fwd, fb, bwd, parts=("fwd", "fwdbwd", "bwd")):
     fns = {"fwd": (fwd, args[:3]), "fwdbwd": (fb, args), "bwd": (bwd, args)}
-    res = {p: median_ms(fns[p][0], *fns[p][1], **reps) for p in parts}
-    row = {"name": name}
-    for p, ms in res.items():
-      row[f"{p}_ms"] = round(ms, 4)
-      row[f"{p}_GBps"] = round(traffic[p] / ms / 1e6, 1)
-    ROWS.emit(row)
-    return res
+    return ROWS.times(name, {p: fns[p] for p in parts}, traffic, reps)
 
   res = {}
   for impl in ("xla", "pallas_gpu"):
@@ -127,19 +107,14 @@ def main():
     except Exception as e:  # noqa: BLE001
       print(impl, "FAILED", repr(e)[:1500], flush=True)
   if len(res) == 2:
-    print(f"{'':8s}{'xla ms':>9s}{'pallas ms':>11s}{'xla GB/s':>10s}{'pallas GB/s':>12s}"
-          f"{'xla/pallas':>11s}", flush=True)
-    for p in ("fwd", "fwdbwd", "bwd"):
-      x_ms, p_ms = res["xla"][p], res["pallas_gpu"][p]
-      print(f"{p:8s}{x_ms:9.3f}{p_ms:11.3f}{traffic[p] / x_ms / 1e6:10.0f}"
-            f"{traffic[p] / p_ms / 1e6:12.0f}{x_ms / p_ms:11.2f}", flush=True)
+    print_ratios([(p, res["xla"][p], res["pallas_gpu"][p], traffic[p])
+                  for p in ("fwd", "fwdbwd", "bwd")])
   best = (res.get("pallas_gpu", {}).get("bwd", float("inf")), unpermute_gpu.Config())
   for cfg in [] if a.no_sweep else SWEEP:
     if left() < 4:
       print(f"budget: sweep stopped before {cfg}", flush=True)
       break
-    diff = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-            if getattr(cfg, f.name) != getattr(unpermute_gpu.Config(), f.name)}
+    diff = config_diff(cfg, unpermute_gpu.Config())
     try:
       fns = ops(config=cfg)
       check(f"pallas_gpu {diff}", fns[1], want, args)
@@ -148,7 +123,7 @@ def main():
     except Exception as e:  # noqa: BLE001
       print(diff, "FAILED", repr(e)[:800], flush=True)
   print(f"fastest backward: {best[1]} {best[0]:.3f} ms", flush=True)
-  print(f"done in {time.perf_counter() - t0:.1f} s", flush=True)
+  print(f"done in {elapsed():.1f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,35 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
+
+
+def kernel_bench_args(p: argparse.ArgumentParser, budget: float):
+  """Parses ``p`` with the options the kernel benchmarks share: ``--dtype``, ``--budget`` (seconds
+  after which optional steps are skipped), ``--no-sweep`` and ``--interpret`` (a CPU run of the
+  check path, kernels interpreted); without a GPU and ``--interpret`` it exits. Returns (args,
+  ``elapsed()`` seconds since parsing, ``left()`` seconds of the budget, :func:`median_ms`
+  keywords: one sample when interpreted)."""
+  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--budget", type=float, default=budget)
+  p.add_argument("--no-sweep", action="store_true")
+  p.add_argument("--interpret", action="store_true", help="allow a CPU run (kernels interpreted)")
+  a = p.parse_args()
+  t0 = time.perf_counter()
+  if jax.default_backend() != "gpu" and not a.interpret:
+    sys.exit(f"{p.prog}: no GPU (pass --interpret to run the check path on CPU)")
+  elapsed = lambda: time.perf_counter() - t0
+  reps = dict(reps=1, inner=1) if a.interpret else dict(reps=9, inner=20)
+  return a, elapsed, lambda: a.budget - elapsed(), reps
 
 
 def median_ms(fn, *args, reps: int = 15, inner: int = 5) -> float:
@@ -51,3 +73,39 @@ class Rows:
     if out:
       with open(os.path.join(out, self.filename), "w") as fh:
         json.dump(self.rows, fh, indent=1)
+
+  def check(self, name: str, names, got, want, tol: float) -> dict:
+    """Relative errors of the arrays ``got`` against ``want`` (named ``names``) as one row;
+    prints CHECK FAILED for any not below ``tol``."""
+    errs = {n: round(rel_err(a, b), 8) for n, a, b in zip(names, got, want)}
+    self.emit({"name": name, **errs})
+    bad = {k: v for k, v in errs.items() if not v < tol}
+    if bad:
+      print("CHECK FAILED", name, bad, flush=True)
+    return errs
+
+  def times(self, name: str, fns: dict, traffic: dict, reps: dict, **extra) -> dict:
+    """:func:`median_ms` of each ``fns[part] = (fn, args)`` and its GB/s for ``traffic[part]``
+    bytes, as one row (with ``extra``). Returns ``{part: ms}``."""
+    res = {part: median_ms(fn, *args, **reps) for part, (fn, args) in fns.items()}
+    row = {"name": name, **extra}
+    for part, ms in res.items():
+      row[f"{part}_ms"] = round(ms, 4)
+      row[f"{part}_GBps"] = round(traffic[part] / ms / 1e6, 1)
+    self.emit(row)
+    return res
+
+
+def config_diff(config, default) -> dict:
+  """The fields of the dataclass ``config`` that differ from ``default`` (a sweep row's name)."""
+  return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+          if getattr(config, f.name) != getattr(default, f.name)}
+
+
+def print_ratios(lines) -> None:
+  """A table of ``(label, XLA ms, kernel ms, minimal bytes)`` lines: times, GB/s, XLA / kernel."""
+  print(f"{'':14s}{'xla ms':>10s}{'pallas ms':>11s}{'xla GB/s':>10s}{'pallas GB/s':>12s}"
+        f"{'xla/pallas':>11s}", flush=True)
+  for label, x_ms, p_ms, nbytes in lines:
+    print(f"{label:14s}{x_ms:10.3f}{p_ms:11.3f}{nbytes / x_ms / 1e6:10.0f}"
+          f"{nbytes / p_ms / 1e6:12.0f}{x_ms / p_ms:11.2f}", flush=True)

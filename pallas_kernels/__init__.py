@@ -43,3 +43,13 @@ def resolve_implementation(op: str, implementation: str | None, known: tuple[str
   if implementation not in known:
     raise ValueError(f"{op}: unknown implementation {implementation!r}; expected one of {known}")
   return implementation
+
+
+def resolve_gpu_kernel(op: str, implementation: str | None, known: tuple[str, ...]) -> str:
+  """:func:`resolve_implementation` for an op with a GPU kernel and no TPU kernel: ``None`` is
+  ``"pallas_gpu"`` on GPU and ``"xla"`` elsewhere; ``"pallas"`` is ``"xla"`` on TPU (XLA's fusion
+  of the reference) and ``"pallas_gpu"`` elsewhere (interpret mode on CPU)."""
+  if implementation == "pallas" and default_backend() == "tpu":
+    return "xla"
+  return resolve_implementation(op, implementation, known,
+                                {"gpu": "pallas_gpu", "tpu": "xla", "cpu": "xla"})

@@ -128,7 +128,8 @@ def test_bad_shapes_raise():
 def test_resolve(monkeypatch):
   assert conv.resolve(None) == "xla"  # CPU
   assert conv.resolve("pallas") == "pallas_gpu"
-  monkeypatch.setattr(conv, "default_backend", lambda: "tpu")
+  import pallas_kernels
+  monkeypatch.setattr(pallas_kernels, "default_backend", lambda: "tpu")
   assert conv.resolve("pallas") == "xla" and conv.resolve(None) == "xla"
 
 

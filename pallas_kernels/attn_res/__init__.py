@@ -13,7 +13,7 @@ from typing import Sequence
 
 import jax
 
-from pallas_kernels import default_backend, resolve_implementation
+from pallas_kernels import resolve_gpu_kernel
 from pallas_kernels.attn_res import reference
 
 IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas")
@@ -21,10 +21,7 @@ IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas")
 
 def resolve(implementation: str | None) -> str:
   """The concrete implementation name for ``implementation`` on the current backend."""
-  if implementation == "pallas" and default_backend() == "tpu":
-    return "xla"  # no TPU kernel: XLA's fusion of the reference
-  return resolve_implementation("attn_res", implementation, IMPLEMENTATIONS,
-                                {"gpu": "pallas_gpu", "tpu": "xla", "cpu": "xla"})
+  return resolve_gpu_kernel("attn_res", implementation, IMPLEMENTATIONS)
 
 
 def attn_res(sources: Sequence[jax.Array], proj: jax.Array, norm: jax.Array, eps: float, *,

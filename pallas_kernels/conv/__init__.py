@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels import default_backend, resolve_implementation
+from pallas_kernels import resolve_gpu_kernel
 from pallas_kernels.conv import reference
 
 IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas")
@@ -19,10 +19,7 @@ IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas")
 
 def resolve(implementation: str | None) -> str:
   """The concrete implementation name for ``implementation`` on the current backend."""
-  if implementation == "pallas" and default_backend() == "tpu":
-    return "xla"  # no TPU kernel: XLA's fusion of the reference
-  return resolve_implementation("conv", implementation, IMPLEMENTATIONS,
-                                {"gpu": "pallas_gpu", "tpu": "xla", "cpu": "xla"})
+  return resolve_gpu_kernel("conv", implementation, IMPLEMENTATIONS)
 
 
 def causal_conv_silu(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None, *,

@@ -23,8 +23,8 @@ The work is split the way it parallelises (SPEC section 2, chunks of C tokens):
    storing the states) or recomputed by steps 1 and 2 from the inputs; ``_bwd_kernel`` carries
    ``dS`` backwards and writes ``dV'`` and the state gradients; then, parallel over chunks, the
    gradients of the pre-processed inputs (dense path: ``kda_chunk_dwy`` for the WY factors,
-   ``kda_chunk_dqkg`` per K slice for dq, dk, dg; other gates: ``_prep_bwd_kernel``); the
-   pre-processing VJP is XLA.
+   ``kda_chunk_dqkg`` per K slice for dq, dk, dg; other gates: ``_prep_bwd_kernel``); then
+   the pre-processing's VJP, ``kda_prep_vjp`` (``prep_vjp.py``).
 
 Sub-tile gating: a pair product ``sum_d a_id b_jd exp(G_id - G_jd)`` (i >= j) is split at a
 reference ``r`` of the row block: ``(a e^{G - r}) (b e^{r - G})^T``. The general path takes
@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.kda.prep_vjp import preprocess_vjp
 from pallas_kernels.kda.reference import L2_EPS, kda_gate, l2norm, restart_mask
 
 SUB = 16  # sub-tile rows of the general path's pair products and of the inverse's blocks
@@ -838,7 +839,8 @@ def _prepare_bwd(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, dvn, do
 
 
 def _preprocess(cfg, q, k, g, beta, A_log, dt_bias):
-  """The fused pre-processing in XLA (float32), for its VJP in the backward pass."""
+  """The fused pre-processing in XLA (float32): the reference of ``prep_vjp`` (its tests and
+  benchmarks take this function's ``jax.vjp``)."""
   f32 = jnp.float32
   q, k, g, beta = (x.astype(f32) for x in (q, k, g, beta))
   if cfg.use_qk_l2norm:
@@ -985,9 +987,7 @@ def _kda_fwd(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg):
 def _kda_bwd(cfg, res, cts):
   q, k, v, g, beta, A_log, dt_bias, s0, seg, saved = res
   do, dst = cts
-  bsz, t, h, kdim = q.shape
-  hv = v.shape[2]
-  tp = seg.shape[1]
+  t, tp = q.shape[1], seg.shape[1]
   padded = _pad(tp, q, k, v, g, beta)
   if saved is None:  # recompute the chunk factors, the chunk states and V'
     factors, kept = _prepare(cfg, *padded, A_log, dt_bias, seg, t, keep=True)
@@ -997,13 +997,11 @@ def _kda_bwd(cfg, res, cts):
   w, u, qg, aqk, kd, gc = factors
   (do,) = _pad(tp, do)
   dvn, dh, ds0 = _recurrence_bwd(cfg, do, qg, aqk, kd, w, gc, dst.astype(jnp.float32))
-  dq, dk, dv, dg, dbeta = (x[:, :t] for x in _prepare_bwd(
-      cfg, *padded, A_log, dt_bias, seg, hs, dh, vn, dvn, do, t, kept))
-  grp = lambda x: x.reshape(bsz, t, h, hv // h, kdim).sum(3)
-  _, pre_vjp = jax.vjp(functools.partial(_preprocess, cfg), q, k, g, beta, A_log, dt_bias)
-  dq, dk, dg, dbeta, dalog, ddtb = pre_vjp((grp(dq), grp(dk), dg, dbeta))
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg.astype(g.dtype),
-          dbeta.astype(beta.dtype), dalog, ddtb, ds0, None)
+  dq, dk, dv, dg, dbeta = _prepare_bwd(cfg, *padded, A_log, dt_bias, seg, hs, dh, vn, dvn, do,
+                                       t, kept)
+  dq, dk, dg, dbeta, dalog, ddtb = preprocess_vjp(cfg, q, k, g, beta, A_log, dt_bias, dq, dk, dg,
+                                                  dbeta)
+  return dq, dk, dv[:, :t].astype(v.dtype), dg, dbeta, dalog, ddtb, ds0, None
 
 
 _kda_core.defvjp(_kda_fwd, _kda_bwd)

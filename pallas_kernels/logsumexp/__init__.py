@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import default_backend, resolve_implementation
+from pallas_kernels import resolve_gpu_kernel
 from pallas_kernels.logsumexp import reference
 
 IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas")
@@ -19,10 +19,7 @@ IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas")
 
 def resolve(implementation: str | None) -> str:
   """``"xla"`` or ``"pallas_gpu"``: the concrete implementation on the current backend."""
-  if implementation == "pallas" and default_backend() == "tpu":
-    return "xla"
-  return resolve_implementation("logsumexp", implementation, IMPLEMENTATIONS,
-                                {"gpu": "pallas_gpu", "tpu": "xla", "cpu": "xla"})
+  return resolve_gpu_kernel("logsumexp", implementation, IMPLEMENTATIONS)
 
 
 def logsumexp(x: jax.Array, *, implementation: str | None = None) -> jax.Array:

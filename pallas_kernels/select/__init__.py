@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import default_backend, resolve_implementation
+from pallas_kernels import resolve_gpu_kernel
 from pallas_kernels.select import reference
 
 IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas")
@@ -21,10 +21,7 @@ IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas")
 
 def resolve(implementation: str | None) -> str:
   """The concrete implementation name for ``implementation`` on the current backend."""
-  if implementation == "pallas" and default_backend() == "tpu":
-    return "xla"  # no TPU kernel
-  return resolve_implementation("select", implementation, IMPLEMENTATIONS,
-                                {"gpu": "pallas_gpu", "tpu": "xla", "cpu": "xla"})
+  return resolve_gpu_kernel("select", implementation, IMPLEMENTATIONS)
 
 
 def kth_smallest(x: jax.Array, k, *, implementation: str | None = None) -> jax.Array:
