@@ -51,6 +51,7 @@ from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
 from pallas_kernels.kda import kda, kda_decode  # noqa: E402
 from pallas_kernels.kda import gpu as kda_gpu  # noqa: E402
+from pallas_kernels.kda import prep_vjp  # noqa: E402
 from timing import Rows, median_ms as jtime, rel_err as rel  # noqa: E402
 
 SHAPES = [(1, 16384, 32, 128), (4, 4096, 32, 128), (1, 65536, 16, 128)]
@@ -209,11 +210,6 @@ class Parts:
     _, _, x = self.wu
     dpkk, dpqk, dy, _, dbeta = self.dwy
     j = jax.jit
-    pre = functools.partial(kda_gpu._preprocess, cfg)
-
-    def pre_vjp(q, k, f, beta, a_log, dtb, dq, dk, dg, dbeta):
-      return jax.vjp(pre, q, k, f, beta, a_log, dtb)[1]((dq, dk, dg, dbeta))
-
     dq = dy.astype(jnp.float32)
     op = lambda save: lambda *a: jnp.sum(ours(*a, save_residuals=save)[0].astype(jnp.float32))
     whole = (q, k, v, f, beta, a_log, dtb.reshape(-1))
@@ -235,19 +231,20 @@ class Parts:
         "chunk_dqkg": (j(lambda *p: kda_gpu._chunk_dqkg(cfg, *p, t)),
                        (q, k, v, f, beta, a_log, dtb, seg, self.hs, self.dh, self.vn, self.do,
                         dy, dpkk, dpqk)),
-        "xla_pre_vjp": (j(pre_vjp), (q, k, f, beta, a_log, dtb, dq, dq, dq, dbeta)),
+        "prep_vjp": (j(lambda *a: prep_vjp.preprocess_vjp(cfg, *a)),
+                     (q, k, f, beta, a_log, dtb, dq, dq, dq, dbeta)),
     }
 
 
 def time_parts(shape):
-  """Per-kernel breakdown: each pallas_call alone (and the XLA pre-processing VJP), with the
-  forward (chunk_a + chunk_wu + recur_fwd) and backward (chunk_a + chunk_wu_keep +
-  recur_fwd_store + recur_bwd + chunk_dwy + chunk_dqkg + xla_pre_vjp) sums."""
+  """Per-kernel breakdown: each pallas_call alone, with the forward (chunk_a + chunk_wu +
+  recur_fwd) and backward (chunk_a + chunk_wu_keep + recur_fwd_store + recur_bwd + chunk_dwy +
+  chunk_dqkg + prep_vjp) sums."""
   parts = Parts(shape)
   res = {name: jtime(fn, *args) for name, (fn, args) in parts.fns().items()}
   res["sum_fwd"] = res["chunk_a"] + res["chunk_wu"] + res["recur_fwd"]
   res["sum_bwd"] = sum(res[n] for n in ("chunk_a", "chunk_wu_keep", "recur_fwd_store",
-                                        "recur_bwd", "chunk_dwy", "chunk_dqkg", "xla_pre_vjp"))
+                                        "recur_bwd", "chunk_dwy", "chunk_dqkg", "prep_vjp"))
   return res, parts
 
 
