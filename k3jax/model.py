@@ -16,9 +16,13 @@ from k3jax.latent_moe import LatentMoE
 from k3jax.mla import MLA
 from k3jax.nn import Embed, Linear, RMSNorm
 from pallas_kernels import KERNEL_OUTPUT
+from pallas_kernels.moe.permute_gpu import EXPAND_KERNEL
 from sharding import shard
 
 _ACT = ("batch", "length", "embed")
+# Kernels whose outputs "dots_kernels" recomputes all the same: the MoE's token expansion is a
+# row gather, cheaper to redo than to keep (k3_1b: 7.5 GiB).
+_RECOMPUTED_KERNELS = (EXPAND_KERNEL,)
 _REMAT_POLICIES = {
     "full": None,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -29,7 +33,8 @@ _REMAT_POLICIES = {
     "dots_kernels": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.save_from_both_policies(
             jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-            lambda prim, *_, **__: prim.name == "pallas_call"),
+            lambda prim, *_, **params: prim.name == "pallas_call"
+            and params.get("name") not in _RECOMPUTED_KERNELS),
         jax.checkpoint_policies.save_only_these_names(KERNEL_OUTPUT)),
 }
 

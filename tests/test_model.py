@@ -223,7 +223,9 @@ def test_remat_dots_kernels_keeps_the_grouped_matmuls(monkeypatch, remat, runs):
   """The routed experts' Mosaic GPU grouped matmuls per MoE layer in the gradient: two forward,
   two for the lhs cotangents and two for the weights'; under ``dots`` the two forward ones run
   again in the layer recompute, under ``dots_kernels`` their named outputs are kept (no
-  primitive policy sees a Mosaic GPU kernel). Traced for the GPU (no lowering, no GPU)."""
+  primitive policy sees a Mosaic GPU kernel). The token expansion's gather kernel runs twice
+  under both: its output is recomputed, not kept. Traced for the GPU (no lowering, no GPU)."""
+  from pallas_kernels.moe.permute_gpu import EXPAND_KERNEL
   import pallas_kernels.moe as moe_ops
   from pallas_kernels.moe import gpu
   monkeypatch.setattr(gpu, "default_backend", lambda: "gpu")  # no interpret-mode callbacks
@@ -233,6 +235,7 @@ def test_remat_dots_kernels_keeps_the_grouped_matmuls(monkeypatch, remat, runs):
   counts = _grad_kernel_counts(cfg)
   n_moe = sum(cfg.model.is_moe(i) for i in range(cfg.model.num_layers))
   assert counts["mosaic_gpu"] == runs * n_moe
+  assert counts[EXPAND_KERNEL] == 2 * n_moe
 
 
 @pytest.mark.parametrize("remat,runs", [("dots", 2), ("dots_kernels", 1)])

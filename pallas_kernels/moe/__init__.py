@@ -7,8 +7,9 @@ GPU/TPU where the kernels take the operands (GPU: bf16/f16, K and N multiples of
 An explicit Pallas implementation raises on operands its kernels do not take. On a CPU backend the
 Pallas kernels run in interpret mode.
 
-:func:`unpermute` has a GPU kernel for its backward only (:mod:`pallas_kernels.moe.unpermute_gpu`,
-Triton); ``"pallas_tpu"`` (and ``"pallas"`` or ``None`` on TPU) means XLA for it.
+The token permutation has GPU kernels (:mod:`pallas_kernels.moe.permute_gpu`, Triton) for
+:func:`permute`'s row gather and :func:`unpermute`'s backward; ``"pallas_tpu"`` (and ``"pallas"``
+or ``None`` on TPU) means XLA for them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import jax
 
 from pallas_kernels import resolve_implementation
 from pallas_kernels.moe import reference
-from pallas_kernels.moe.reference import permute
 
 IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas_tpu", "pallas")
 
@@ -52,13 +52,37 @@ def expert_mlp(x, expert_ids, weights, w_gate_up, w_down, activation, *, impleme
   :func:`unpermute`'s backward.
   """
   with jax.named_scope("permute"):
-    xs, group_sizes, order = permute(x, expert_ids, w_gate_up.shape[0])
+    xs, group_sizes, order = permute(x, expert_ids, w_gate_up.shape[0],
+                                     implementation=implementation)
   with jax.named_scope("experts"):
     h = gmm(xs, w_gate_up, group_sizes, implementation=implementation)
     h = activation(h).astype(x.dtype)
     y = gmm(h, w_down, group_sizes, implementation=implementation)
   with jax.named_scope("unpermute"):
     return unpermute(y, order, weights, implementation=implementation)
+
+
+def _permute_kernels(implementation, *arrays) -> bool:
+  """Whether the permutation's GPU kernels run for these operands (see the module docstring)."""
+  if resolve(implementation) != "pallas_gpu":
+    return False
+  from pallas_kernels.moe import permute_gpu
+  return implementation is not None or all(a.dtype in permute_gpu.DTYPES for a in arrays)
+
+
+def permute(x, expert_ids, num_experts, *, implementation=None):
+  """Sorts token-expert pairs by expert (stable) and gathers the tokens into that order.
+
+  x: ``[N, D]``; expert_ids: ``[N, k]`` int. Returns (``xs [N*k, D]``, ``group_sizes [E]`` int32,
+  ``order [N*k]`` int32: the flat pair index ``n*k + j`` of each sorted row). The gather is
+  :func:`reference.permute`'s (XLA) or, with ``"pallas_gpu"`` (``None`` on GPU), one Triton
+  kernel."""
+  if not _permute_kernels(implementation, x):
+    return reference.permute(x, expert_ids, num_experts)
+  from pallas_kernels.moe import permute_gpu
+  order, inverse = reference.sort_pairs(expert_ids)
+  xs = permute_gpu.expand(x, order, inverse, expert_ids.shape[1])
+  return xs, reference.expert_counts(expert_ids, num_experts), order
 
 
 def unpermute(y, order, weights, *, implementation=None):
@@ -69,11 +93,10 @@ def unpermute(y, order, weights, *, implementation=None):
   The forward is always :func:`reference.unpermute` (XLA, the meaning of ``"xla"``);
   ``"pallas_gpu"`` computes both cotangents (dy, dweights) in one Triton kernel; ``None`` takes it
   on GPU where it takes the operands (float32/bf16/f16), XLA elsewhere."""
-  if resolve(implementation) == "pallas_gpu":
-    from pallas_kernels.moe import unpermute_gpu
-    if implementation is not None or unpermute_gpu.supported(y, weights):
-      return unpermute_gpu.unpermute(y, order, weights)
-  return reference.unpermute(y, order, weights)
+  if not _permute_kernels(implementation, y, weights):
+    return reference.unpermute(y, order, weights)
+  from pallas_kernels.moe import permute_gpu
+  return permute_gpu.unpermute(y, order, weights)
 
 
 __all__ = ["gmm", "expert_mlp", "permute", "unpermute", "resolve", "IMPLEMENTATIONS"]

@@ -30,12 +30,17 @@ def _expand_fwd(x, order, inverse, k):
   return _expand(x, order, inverse, k), (order, inverse)
 
 
-def _expand_bwd(k, res, g):
-  order, inverse = res
+def expand_grad(g, inverse, k):
+  """The cotangent of the expansion ``x [N, D] -> [N*k, D]`` for ``g [N*k, D]``: each token's k
+  rows gathered back by ``inverse`` and summed (float32 accumulation), in g's dtype."""
   n = inverse.shape[0] // k
   acc = jnp.promote_types(g.dtype, jnp.float32)
-  dx = jnp.take(g, inverse, axis=0).reshape(n, k, -1).sum(axis=1, dtype=acc)
-  return dx.astype(g.dtype), None, None
+  return jnp.take(g, inverse, axis=0).reshape(n, k, -1).sum(axis=1, dtype=acc).astype(g.dtype)
+
+
+def _expand_bwd(k, res, g):
+  _, inverse = res
+  return expand_grad(g, inverse, k), None, None
 
 
 _expand.defvjp(_expand_fwd, _expand_bwd)
@@ -65,13 +70,19 @@ def permute(x, expert_ids, num_experts):
   x: ``[N, D]``; expert_ids: ``[N, k]`` int. Returns (``xs [N*k, D]``, ``group_sizes [E]`` int32,
   ``order [N*k]`` int32: the flat pair index ``n*k + j`` of each sorted row).
   """
+  order, inverse = sort_pairs(expert_ids)
+  xs = _expand(x, order, inverse, expert_ids.shape[1])
+  return xs, expert_counts(expert_ids, num_experts), order
+
+
+def sort_pairs(expert_ids):
+  """(``order [N*k]``: the flat pair index ``n*k + j`` of each row sorted by expert (stable),
+  ``inverse``: its inverse permutation), both int32, for expert_ids ``[N, k]``."""
   n, k = expert_ids.shape
   flat = expert_ids.reshape(-1).astype(jnp.int32)
   iota = jnp.arange(n * k, dtype=jnp.int32)
   _, order = jax.lax.sort((flat, iota), num_keys=1, is_stable=True)
-  inverse = _inverse(order)
-  xs = _expand(x, order, inverse, k)
-  return xs, expert_counts(expert_ids, num_experts), order
+  return order, _inverse(order)
 
 
 def expert_counts(expert_ids, num_experts, valid=None):

@@ -1,5 +1,6 @@
-"""pallas_kernels.moe.unpermute: the Triton backward (interpret mode) and the XLA reference against
-a float64 NumPy loop, forward value and both cotangents, plus the kernel's CUDA lowering."""
+"""The MoE token permutation's Triton kernels (interpret mode) and the XLA reference against
+float64 NumPy loops: the expansion (permute's row gather) and its cotangent, the unpermute's
+forward value and both cotangents; dispatch; the kernels' CUDA lowering."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import moe
-from pallas_kernels.moe import reference, unpermute_gpu
+from pallas_kernels.moe import reference, permute_gpu
 
 
 def _inputs(n, k, d, y_dtype, w_dtype, seed):
@@ -45,11 +46,11 @@ def _tol(dtype):
 
 
 CASES = [  # n, k, d, y dtype, weights dtype, kernel config
-    (37, 8, 80, jnp.bfloat16, jnp.float32, unpermute_gpu.Config(rows=16, block_d=32)),
-    (37, 8, 80, jnp.bfloat16, jnp.float32, unpermute_gpu.Config()),
-    (23, 2, 48, jnp.float32, jnp.float32, unpermute_gpu.Config(rows=8, block_d=16)),
-    (50, 1, 130, jnp.float32, jnp.float32, unpermute_gpu.Config(rows=32)),
-    (29, 2, 64, jnp.bfloat16, jnp.bfloat16, unpermute_gpu.Config(rows=8, block_d=64)),
+    (37, 8, 80, jnp.bfloat16, jnp.float32, permute_gpu.Config(rows=16, block_d=32)),
+    (37, 8, 80, jnp.bfloat16, jnp.float32, permute_gpu.Config()),
+    (23, 2, 48, jnp.float32, jnp.float32, permute_gpu.Config(rows=8, block_d=16)),
+    (50, 1, 130, jnp.float32, jnp.float32, permute_gpu.Config(rows=32)),
+    (29, 2, 64, jnp.bfloat16, jnp.bfloat16, permute_gpu.Config(rows=8, block_d=64)),
 ]
 
 
@@ -60,7 +61,7 @@ def test_kernel_and_reference_match_float64_loop(n, k, d, y_dtype, w_dtype, cfg)
   y, order, w, g = _inputs(n, k, d, y_dtype, w_dtype, seed=n * k + d)
   want = _numpy_loop(y, order, w, g)
   got = {"xla": _vjp(reference.unpermute, y, order, w, g),
-         "pallas_gpu": _vjp(lambda *a: unpermute_gpu.unpermute(*a, config=cfg), y, order, w, g)}
+         "pallas_gpu": _vjp(lambda *a: permute_gpu.unpermute(*a, config=cfg), y, order, w, g)}
   for impl, res in got.items():
     for name, a, b, dt in zip(("out", "dy", "dweights"), res, want, (y_dtype, y_dtype, w_dtype)):
       assert a.dtype == dt and a.shape == b.shape, (impl, name, a.dtype, a.shape)
@@ -72,6 +73,34 @@ def test_kernel_and_reference_match_float64_loop(n, k, d, y_dtype, w_dtype, cfg)
                              np.asarray(got["pallas_gpu"][2], np.float32), **_tol(w_dtype))
 
 
+@pytest.mark.parametrize("n, k, d, dtype, cfg", [
+    (37, 8, 80, jnp.bfloat16, permute_gpu.Config(rows=16, block_d=32)),
+    (23, 2, 48, jnp.float32, permute_gpu.Config()),
+    (50, 1, 130, jnp.float32, permute_gpu.Config(rows=32))])
+def test_expansion_matches_float64_loop(n, k, d, dtype, cfg):
+  """``xs[r] = x[order[r] // k]`` and its cotangent (each token's k rows summed): the kernel and
+  the reference against a loop; sorted rows not a multiple of the row block, D not a multiple
+  of the D tile, k = 1."""
+  rng = np.random.default_rng(n + k + d)
+  ids = jnp.asarray(rng.integers(0, 5, size=(n, k)), jnp.int32)
+  x = jnp.asarray(rng.normal(size=(n, d)), dtype)
+  gs = jnp.asarray(rng.normal(size=(n * k, d)), dtype)
+  order, inverse = reference.sort_pairs(ids)
+  np.testing.assert_array_equal(np.asarray(order), np.argsort(np.asarray(ids).reshape(-1),
+                                                                kind="stable"))
+  want_x = np.zeros((n * k, d))
+  want_dx = np.zeros((n, d))
+  for r, p in enumerate(np.asarray(order)):
+    want_x[r] = np.asarray(x[p // k], np.float64)
+    want_dx[p // k] += np.asarray(gs[r], np.float64)
+  for name, fn in (("xla", lambda x: reference.permute(x, ids, 5)[0]),
+                   ("pallas_gpu", lambda x: permute_gpu.expand(x, order, inverse, k, cfg))):
+    xs, vjp = jax.vjp(fn, x)
+    np.testing.assert_array_equal(np.asarray(xs, np.float64), want_x, err_msg=name)
+    np.testing.assert_allclose(np.asarray(vjp(gs)[0], np.float64), want_dx, **_tol(dtype),
+                               err_msg=name)
+
+
 def test_dispatch_picks_the_kernel_only_when_asked_on_cpu():
   y, order, w, g = _inputs(9, 2, 32, jnp.bfloat16, jnp.float32, seed=1)
   kinds = {}
@@ -81,27 +110,39 @@ def test_dispatch_picks_the_kernel_only_when_asked_on_cpu():
     kinds[impl] = "pallas_call" in str(jax.make_jaxpr(fn)(y, w))
   assert kinds == {None: False, "xla": False, "pallas": True, "pallas_gpu": True,
                    "pallas_tpu": False}
+  x = jnp.ones((9, 32), jnp.bfloat16)
+  ids = jnp.asarray(np.random.default_rng(2).integers(0, 3, size=(9, 2)), jnp.int32)
+  for impl, kernel in kinds.items():
+    jaxpr = str(jax.make_jaxpr(lambda x: moe.permute(x, ids, 3, implementation=impl)[0])(x))
+    assert ("pallas_call" in jaxpr) == kernel, impl
   with pytest.raises(ValueError, match="unknown implementation"):
     moe.unpermute(y, order, w, implementation="cuda")
+  with pytest.raises(ValueError, match="take float32/bfloat16/float16"):
+    moe.permute(x.astype(jnp.int32), ids, 3, implementation="pallas_gpu")
   with pytest.raises(ValueError, match=r"must be \[N\*k, D\]"):
     moe.unpermute(y[1:], order[1:], w, implementation="pallas_gpu")
 
 
-@pytest.mark.parametrize("cfg", [unpermute_gpu.Config(), unpermute_gpu.Config(rows=32,
+@pytest.mark.parametrize("cfg", [permute_gpu.Config(), permute_gpu.Config(rows=32,
                                                                               block_d=128)])
-def test_backward_lowers_for_cuda(monkeypatch, cfg):
+def test_kernels_lower_for_cuda(monkeypatch, cfg):
   """The real Triton lowering for an H200 at the k3_1b step shape (inputs as shapes only),
-  whole-row and D-tiled programs, through the custom VJP; no GPU needed."""
+  whole-row and D-tiled programs: the unpermute's backward through its custom VJP and the
+  expansion; no GPU needed."""
   gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
   monkeypatch.setattr(gpu_info, "get_gpu_info",
                       lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-  monkeypatch.setattr(unpermute_gpu, "_interpret", lambda: False)
+  monkeypatch.setattr(permute_gpu, "_interpret", lambda: False)
   n, k, d = 65536, 8, 512
   y = jax.ShapeDtypeStruct((n * k, d), jnp.bfloat16)
   order = jax.ShapeDtypeStruct((n * k,), jnp.int32)
   w = jax.ShapeDtypeStruct((n, k), jnp.float32)
   g = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
   fn = lambda y, order, w, g: jax.vjp(
-      lambda y, w: unpermute_gpu.unpermute(y, order, w, config=cfg), y, w)[1](g)
+      lambda y, w: permute_gpu.unpermute(y, order, w, config=cfg), y, w)[1](g)
   text = jax.jit(fn).trace(y, order, w, g).lower(lowering_platforms=("cuda",)).as_text()
   assert 'name = "unpermute_bwd"' in text
+  x = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
+  fn = lambda x, order: permute_gpu.expand(x, order, order, k, cfg)
+  text = jax.jit(fn).trace(x, order).lower(lowering_platforms=("cuda",)).as_text()
+  assert f'name = "{permute_gpu.EXPAND_KERNEL}"' in text

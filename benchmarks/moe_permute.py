@@ -1,20 +1,22 @@
-"""The MoE unpermute (weighted sum of each token's k expert rows) on one GPU: check the Triton
-backward against the XLA reference at the k3_1b step shape, then time XLA and the kernel side by
-side (forward, forward+backward, backward alone), then (budget permitting) other tilings of the
-kernel. Finishes in ~30 s on an H200.
+"""The MoE token permutation on one GPU at the k3_1b step shape: the expansion into expert order
+(permute's row gather) and the unpermute (weighted sum of each token's k expert rows). Checks the
+Triton kernels against XLA, then times XLA and the kernels side by side (expansion; unpermute
+forward, forward+backward, backward alone), then (budget permitting) other tilings. Finishes in
+~40 s on an H200.
 
-  python3 benchmarks/moe_unpermute.py               # N65536 k8 D512 bf16 y, float32 weights, E48
-  python3 benchmarks/moe_unpermute.py --budget 50   # seconds after which optional steps are skipped
-  python3 benchmarks/moe_unpermute.py --no-sweep    # default tiling only
-  python3 benchmarks/moe_unpermute.py --shape 300x8x96 --interpret   # CPU: the check path, the
-                                                    # kernel interpreted, one timing sample each
+  python3 benchmarks/moe_permute.py               # N65536 k8 D512 bf16, float32 weights, E48
+  python3 benchmarks/moe_permute.py --budget 50   # seconds after which optional steps are skipped
+  python3 benchmarks/moe_permute.py --no-sweep    # default tiling only
+  python3 benchmarks/moe_permute.py --shape 300x8x96 --interpret   # CPU: the check path, the
+                                                  # kernels interpreted, one timing sample each
 
 Expert ids are a random routing (top-k of Gaussian scores over E experts, so the groups are
-ragged), order their stable sort. Forward+backward is ``jax.vjp`` returning out and (dy, dweights)
-for a fixed cotangent g, so out is materialised as in training; the backward alone is the same VJP
-with out unused (XLA drops the forward but keeps the inverse permutation its backward gathers
-with). GB/s counts the minimal traffic: forward y + out + order + weights; backward y + g + dy +
-order + weights + dweights. Every row is written to ``$OUT/unpermute_bench.json`` as it comes.
+ragged), order their stable sort. Unpermute forward+backward is ``jax.vjp`` returning out and
+(dy, dweights) for a fixed cotangent g, so out is materialised as in training; the backward alone
+is the same VJP with out unused (XLA drops the forward but keeps the inverse permutation its
+backward gathers with). GB/s counts the minimal traffic: expansion x + xs + order; unpermute
+forward y + out + order + weights, backward y + g + dy + order + weights + dweights. Every row is
+written to ``$OUT/permute_bench.json`` as it comes.
 """
 
 from __future__ import annotations
@@ -31,17 +33,17 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels import moe  # noqa: E402
-from pallas_kernels.moe import unpermute_gpu  # noqa: E402
+from pallas_kernels.moe import permute_gpu  # noqa: E402
 from timing import Rows, config_diff, kernel_bench_args, print_ratios  # noqa: E402
 
-ROWS = Rows("unpermute_bench.json")
+ROWS = Rows("permute_bench.json")
 CHECK_TOL = 1e-5  # dy is the same rounded product (equal); out is the same XLA forward
 # Tilings timed after the default (rows per program, D tile, warps).
-SWEEP = [unpermute_gpu.Config(rows=8), unpermute_gpu.Config(rows=32),
-         unpermute_gpu.Config(rows=32, warps=8), unpermute_gpu.Config(rows=64, warps=8),
-         unpermute_gpu.Config(rows=16, warps=8), unpermute_gpu.Config(rows=4, warps=2),
-         unpermute_gpu.Config(rows=32, block_d=256), unpermute_gpu.Config(rows=64, block_d=128),
-         unpermute_gpu.Config(rows=8, warps=2)]
+SWEEP = [permute_gpu.Config(rows=8), permute_gpu.Config(rows=32),
+         permute_gpu.Config(rows=32, warps=8), permute_gpu.Config(rows=64, warps=8),
+         permute_gpu.Config(rows=16, warps=8), permute_gpu.Config(rows=4, warps=2),
+         permute_gpu.Config(rows=32, block_d=256), permute_gpu.Config(rows=64, block_d=128),
+         permute_gpu.Config(rows=8, warps=2)]
 
 
 def operands(n, k, d, experts, dtype):
@@ -62,7 +64,7 @@ def ops(impl=None, config=None):
   if config is None:
     f = lambda y, o, w: moe.unpermute(y, o, w, implementation=impl)
   else:
-    f = lambda y, o, w: unpermute_gpu.unpermute(y, o, w, config=config)
+    f = lambda y, o, w: permute_gpu.unpermute(y, o, w, config=config)
 
   def fb(y, o, w, g):
     out, vjp = jax.vjp(lambda y, w: f(y, o, w), y, w)
@@ -74,6 +76,29 @@ def ops(impl=None, config=None):
 def check(name, fb, want, args):
   """``fb``'s (out, dy, dw) vs ``want``: relative errors; prints CHECK FAILED past CHECK_TOL."""
   ROWS.check(f"check {name} vs xla", ("out", "dy", "dw"), fb(*args), want, CHECK_TOL)
+
+
+def expansion(args, n, k, d, dtype, reps, left, no_sweep):
+  """``x[order // k]`` by XLA (the reference's gather) and by the kernel: check, time, sweep."""
+  order = args[1]
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
+  x = jax.random.normal(jax.random.key(1), (n, d), jnp.float32).astype(dtype)
+  traffic = {"expand": (n * k + n) * d * dtype.itemsize + 4 * n * k}
+  xla = jax.jit(lambda x, o, i: jnp.take(x, o // k, axis=0))
+  kernel = lambda cfg: jax.jit(lambda x, o, i: permute_gpu.expand(x, o, i, k, cfg))
+  default = permute_gpu.EXPAND_CONFIG
+  ROWS.check("check expand pallas_gpu vs xla", ("xs",), (kernel(default)(x, order, inverse),),
+             (xla(x, order, inverse),), CHECK_TOL)
+  res = {name: ROWS.times(f"expand {name}", {"expand": (fn, (x, order, inverse))}, traffic,
+                          reps)["expand"]
+         for name, fn in (("xla", xla), ("pallas_gpu", kernel(default)))}
+  print_ratios([("expand", res["xla"], res["pallas_gpu"], traffic["expand"])])
+  for cfg in [] if no_sweep else SWEEP:
+    if left() < 3:
+      print(f"budget: expansion sweep stopped before {cfg}", flush=True)
+      break
+    ROWS.times(f"expand pallas_gpu {config_diff(cfg, default)}",
+               {"expand": (kernel(cfg), (x, order, inverse))}, traffic, reps)
 
 
 def main():
@@ -109,12 +134,12 @@ def main():
   if len(res) == 2:
     print_ratios([(p, res["xla"][p], res["pallas_gpu"][p], traffic[p])
                   for p in ("fwd", "fwdbwd", "bwd")])
-  best = (res.get("pallas_gpu", {}).get("bwd", float("inf")), unpermute_gpu.Config())
+  best = (res.get("pallas_gpu", {}).get("bwd", float("inf")), permute_gpu.Config())
   for cfg in [] if a.no_sweep else SWEEP:
     if left() < 4:
       print(f"budget: sweep stopped before {cfg}", flush=True)
       break
-    diff = config_diff(cfg, unpermute_gpu.Config())
+    diff = config_diff(cfg, permute_gpu.Config())
     try:
       fns = ops(config=cfg)
       check(f"pallas_gpu {diff}", fns[1], want, args)
@@ -123,6 +148,7 @@ def main():
     except Exception as e:  # noqa: BLE001
       print(diff, "FAILED", repr(e)[:800], flush=True)
   print(f"fastest backward: {best[1]} {best[0]:.3f} ms", flush=True)
+  expansion(args, n, k, d, dtype, reps, left, a.no_sweep)
   print(f"done in {elapsed():.1f} s", flush=True)
 
 
