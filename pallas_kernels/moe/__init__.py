@@ -49,7 +49,7 @@ def expert_mlp(x, expert_ids, weights, w_gate_up, w_down, activation, *, impleme
   activation: ``gu [M, 2F] -> h [M, F]`` (gate then up, packed). Sorts the N*k token-expert
   pairs by expert (stable), runs the GLU with two grouped matmuls and scatters back with the
   routing weights. Returns ``[N, D]``. ``implementation`` picks the grouped matmuls' kernels and
-  :func:`unpermute`'s backward.
+  the permutation's (:func:`permute`'s gather, :func:`unpermute`'s backward).
   """
   with jax.named_scope("permute"):
     xs, group_sizes, order = permute(x, expert_ids, w_gate_up.shape[0],
