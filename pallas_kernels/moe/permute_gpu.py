@@ -68,37 +68,37 @@ def _check_dtypes(op: str, **arrays):
     raise ValueError(f"{op}: the pallas_gpu kernels take float32/bfloat16/float16, got {bad}")
 
 
-def _bwd_kernel(y_ref, order_ref, w_ref, g_ref, dy_ref, dw_ref, *, m, d, k, br, bd):
+def _tile(order_ref, *, m, d, k, br, bd):
+  """The program's tile of sorted rows and columns: (its ``(rows, columns)`` slices, the store
+  mask ``[br, bd]`` (rows past ``m``, columns past ``d``), the rows' pairs ``order[r]`` ``[br]``
+  (0 past the rows), and ``gather(ref)``: the load of ``ref[pair // k, columns]``,
+  the token row of each sorted row)."""
   i, c = pl.program_id(0), pl.program_id(1)
-  r0 = i * br
-  rows = r0 + jnp.arange(br, dtype=jnp.int32)
+  rows = i * br + jnp.arange(br, dtype=jnp.int32)
   cols = c * bd + jnp.arange(bd, dtype=jnp.int32)
   row_ok = rows < m
   col_ok = None if d % bd == 0 else (cols < d)[None, :]
   mask = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok
-  pair = plgpu.load(order_ref.at[pl.ds(r0, br)], mask=row_ok, other=0)  # [br]; 0 past the rows
+  pair = plgpu.load(order_ref.at[pl.ds(i * br, br)], mask=row_ok, other=0)
+  gather = lambda ref: plgpu.load(ref.at[(pair // k)[:, None], cols[None, :]],
+                                  **({} if col_ok is None else {"mask": col_ok, "other": 0}))
+  return (pl.ds(i * br, br), pl.ds(c * bd, bd)), mask, pair, gather
+
+
+def _bwd_kernel(y_ref, order_ref, w_ref, g_ref, dy_ref, dw_ref, *, m, d, k, br, bd):
+  at, mask, pair, gather = _tile(order_ref, m=m, d=d, k=k, br=br, bd=bd)
   wt = plgpu.load(w_ref.at[pair]).astype(jnp.float32)  # weights[n, j]
-  g = plgpu.load(g_ref.at[(pair // k)[:, None], cols[None, :]],
-                 **({} if col_ok is None else {"mask": col_ok, "other": 0})).astype(jnp.float32)
-  y = plgpu.load(y_ref.at[pl.ds(r0, br), pl.ds(c * bd, bd)], mask=mask, other=0)
-  plgpu.store(dy_ref.at[pl.ds(r0, br), pl.ds(c * bd, bd)], (g * wt[:, None]).astype(dy_ref.dtype),
-              mask=mask)
+  g = gather(g_ref).astype(jnp.float32)
+  y = plgpu.load(y_ref.at[at], mask=mask, other=0)
+  plgpu.store(dy_ref.at[at], (g * wt[:, None]).astype(dy_ref.dtype), mask=mask)
   dot = jnp.sum(y.astype(jnp.float32) * g, axis=1)  # [br]; 0 on rows past m (y masked)
-  plgpu.store(dw_ref.at[c, jnp.where(row_ok, pair, rows)], dot)
+  rows = pl.program_id(0) * br + jnp.arange(br, dtype=jnp.int32)
+  plgpu.store(dw_ref.at[pl.program_id(1), jnp.where(rows < m, pair, rows)], dot)
 
 
 def _expand_kernel(x_ref, order_ref, out_ref, *, m, d, k, br, bd):
-  i, c = pl.program_id(0), pl.program_id(1)
-  r0 = i * br
-  rows = r0 + jnp.arange(br, dtype=jnp.int32)
-  cols = c * bd + jnp.arange(bd, dtype=jnp.int32)
-  row_ok = rows < m
-  col_ok = None if d % bd == 0 else (cols < d)[None, :]
-  pair = plgpu.load(order_ref.at[pl.ds(r0, br)], mask=row_ok, other=0)  # [br]; 0 past the rows
-  x = plgpu.load(x_ref.at[(pair // k)[:, None], cols[None, :]],
-                 **({} if col_ok is None else {"mask": col_ok, "other": 0}))
-  mask = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok
-  plgpu.store(out_ref.at[pl.ds(r0, br), pl.ds(c * bd, bd)], x, mask=mask)
+  at, mask, _, gather = _tile(order_ref, m=m, d=d, k=k, br=br, bd=bd)
+  plgpu.store(out_ref.at[at], gather(x_ref), mask=mask)
 
 
 def _expand_call(x, order, k, config):
