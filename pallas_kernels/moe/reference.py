@@ -82,7 +82,7 @@ def sort_pairs(expert_ids):
   flat = expert_ids.reshape(-1).astype(jnp.int32)
   iota = jnp.arange(n * k, dtype=jnp.int32)
   _, order = jax.lax.sort((flat, iota), num_keys=1, is_stable=True)
-  return order, _inverse(order)
+  return order, inverse_permutation(order)
 
 
 def expert_counts(expert_ids, num_experts, valid=None):
@@ -95,7 +95,7 @@ def expert_counts(expert_ids, num_experts, valid=None):
   return jnp.sum(hit, axis=(0, 1), dtype=jnp.int32)
 
 
-def _inverse(order):
+def inverse_permutation(order):
   """The inverse permutation of ``order`` (one scatter of an iota)."""
   iota = jnp.arange(order.shape[0], dtype=order.dtype)
   return jnp.zeros_like(order).at[order].set(iota, unique_indices=True)
@@ -105,7 +105,7 @@ def unpermute(y, order, weights):
   """Inverse of :func:`permute`: ``y [N*k, D]`` in sorted order, weighted sum over each token's k
   experts with ``weights [N, k]`` (float32 accumulation, or float64 for float64 inputs). Returns ``[N, D]`` in y's dtype."""
   n, k = weights.shape
-  pairs = _gather_rows(y, _inverse(order), order)  # pair order
+  pairs = _gather_rows(y, inverse_permutation(order), order)  # pair order
   acc = jnp.promote_types(y.dtype, jnp.float32)
   out = jnp.einsum("nkd,nk->nd", pairs.reshape(n, k, -1).astype(acc), weights.astype(acc))
   return out.astype(y.dtype)
