@@ -133,7 +133,7 @@ kdasweep() {  # KDA variants and warp counts at B1 T16384 H32 (ours only)
 glu() { bench glu 60 benchmarks/glu.py --sweep; }
 lse() { bench logsumexp 60 benchmarks/logsumexp.py --sweep; }
 qbselect() { bench radix_select 58 benchmarks/radix_select.py --budget 42; }
-kdadecode() { bench kda_decode 90 benchmarks/kda.py --decode-sweep; }
+kdadecode() { bench kda_decode 200 benchmarks/kda.py --decode-sweep --budget 120 --peers; }
 mladecode() { bench mla_decode 150 benchmarks/mla.py --decode-only; }
 conv() { bench conv 100 benchmarks/conv.py; }
 attnres() { bench attn_res 120 benchmarks/attn_res.py --budget 100; }

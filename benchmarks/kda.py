@@ -18,7 +18,8 @@ when importable, in the same run, within a time budget (the H200 run takes about
   python3 benchmarks/kda.py --decode-sweep # decode only: every tuning of decode.SWEEP at N=256,
                                            # each checked vs the XLA path, with ceiling references
                                            # (XLA and Pallas in-place scaling of the pool), then
-                                           # N=64 fastest first, within --budget (75 s) (~85 s)
+                                           # N=64 fastest first, within --budget (75 s) (~85 s);
+                                           # --peers: then fla's fused_recurrent_kda at N=64, 256
   python3 benchmarks/kda.py --decode-sweep --decode-ns 3 --decode-heads 2  # CPU dry run
 
 Every row is written to ``$OUT/kda_bench.json`` as soon as it is measured, so a run cut short
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import os
 import sys
@@ -467,6 +469,8 @@ def main():
           if "--decode-ns" in sys.argv else DECODE_N)
     h = int(sys.argv[sys.argv.index("--decode-heads") + 1]) if "--decode-heads" in sys.argv else 32
     decode_sweep(left, ns, h)
+    if "--peers" in sys.argv:  # fla's fused_recurrent_kda in the same run
+      decode_fla()
     print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
     return
   quick = "--quick" in sys.argv
@@ -531,14 +535,14 @@ def decode():
 
 def _copy_kernel(s_ref, so_ref, *, bv, nvt):
   u, n = pl.program_id(0), pl.program_id(1)
-  tile = lambda ref: ref.at[n, u // nvt, :, pl.ds((u % nvt) * bv, bv)]
+  tile = lambda ref: ref.at[n, u // nvt, pl.ds((u % nvt) * bv, bv), :]
   plgpu.store(tile(so_ref), plgpu.load(tile(s_ref)) * 1.0001)
 
 
 def pallas_scale(pool, *, block_v, num_warps):
   """``pool * 1.0001`` in place as the decode kernel's tiles and grid: the copy speed of its
-  memory access pattern (ceiling reference). pool ``[N, HV, K, V]``."""
-  n, hv, _, vd = pool.shape
+  memory access pattern (ceiling reference). pool ``[N, HV, V, K]``."""
+  n, hv, vd, _ = pool.shape
   nvt = vd // block_v
   return (pl.pallas_call(
       functools.partial(_copy_kernel, bv=block_v, nvt=nvt),
@@ -561,8 +565,9 @@ def decode_refs(slots):
   refs = {"xla pool*1.0001": lambda p: (p * 1.0001,),
           "xla pool.at[slots].multiply": lambda p: (p.at[slots].multiply(1.0001),)}
   from pallas_kernels.kda import decode as dec
+  default = {k: p.default for k, p in inspect.signature(dec._decode_gpu).parameters.items()}
   for cfg in dec.SWEEP:
-    bv, nw = cfg.get("block_v", 64), cfg.get("num_warps", 4)
+    bv, nw = cfg.get("block_v", default["block_v"]), cfg.get("num_warps", default["num_warps"])
     refs[f"pallas scale block_v={bv} num_warps={nw}"] = functools.partial(
         pallas_scale, block_v=bv, num_warps=nw)
   return {name: jax.jit(fn, donate_argnums=(0,)) for name, fn in refs.items()}

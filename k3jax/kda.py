@@ -2,7 +2,8 @@
 the gated per-head RMSNorm output.
 
 Decoding keeps, per request, the last ``conv_size - 1`` inputs of each short conv and the
-recurrent state ``[HV, K, V]`` (float32).
+float32 recurrent state, stored K-last as ``[HV, V, K]`` (the decode kernel's pool layout; the
+chunked op's states are ``[HV, K, V]``).
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ class KDA(nnx.Module):
                          std=std / math.sqrt(2 * cfg.num_layers))
 
   def init_cache(self, batch: int) -> dict:
-    """Decode cache of one request batch: conv tails and the float32 recurrent state."""
+    """Decode cache of one request batch: conv tails and the float32 recurrent state, stored as
+    the decode kernel's K-last pool ``[B, HV, V, K]`` (``kda_ops.to_pool``)."""
     k = self.cfg.kda
     cd = self.cfg.cdtype
     w = k.conv_size - 1
@@ -111,7 +113,7 @@ class KDA(nnx.Module):
         "conv_q": jnp.zeros((batch, w, k.num_heads * k.head_dim), cd),
         "conv_k": jnp.zeros((batch, w, k.num_heads * k.head_dim), cd),
         "conv_v": jnp.zeros((batch, w, k.value_heads * k.v_head_dim), cd),
-        "state": jnp.zeros((batch, k.value_heads, k.head_dim, k.v_head_dim),
+        "state": jnp.zeros((batch, k.value_heads, k.v_head_dim, k.head_dim),  # K-last pool
                            jnp.promote_types(cd, jnp.float32)),
     }
 
@@ -160,10 +162,11 @@ class KDA(nnx.Module):
     else:
       kda_fn = context_parallel.kda if context_parallel.active() else kda_ops.kda
       o, state = kda_fn(q, kk, v, f, beta, segment_ids=segment_ids,
-                        initial_state=None if cache is None else cache["state"],
+                        initial_state=None if cache is None else kda_ops.from_pool(cache["state"]),
                         output_final_state=cache is not None, chunk_size=k.chunk_size,
                         save_residuals=k.save_residuals,
                         implementation=k.implementation, **gate_kw)
+      state = None if state is None else kda_ops.to_pool(state)
     o = self.o_norm(o) * jax.nn.sigmoid(self._output_gate(x)).reshape(b, t, hv, vd).astype(o.dtype)
     y = self.o_proj(o.reshape(b, t, hv * vd))
     if cache is None:

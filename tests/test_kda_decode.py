@@ -11,13 +11,14 @@ from pallas_kernels.kda import decode, kda_decode
 
 
 def np_decode(q, k, v, g, beta, pool, slots, *, scale, l2, gate, A_log, dt_bias, lb, logit):
-  """float64 reference: per request, Tn recurrent steps on its pool row."""
+  """float64 reference: per request, Tn recurrent steps on its row of the K-last pool
+  ``[S, HV, V, K]`` (the NumPy loop's states are ``[K, V]``)."""
   q, k, g, beta = preprocess(q, k, g, beta, hv=v.shape[2], l2=l2, gate=gate, A_log=A_log,
                              dt_bias=dt_bias, lb=lb, beta_logit=logit)
-  pool = np.asarray(pool, np.float64).copy()
+  pool = np.swapaxes(np.asarray(pool, np.float64), -1, -2).copy()
   slots = np.asarray(slots)
   o, pool[slots] = numpy_kda(q, k, v, g, beta, scale, pool[slots], np.zeros(q.shape[:2], int))
-  return o, pool
+  return o, np.swapaxes(pool, -1, -2)
 
 
 CASES = [  # (Tn, gate, fused l2 / beta logit)
@@ -37,7 +38,7 @@ def test_kda_decode(backend, tn, gate, fused):
   if gate is None:
     g, beta = -np.exp(g - 1.0), 1 / (1 + np.exp(-beta))
     q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
-  pool, A_log, dt_bias = f(pool_size, hv, kd, vd), 0.5 * f(hv), 0.5 * f(hv * kd)
+  pool, A_log, dt_bias = f(pool_size, hv, vd, kd), 0.5 * f(hv), 0.5 * f(hv * kd)
   slots = np.array([5, 0, 3], np.int32)
   opts = dict(scale=kd ** -0.5, use_qk_l2norm=fused, gate=gate, beta_is_logit=fused,
               A_log=None if gate is None else jnp.asarray(A_log),
@@ -79,7 +80,7 @@ def test_decode_gpu_tunings(tn, cfg):
   f = lambda *s: r.standard_normal(s).astype(np.float32)
   q, k, g = f(n, tn, h, kd), f(n, tn, h, kd), f(n, tn, hv, kd)
   v, beta = f(n, tn, hv, vd), f(n, tn, hv)
-  pool, A_log, dt_bias = f(6, hv, kd, vd), 0.5 * f(hv), 0.5 * f(hv * kd)
+  pool, A_log, dt_bias = f(6, hv, vd, kd), 0.5 * f(hv), 0.5 * f(hv * kd)
   slots = np.array([4, 0, 2], np.int32)
   step = jax.jit(lambda *a: decode._decode_gpu(
       *a, jnp.asarray(slots), scale=0.3, use_qk_l2norm=True, A_log=jnp.asarray(A_log),

@@ -150,7 +150,7 @@ def test_bounded_gate_stays_in_range():
 def test_decode_slots_equal_naive_rows():
   n_pool, t = 5, 3
   x = raw_inputs(t, seed=17)
-  pool = np.random.default_rng(3).standard_normal((n_pool, HV, K, V)).astype(np.float32)
+  pool = np.random.default_rng(3).standard_normal((n_pool, HV, V, K)).astype(np.float32)
   slots = np.array([3, 0], np.int32)
   kw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], gate="softplus", use_qk_l2norm=True,
             beta_is_logit=True)
@@ -158,9 +158,9 @@ def test_decode_slots_equal_naive_rows():
       x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots=slots)
   o_ref, s_ref = jax.jit(functools.partial(kda_ops.kda, output_final_state=True,
                                            implementation="naive", **kw))(
-      x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool[slots])
+      x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool[slots].swapaxes(-1, -2))
   np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)
-  new_pool = np.asarray(new_pool)
-  np.testing.assert_allclose(new_pool[slots], s_ref, atol=1e-5, rtol=1e-5)
+  new_pool = np.asarray(new_pool)  # K-last: [S, HV, V, K]
+  np.testing.assert_allclose(new_pool[slots], np.swapaxes(s_ref, -1, -2), atol=1e-5, rtol=1e-5)
   untouched = np.array([1, 2, 4])
   np.testing.assert_array_equal(new_pool[untouched], pool[untouched])

@@ -90,7 +90,8 @@ def kda_decode(q, k, v, g, beta, state, *, slots=None, scale=None, use_qk_l2norm
   Args:
     q, k: ``[N, Tn, H, K]``; v: ``[N, Tn, HV, V]``; g: ``[N, Tn, HV, K]``; beta: ``[N, Tn, HV]``
       (pre-processing flags as in :func:`kda`).
-    state: ``[S, HV, K, V]`` float32 pool of per-request states (S >= N).
+    state: ``[S, HV, V, K]`` float32 pool of per-request states (S >= N), K-last: the transpose
+      of :func:`kda`'s ``[B, HV, K, V]`` states (:func:`to_pool` / :func:`from_pool`).
     slots: ``[N]`` int32 pool index of each request (default ``arange(N)``).
   Returns:
     ``(o [N, Tn, HV, V], state)``: the pool with the N slots advanced by Tn tokens. Donate the
@@ -100,17 +101,30 @@ def kda_decode(q, k, v, g, beta, state, *, slots=None, scale=None, use_qk_l2norm
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   n = q.shape[0]
   slots = jnp.arange(n, dtype=jnp.int32) if slots is None else slots
+  kwargs = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias,
+                gate=gate, lower_bound=lower_bound, beta_is_logit=beta_is_logit)
   if impl in ("pallas_gpu", "pallas_tpu"):
     from pallas_kernels.kda import decode as _decode
-    return _decode.kda_decode(q, k, v, g, beta, state, slots=slots, scale=scale,
-                              use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias,
-                              gate=gate, lower_bound=lower_bound, beta_is_logit=beta_is_logit,
-                              backend=impl.removeprefix("pallas_"))
-  q, k, g, beta = _prepare(q, k, g, beta, use_qk_l2norm=use_qk_l2norm, A_log=A_log,
-                           dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
-                           beta_is_logit=beta_is_logit)
-  o, s = reference.kda_naive(q, k, v, g, beta, scale=scale, initial_state=state[slots])
-  return o.astype(v.dtype), state.at[slots].set(s.astype(state.dtype))
+    return _decode.kda_decode(q, k, v, g, beta, state, slots=slots,
+                              backend=impl.removeprefix("pallas_"), **kwargs)
+  return decode_xla(q, k, v, g, beta, state, slots, **kwargs)
 
 
-__all__ = ["kda", "kda_decode", "kda_gate", "l2norm", "resolve", "IMPLEMENTATIONS"]
+def to_pool(state: jax.Array) -> jax.Array:
+  """:func:`kda` states ``[..., K, V]`` -> the decode pool's K-last ``[..., V, K]``. (The decode
+  kernel reduces over K once per token; with K last those reductions stay inside a warp.)"""
+  return jnp.swapaxes(state, -1, -2)
+
+
+from_pool = to_pool  # its inverse: pool ``[..., V, K]`` -> :func:`kda` states ``[..., K, V]``
+
+
+def decode_xla(q, k, v, g, beta, state, slots, *, scale, **prep):
+  """The XLA token recurrence of :func:`kda_decode` on the K-last pool ``state [S, HV, V, K]``."""
+  q, k, g, beta = _prepare(q, k, g, beta, **prep)
+  o, s = reference.kda_naive(q, k, v, g, beta, scale=scale, initial_state=from_pool(state[slots]))
+  return o.astype(v.dtype), state.at[slots].set(to_pool(s).astype(state.dtype))
+
+
+__all__ = ["kda", "kda_decode", "decode_xla", "to_pool", "from_pool", "kda_gate", "l2norm",
+           "resolve", "IMPLEMENTATIONS"]
