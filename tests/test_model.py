@@ -67,6 +67,28 @@ def test_incremental_decode_matches_full_forward(model):
     logits, cache = _decode(graphdef, state, cache, nxt, lengths)
 
 
+def test_cached_decode_with_the_kda_kernels(model):
+  """Prefill and decode steps through the KDA Pallas GPU kernels (interpret mode): the chunked
+  kernels' final state enters the cache as the decode kernel's K-last pool; every step's logits
+  equal the (XLA) full forward's at that position."""
+  from k3jax.generate import _decode, _prefill
+  kern = K3Model(tiny_config(*SMALL, "model.kda.implementation=pallas_gpu").model,
+                 rngs=nnx.Rngs(0))
+  prompts, new = [[3, 14, 15, 92, 65, 35, 89], [2, 71, 82]], [[5, 7], [6, 8]]
+  full = jax.jit(lambda m, x: m(x))(model, _pad_rows([p + o for p, o in zip(prompts, new)], 10))
+  graphdef, state = nnx.split(kern)
+  lengths = jnp.asarray([len(p) for p in prompts])
+  logits, cache = _prefill(graphdef, state, _pad_rows(prompts, 8), lengths, 12)
+  for step in range(3):
+    for i, p in enumerate(prompts):
+      np.testing.assert_allclose(np.asarray(logits[i]), np.asarray(full[i, len(p) - 1 + step]),
+                                 rtol=2e-4, atol=2e-4)
+    if step < 2:
+      lengths = lengths + 1
+      logits, cache = _decode(graphdef, state, cache, jnp.asarray([o[step] for o in new]),
+                              lengths)
+
+
 def test_sampling():
   logits = jnp.asarray([[0.0, 5.0, 1.0], [3.0, 0.0, 2.9]])
   np.testing.assert_array_equal(np.asarray(sample(logits, jax.random.key(0))), [1, 0])
