@@ -45,10 +45,19 @@ def test_packed_documents_do_not_leak(model):
                                rtol=2e-4, atol=2e-4)
 
 
-def test_incremental_decode_matches_full_forward(model):
+@pytest.mark.parametrize("kda_impl", [None, "pallas_gpu"])
+def test_incremental_decode_matches_full_forward(model, kda_impl):
+  """Greedy decoding and the logits of prefill + 4 decode steps equal the (XLA) full forward's;
+  with ``pallas_gpu`` through the KDA kernels (interpret mode), the chunked kernels' final state
+  entering the cache as the decode kernel's K-last pool."""
+  full_model = model
+  if kda_impl:
+    model = K3Model(tiny_config(*SMALL, f"model.kda.implementation={kda_impl}").model,
+                    rngs=nnx.Rngs(0))
   prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32], [2, 71, 82]]
   new = generate(model, prompts, max_new_tokens=5)
-  full = jax.jit(lambda m, x: m(x))(model, _pad_rows([p + o for p, o in zip(prompts, new)], 16))
+  full = jax.jit(lambda m, x: m(x))(full_model,
+                                    _pad_rows([p + o for p, o in zip(prompts, new)], 16))
   for i, (p, o) in enumerate(zip(prompts, new)):
     assert len(o) == 5
     # greedy tokens equal the full forward's argmax at every step
@@ -65,28 +74,6 @@ def test_incremental_decode_matches_full_forward(model):
     nxt = jnp.asarray([o[step] for o in new])
     lengths = lengths + 1
     logits, cache = _decode(graphdef, state, cache, nxt, lengths)
-
-
-def test_cached_decode_with_the_kda_kernels(model):
-  """Prefill and decode steps through the KDA Pallas GPU kernels (interpret mode): the chunked
-  kernels' final state enters the cache as the decode kernel's K-last pool; every step's logits
-  equal the (XLA) full forward's at that position."""
-  from k3jax.generate import _decode, _prefill
-  kern = K3Model(tiny_config(*SMALL, "model.kda.implementation=pallas_gpu").model,
-                 rngs=nnx.Rngs(0))
-  prompts, new = [[3, 14, 15, 92, 65, 35, 89], [2, 71, 82]], [[5, 7], [6, 8]]
-  full = jax.jit(lambda m, x: m(x))(model, _pad_rows([p + o for p, o in zip(prompts, new)], 10))
-  graphdef, state = nnx.split(kern)
-  lengths = jnp.asarray([len(p) for p in prompts])
-  logits, cache = _prefill(graphdef, state, _pad_rows(prompts, 8), lengths, 12)
-  for step in range(3):
-    for i, p in enumerate(prompts):
-      np.testing.assert_allclose(np.asarray(logits[i]), np.asarray(full[i, len(p) - 1 + step]),
-                                 rtol=2e-4, atol=2e-4)
-    if step < 2:
-      lengths = lengths + 1
-      logits, cache = _decode(graphdef, state, cache, jnp.asarray([o[step] for o in new]),
-                              lengths)
 
 
 def test_sampling():
