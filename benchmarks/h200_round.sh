@@ -19,6 +19,7 @@
 #   bash benchmarks/h200_round.sh conv      # KDA short conv + SiLU kernels vs XLA, tile sweep
 #   bash benchmarks/h200_round.sh attnres   # AttnRes mixture kernels vs XLA, tile sweep
 #   bash benchmarks/h200_round.sh permute   # MoE permutation kernels (expansion, unpermute) vs XLA
+#   bash benchmarks/h200_round.sh optim     # k3_1b's optimizer update alone (ms, bytes vs floor)
 #   bash benchmarks/h200_round.sh long step peers   # several at once (one lock for timed GPU work)
 #
 # The k3_1b runs compile without XLA's Triton GEMM fusions (85 s instead of 111 s, same step time).
@@ -138,6 +139,7 @@ mladecode() { bench mla_decode 150 benchmarks/mla.py --decode-only; }
 conv() { bench conv 100 benchmarks/conv.py; }
 attnres() { bench attn_res 120 benchmarks/attn_res.py --budget 100; }
 permute() { bench moe_permute 80 benchmarks/moe_permute.py --budget 60; }
+optim() { bench optim 240 benchmarks/optim.py configs/k3_1b.yaml; }
 
 ncu() {
   # Hardware counters of our KDA kernels, one forward+backward at B1 T16384 H32 (jla's Mosaic
@@ -153,7 +155,7 @@ ncu() {
 [ $# -gt 0 ] || set -- both
 for what in "$@"; do  # several modes run side by side; timed GPU work takes the lock in turn
   case "$what" in
-    kernels|multi|peers|kdasweep|ncu|glu|lse|kdadecode|mladecode|qbselect|conv|attnres|permute) $what & ;;  # blocking
+    kernels|multi|peers|kdasweep|ncu|glu|lse|kdadecode|mladecode|qbselect|conv|attnres|permute|optim) $what & ;;  # blocking
     train|long|step) $what ;;        # these start background jobs of this shell
     both) train; sleep 5; kernels & ;;
     *) echo "usage: $0 MODE... (the modes are listed at the top of this script)"
