@@ -9,7 +9,8 @@
 #   bash benchmarks/h200_round.sh long      # k3_1b at long context (LONG, LONG_SET): one GPU, split
 #   bash benchmarks/h200_round.sh step      # k3_1b 16 x 4096 on one GPU, remat dots and dots_kernels
 #   bash benchmarks/h200_round.sh peers     # KDA vs jla and fla at the three PERF.md shapes
-#   bash benchmarks/h200_round.sh kdasweep  # KDA variants and warp counts (ours only)
+#   bash benchmarks/h200_round.sh kdasweep  # KDA variants and warp counts (ours only); KDA_BASE=DIR
+#                                           # also times an earlier commit's copy of the kernels
 #   bash benchmarks/h200_round.sh ncu       # Nsight Compute: our KDA kernels, fwd+bwd
 #   bash benchmarks/h200_round.sh glu       # packed SiTU-GLU kernels vs XLA, tile sweep
 #   bash benchmarks/h200_round.sh lse       # LM-head log-sum-exp kernel vs XLA, tile sweep
@@ -35,7 +36,7 @@ OUT=${OUT:-$R/out}; mkdir -p "$OUT"
 finish() { tar czf "$OUT/h200_round.tar.gz" -C "$R" --exclude='trace*' . 2>/dev/null; }
 trap finish EXIT
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/*.whl .whl_train/*.whl || exit 1
+  $(ls .whl/*.whl .whl_train/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 LOCK=$R/.gpu.lock
 NGPU=$(nvidia-smi -L | grep -c ^GPU)
@@ -126,6 +127,12 @@ peers() {  # KDA vs jla and fla at the PERF.md shapes, fwd and fwd+bwd; fla last
 }
 
 kdasweep() {  # KDA variants and warp counts at B1 T16384 H32 (ours only)
+  # KDA_BASE=DIR (a copy of an earlier commit, e.g. `git archive`) first times that code's
+  # kernels one by one at the same shape: the before/after of a change in one run.
+  if [ -n "${KDA_BASE:-}" ]; then
+    (cd "$KDA_BASE" && export PYTHONPATH=/tmp/site:$PWD &&
+      bench kda_base 120 benchmarks/kda.py --ours-only --no-decode --budget 100)
+  fi
   bench kda_sweep 200 benchmarks/kda.py --sweep --ours-only --no-decode --budget 170
 }
 

@@ -190,11 +190,11 @@ class Parts:
     self.s0 = jnp.zeros((b, h, kd, kd), jnp.float32)
     self.do = jax.random.normal(jax.random.key(7), (b, t, h, kd), jnp.bfloat16)
     self.a = jax.jit(lambda *x: kda_gpu._chunk_a(cfg, *x, self.seg, t))(*self.x)
-    pkk, _, _, _, kg, _ = self.a
+    pkk, _, _, _, kg, _, _, _ = self.a
     self.wu = jax.jit(lambda *x: kda_gpu._chunk_wu(cfg, *x, self.seg, t, True))(
         pkk, kg, v, beta)
     w, u, x = self.wu
-    _, aqk, qg, kdec, _, gc = self.a
+    _, aqk, qg, kdec, _, gc, _, _ = self.a
     self.fac = (w, u, qg, aqk, kdec, gc)
     _, _, self.hs, self.vn = jax.jit(lambda *p: kda_gpu._recurrence_fwd(
         cfg, *p, self.s0, jnp.bfloat16, store=True))(*self.fac)
@@ -207,7 +207,7 @@ class Parts:
     """name -> (jitted function, args) for each kernel alone and the XLA pre-processing VJP."""
     cfg, seg, t = self.cfg, self.seg, self.t
     q, k, v, f, beta, a_log, dtb = self.x
-    pkk, _, _, _, kg, _ = self.a
+    pkk, _, _, _, kg, _, rq, rk = self.a
     w, u, qg, aqk, kdec, gc = self.fac
     _, _, x = self.wu
     dpkk, dpqk, dy, _, dbeta = self.dwy
@@ -232,7 +232,7 @@ class Parts:
                       (v, beta, seg, x, pkk, kg, self.hs, self.dvn, self.do, self.vn)),
         "chunk_dqkg": (j(lambda *p: kda_gpu._chunk_dqkg(cfg, *p, t)),
                        (q, k, v, f, beta, a_log, dtb, seg, self.hs, self.dh, self.vn, self.do,
-                        dy, dpkk, dpqk)),
+                        dy, dpkk, dpqk, rq, rk)),
         "prep_vjp": (j(lambda *a: prep_vjp.preprocess_vjp(cfg, *a)),
                      (q, k, f, beta, a_log, dtb, dq, dq, dq, dbeta)),
     }
@@ -251,7 +251,7 @@ def time_parts(shape):
 
 
 WARP_SWEEP = {"chunk_dqkg": (4, 16), "chunk_a": (4, 16), "chunk_dwy": (4, 16), "chunk_wu": (2, 8)}
-DQKG_SLICES = (16,)  # K slice widths of chunk_dqkg other than the default
+DQKG_SLICES = {16: (4,), 64: (4, 8)}  # K slice widths of chunk_dqkg other than the default: warps
 _P = jax.lax.DotAlgorithmPreset
 GATE_DOTS = {"all_x3": ((_P.BF16_BF16_F32_X3,) * 2,) * 2,  # gate-gradient variants
              "all_bf16": ((_P.BF16_BF16_F32,) * 2,) * 2}
@@ -277,9 +277,9 @@ def sweep(parts, shape, tag, left):
   parts.cfg = cfg
   sweep_warps(parts, "chunk_dqkg", tag, left, (8,))
   default = kda_gpu.DQKG_SLICE_K
-  for bk in DQKG_SLICES:
+  for bk, warps in DQKG_SLICES.items():
     kda_gpu.DQKG_SLICE_K = bk
-    sweep_warps(parts, "chunk_dqkg", f"slice {bk} {tag}", left, (4,), with_default=False)
+    sweep_warps(parts, "chunk_dqkg", f"slice {bk} {tag}", left, warps, with_default=False)
   kda_gpu.DQKG_SLICE_K = default
   default = kda_gpu.GATE_DOT
   for name, dot in GATE_DOTS.items():

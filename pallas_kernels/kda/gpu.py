@@ -435,9 +435,10 @@ SLICE_K = 64  # K channels per slice of the dense path
 class _Dense:
   """The per-token values of one chunk as [C] / [C, BK] tiles (trace-time helper). ``refs``
   are (q, k, g, beta, A_log, dt_bias, seg); q, k, g, A_log, dt_bias may be None for kernels
-  that only need beta and the segment masks."""
+  that only need beta and the segment masks. ``norms`` (refs ``[B, Tp, HV]``), if given, hold
+  the rows' inverse L2 norms of q and k (from ``kda_chunk_a``), else they are computed."""
 
-  def __init__(self, cfg, refs, b, h, hq, c0, t, kd, slice_k=SLICE_K):
+  def __init__(self, cfg, refs, b, h, hq, c0, t, kd, slice_k=SLICE_K, norms=None):
     q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref = refs
     f32 = jnp.float32
     c = cfg.chunk
@@ -462,7 +463,9 @@ class _Dense:
     self.incl = same & (self.rid >= cid)
     self.strict = same & (self.rid > cid)
     self.rq = self.rk = None
-    if cfg.use_qk_l2norm and q_ref is not None:
+    if norms is not None:
+      self.rq, self.rk = (ref[b, self.rows, h][:, None] for ref in norms)
+    elif cfg.use_qk_l2norm and q_ref is not None:
       norm = lambda ref: jax.lax.rsqrt(sum(
           jnp.sum(jnp.square(self._load(ref, s)), axis=1, keepdims=True)
           for s in range(self.ns)) + L2_EPS)
@@ -547,12 +550,14 @@ def _ids(hv):
 
 
 def _dense_a_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
-                    pkk_ref, a_ref, qg_ref, kd_ref, kg_ref, gc_ref, *, cfg, hv, group, t):
+                    pkk_ref, a_ref, qg_ref, kd_ref, kg_ref, gc_ref, rq_ref, rk_ref, *, cfg, hv,
+                    group, t):
   """Grid (NC, B*HV): writes pkk ``[B, Tp, HV, C]`` float32 (strict, same segment, no beta),
-  A_qk ``[B, Tp, HV, C]``, QG, KD, KG ``[B, Tp, HV, K]`` (``cfg.dtype``) and gC
-  ``[B, NC, HV, K]`` float32. Both pair products in one program share the gate, its cumulative
-  sum and the column factors (1.09 ms at B1 T16384 H32 on the H200, against 1.71 ms for one
-  program per product, 2026-12-01)."""
+  A_qk ``[B, Tp, HV, C]``, QG, KD, KG ``[B, Tp, HV, K]`` (``cfg.dtype``), gC
+  ``[B, NC, HV, K]`` float32 and the rows' inverse L2 norms of q and k ``[B, Tp, HV]`` (1 if
+  not fused), which ``kda_chunk_dqkg`` reads instead of computing them again. Both pair
+  products in one program share the gate, its cumulative sum and the column factors (1.09 ms at
+  B1 T16384 H32 on the H200, against 1.71 ms for one program per product, 2026-12-01)."""
   ci, b, h = _ids(hv)
   c = cfg.chunk
   dt = jnp.dtype(cfg.dtype)
@@ -579,6 +584,9 @@ def _dense_a_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
     gc_ref[b, ci, h, cols] = ch.cont_last * jnp.exp(gl)
   pkk_ref[b, rows, h, :] = jnp.where(ch.strict, akk, 0.0)
   a_ref[b, rows, h, :] = jnp.where(ch.incl, cfg.scale * aqk, 0.0).astype(dt)
+  one = jnp.ones((cfg.chunk, 1), jnp.float32)
+  for ref, norm in ((rq_ref, ch.rq), (rk_ref, ch.rk)):
+    ref[b, rows, h] = (one if norm is None else norm)[:, 0]
 
 
 def _dense_wu_kernel(pkk_ref, kg_ref, v_ref, beta_ref, seg_ref, w_ref, u_ref, *x_ref, cfg, hv,
@@ -648,9 +656,10 @@ def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, d
     dy_ref[b, rows, h, cols] = dy
   da = jnp.where(ch.strict, -mm(mm(x, dx, ta=True), x, tb=True), 0.0)
   dbeta_ref[b, rows, h] = dbeta + jnp.sum(da * ld(pkk_ref), axis=1)
-  dpkk_ref[b, rows, h, :] = beta * da
+  dpkk_ref[b, rows, h, :] = (beta * da).astype(dpkk_ref.dtype)
   dpqk_ref[b, rows, h, :] = jnp.where(
-      ch.incl, cfg.scale * mm(do_ref[b, rows, h, :], vn_ref[b, rows, h, :], tb=True, dt=sdt), 0.0)
+      ch.incl, cfg.scale * mm(do_ref[b, rows, h, :], vn_ref[b, rows, h, :], tb=True, dt=sdt),
+      0.0).astype(dpqk_ref.dtype)
 
 
 # Matrix-unit algorithms of the pair-product gradients in ``kda_chunk_dqkg``, ((P_qk: d q, d k),
@@ -667,18 +676,18 @@ DQKG_SLICE_K = 32
 
 
 def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref, h_ref, dh_ref,
-                       vn_ref, do_ref, dy_ref, dpkk_ref, dpqk_ref, dq_ref, dk_ref, dg_ref, *,
-                       cfg, hv, group, t, gate_dot, slice_k):
+                       vn_ref, do_ref, dy_ref, dpkk_ref, dpqk_ref, rq_ref, rk_ref, dq_ref, dk_ref,
+                       dg_ref, *, cfg, hv, group, t, gate_dot, slice_k):
   """Grid (NC, B*HV, K slices): gradients wrt the pre-processed q, k (per value head) and g of
   one K slice of one chunk, from the state entering the chunk (h), the gradient of the state
-  leaving it (dh), V', dO, dY and the pair-product gradients dpkk, dpqk."""
+  leaving it (dh), V', dO, dY, the pair-product gradients dpkk, dpqk and the inverse norms."""
   ci, b, h = _ids(hv)
   s = pl.program_id(2)
   c = cfg.chunk
   f32 = jnp.float32
   mm = _mm
   ch = _Dense(cfg, (q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref), b, h,
-              h // group, ci * c, t, q_ref.shape[-1], slice_k)
+              h // group, ci * c, t, q_ref.shape[-1], slice_k, norms=(rq_ref, rk_ref))
   rows, cols, beta = ch.rows, ch.cols(s), ch.beta[:, None]
   ld = lambda ref: ref[b, rows, h, :].astype(f32)
   q, k, G = ch.slice(s)
@@ -755,14 +764,15 @@ def _tok(x, d, dtype):
 
 
 def _chunk_a(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t):
-  """``kda_chunk_a``: (pkk, aqk, qg, kd, kg, gc), see :func:`_dense_a_kernel`."""
+  """``kda_chunk_a``: (pkk, aqk, qg, kd, kg, gc, rq, rk), see :func:`_dense_a_kernel`."""
   bsz, tp, h, kd = q.shape
   hv, c = v.shape[2], cfg.chunk
   dt, f32 = jnp.dtype(cfg.dtype), jnp.float32
   kern = functools.partial(_dense_a_kernel, cfg=cfg, hv=hv, group=hv // h, t=t)
   return _call(kern, "kda_chunk_a", (tp // c, bsz * hv),
                [_tok(v, c, f32), _tok(v, c, dt), _tok(v, kd, dt), _tok(v, kd, dt),
-                _tok(v, kd, dt), jax.ShapeDtypeStruct((bsz, tp // c, hv, kd), f32)],
+                _tok(v, kd, dt), jax.ShapeDtypeStruct((bsz, tp // c, hv, kd), f32)]
+               + [jax.ShapeDtypeStruct((bsz, tp, hv), f32)] * 2,
                q, k, g, beta, A_log, dt_bias, seg)
 
 
@@ -776,18 +786,28 @@ def _chunk_wu(cfg, pkk, kg, v, beta, seg, t, keep):
                pkk, kg, v, beta, seg)
 
 
+def _pair_grad_dtype(cfg, dots):
+  """Storage dtype of a pair-product gradient whose products use the algorithms ``dots``: the
+  kernels' bf16 when every product rounds its operands to bf16 anyway (half the bytes, the same
+  results), else float32."""
+  single = all(d == jax.lax.DotAlgorithmPreset.BF16_BF16_F32 for d in dots)
+  return jnp.dtype(cfg.dtype) if single and cfg.dtype == "bfloat16" else jnp.float32
+
+
 def _chunk_dwy(cfg, v, beta, seg, x, pkk, kg, hs, dvn, do, vn, t):
   """``kda_chunk_dwy``: (dpkk, dpqk, dy, dv, dbeta), see :func:`_dense_dwy_kernel`."""
   bsz, tp, hv, vd = v.shape
   c, f32 = cfg.chunk, jnp.float32
   kern = functools.partial(_dense_dwy_kernel, cfg=cfg, hv=hv, t=t)
+  dp = [_tok(v, c, _pair_grad_dtype(cfg, dots)) for dots in reversed(GATE_DOT)]  # kk, qk
   return _call(kern, "kda_chunk_dwy", (tp // c, bsz * hv),
-               [_tok(v, c, f32), _tok(v, c, f32), _tok(v, kg.shape[-1], f32), _tok(v, vd, f32),
-                jax.ShapeDtypeStruct((bsz, tp, hv), f32)],
+               dp + [_tok(v, kg.shape[-1], f32), _tok(v, vd, f32),
+                     jax.ShapeDtypeStruct((bsz, tp, hv), f32)],
                v, beta, seg, x, pkk, kg, hs, dvn, do, vn)
 
 
-def _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, dpqk, t):
+def _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, dpqk, rq,
+                rk, t):
   """``kda_chunk_dqkg``: (dq, dk, dg), see :func:`_dense_dqkg_kernel`."""
   bsz, tp, h, kd = q.shape
   hv = v.shape[2]
@@ -796,14 +816,14 @@ def _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, 
                            gate_dot=GATE_DOT, slice_k=bk)
   return _call(kern, "kda_chunk_dqkg", (tp // cfg.chunk, bsz * hv, kd // bk),
                [_tok(v, kd, jnp.float32)] * 3,
-               q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, dpqk)
+               q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, dpqk, rq, rk)
 
 
 def _prepare(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t, keep=False):
   """Chunk-local factors ``(w, u, qg, aqk, kd, gc)``: w, qg, kd ``[B, Tp, HV, K]``, u
   ``[B, Tp, HV, V]``, aqk ``[B, Tp, HV, C]`` (``cfg.dtype``) and gc ``[B, NC, HV, K]`` float32;
-  and what the dense backward reuses (``(pkk, kg, x)`` if ``keep``, else None). Inputs padded
-  to Tp; the first ``t`` tokens are real."""
+  and what the dense backward reuses (``(pkk, kg, x, rq, rk)`` if ``keep``, else None). Inputs
+  padded to Tp; the first ``t`` tokens are real."""
   bsz, tp, h, kd = q.shape
   hv, vd = v.shape[2], v.shape[3]
   c = cfg.chunk
@@ -814,9 +834,9 @@ def _prepare(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t, keep=False):
                  [_tok(v, kd, dt), _tok(v, vd, dt), _tok(v, kd, dt), _tok(v, c, dt),
                   _tok(v, kd, dt), jax.ShapeDtypeStruct((bsz, tp // c, hv, kd), jnp.float32)],
                  q, k, v, g, beta, A_log, dt_bias, seg), None
-  pkk, aqk, qg, kdec, kg, gc = _chunk_a(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t)
+  pkk, aqk, qg, kdec, kg, gc, rq, rk = _chunk_a(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t)
   wu = _chunk_wu(cfg, pkk, kg, v, beta, seg, t, keep)
-  return (wu[0], wu[1], qg, aqk, kdec, gc), ((pkk, kg, wu[2]) if keep else None)
+  return (wu[0], wu[1], qg, aqk, kdec, gc), ((pkk, kg, wu[2], rq, rk) if keep else None)
 
 
 def _prepare_bwd(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, dvn, do, t, kept):
@@ -831,10 +851,10 @@ def _prepare_bwd(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, dvn, do
                  [_tok(v, kd, f32), _tok(v, kd, f32), _tok(v, vd, f32), _tok(v, kd, f32),
                   jax.ShapeDtypeStruct((bsz, tp, hv), f32)],
                  q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, dvn, do)
-  pkk, kg, x = kept
+  pkk, kg, x, rq, rk = kept
   dpkk, dpqk, dy, dv, dbeta = _chunk_dwy(cfg, v, beta, seg, x, pkk, kg, hs, dvn, do, vn, t)
   dq, dk, dg = _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy,
-                           dpkk, dpqk, t)
+                           dpkk, dpqk, rq, rk, t)
   return dq, dk, dv, dg, dbeta
 
 
@@ -864,7 +884,8 @@ def _dot(a, b, trans_a=False):
 def _fwd_kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, *rest,
                 nc, hv, c, bv, store):
   """Grid (B*HV, V/BV). o ``[B, Tp, HV, V]``, st ``[B, HV, K, V]``; with ``store`` also
-  h ``[B, NC, HV, K, V]`` (state entering each chunk) and vn ``[B, Tp, HV, V]`` (V')."""
+  h ``[B, NC, HV, K, V]`` (state entering each chunk) and vn ``[B, Tp, HV, V]`` (V' as the
+  products take it, in the kernels' dtype)."""
   bh, iv = pl.program_id(0), pl.program_id(1)
   b, h = bh // hv, bh % hv
   vs = pl.ds(iv * bv, bv)
@@ -880,7 +901,7 @@ def _fwd_kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_r
     o_ref[b, rows, h, vs] = (_dot(qg_ref[b, rows, h, :], sb)
                              + _dot(a_ref[b, rows, h, :], vnb)).astype(o_ref.dtype)
     if store:
-      rest[1][b, rows, h, vs] = vn.astype(rest[1].dtype)
+      rest[1][b, rows, h, vs] = vnb
     return gc_ref[b, ci, h, :][:, None] * s + _dot(kd_ref[b, rows, h, :], vnb, trans_a=True)
 
   s = jax.lax.fori_loop(0, nc, body, s0_ref[b, h, :, vs].astype(jnp.float32))
@@ -922,9 +943,10 @@ def _recurrence_fwd(cfg, w, u, qg, aqk, kd, gc, s0, out_dtype, store):
   f32 = jnp.float32
   out_shape = [jax.ShapeDtypeStruct((bsz, tp, hv, vd), out_dtype),
                jax.ShapeDtypeStruct((bsz, hv, kdim, vd), f32)]
-  if store:
+  if store:  # V' in the kernels' dtype: every product that reads it (here and in the
+    # backward's dense path) takes it so (bf16: half the bytes, the same results)
     out_shape += [jax.ShapeDtypeStruct((bsz, nc, hv, kdim, vd), f32),
-                  jax.ShapeDtypeStruct((bsz, tp, hv, vd), f32)]
+                  jax.ShapeDtypeStruct((bsz, tp, hv, vd), w.dtype)]
   kern = functools.partial(_fwd_kernel, nc=nc, hv=hv, c=c, bv=bv, store=store)
   return pl.pallas_call(kern, out_shape=out_shape, grid=(bsz * hv, vd // bv),
                         compiler_params=_params(), interpret=_interpret(),
@@ -976,8 +998,8 @@ def _kda_fwd(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg):
   # ``cfg.save_residuals``: keep the forward's chunk factors, chunk states and V' for the
   # backward instead of recomputing them there (the backward's kda_chunk_a, kda_chunk_wu and
   # storing recurrence): fwd+bwd 9.92 instead of 12.01 ms at B1 T16384 H32 on the H200
-  # (2026-12-01). Per token and value head at K = V = 128, C = 64, bf16: ~3.4 KB (the states
-  # 1 KB, V' 0.5 KB), i.e. 1.8 GB at B1 T16384 H32. Under a remat policy they are kept only
+  # (2026-12-01). Per token and value head at K = V = 128, C = 64, bf16: ~3.1 KB (the states
+  # 1 KB, V' 0.25 KB), i.e. 1.7 GB at B1 T16384 H32. Under a remat policy they are kept only
   # where it keeps Pallas outputs (``dots_kernels``); elsewhere the layer's recomputed forward
   # produces them again, held while that layer's backward runs.
   out, saved = _forward(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg, save=cfg.save_residuals)
