@@ -543,9 +543,9 @@ def _dense_inverse(a, c):
   return mm(x, inv)
 
 
-def _ids(hv):
-  """(chunk, batch, value head) of a program on a (NC, B*HV, ...) grid."""
-  ci, bh = pl.program_id(0), pl.program_id(1)
+def _ids(hv, axis=0):
+  """(chunk, batch, value head) of a program whose grid has NC, B*HV at ``axis``, ``axis + 1``."""
+  ci, bh = pl.program_id(axis), pl.program_id(axis + 1)
   return ci, bh // hv, bh % hv
 
 
@@ -678,11 +678,14 @@ DQKG_SLICE_K = 32
 def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref, h_ref, dh_ref,
                        vn_ref, do_ref, dy_ref, dpkk_ref, dpqk_ref, rq_ref, rk_ref, dq_ref, dk_ref,
                        dg_ref, *, cfg, hv, group, t, gate_dot, slice_k):
-  """Grid (NC, B*HV, K slices): gradients wrt the pre-processed q, k (per value head) and g of
+  """Grid (K slices, NC, B*HV): gradients wrt the pre-processed q, k (per value head) and g of
   one K slice of one chunk, from the state entering the chunk (h), the gradient of the state
-  leaving it (dh), V', dO, dY, the pair-product gradients dpkk, dpqk and the inverse norms."""
-  ci, b, h = _ids(hv)
-  s = pl.program_id(2)
+  leaving it (dh), V', dO, dY, the pair-product gradients dpkk, dpqk and the inverse norms.
+  The K slices are the fastest grid axis (Triton launches the first axis fastest), so the
+  programs of one chunk run side by side and the tiles they all read (V', dO, dP) come from L2
+  after the first."""
+  s = pl.program_id(0)
+  ci, b, h = _ids(hv, 1)
   c = cfg.chunk
   f32 = jnp.float32
   mm = _mm
@@ -814,7 +817,7 @@ def _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, 
   bk = min(kd, DQKG_SLICE_K)
   kern = functools.partial(_dense_dqkg_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
                            gate_dot=GATE_DOT, slice_k=bk)
-  return _call(kern, "kda_chunk_dqkg", (tp // cfg.chunk, bsz * hv, kd // bk),
+  return _call(kern, "kda_chunk_dqkg", (kd // bk, tp // cfg.chunk, bsz * hv),
                [_tok(v, kd, jnp.float32)] * 3,
                q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, dpqk, rq, rk)
 
@@ -883,10 +886,12 @@ def _dot(a, b, trans_a=False):
 
 def _fwd_kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, *rest,
                 nc, hv, c, bv, store):
-  """Grid (B*HV, V/BV). o ``[B, Tp, HV, V]``, st ``[B, HV, K, V]``; with ``store`` also
-  h ``[B, NC, HV, K, V]`` (state entering each chunk) and vn ``[B, Tp, HV, V]`` (V' as the
-  products take it, in the kernels' dtype)."""
-  bh, iv = pl.program_id(0), pl.program_id(1)
+  """Grid (V/BV, B*HV): the V tiles of one head side by side (the first grid axis is launched
+  fastest), so when the programs take several waves each chunk's factors, which all V tiles of
+  the head read, still come from L2 after the first. o ``[B, Tp, HV, V]``, st
+  ``[B, HV, K, V]``; with ``store`` also h ``[B, NC, HV, K, V]`` (state entering each chunk)
+  and vn ``[B, Tp, HV, V]`` (V' as the products take it, in the kernels' dtype)."""
+  iv, bh = pl.program_id(0), pl.program_id(1)
   b, h = bh // hv, bh % hv
   vs = pl.ds(iv * bv, bv)
   dt = w_ref.dtype
@@ -910,9 +915,9 @@ def _fwd_kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_r
 
 def _bwd_kernel(do_ref, qg_ref, a_ref, kd_ref, w_ref, gc_ref, dst_ref, dvn_ref, dh_ref, ds0_ref,
                 *, nc, hv, c, bv):
-  """Reverse pass. dvn ``[B, Tp, HV, V]`` (gradient of V'), dh ``[B, NC, HV, K, V]`` (gradient
-  of the state leaving each chunk), ds0 ``[B, HV, K, V]``."""
-  bh, iv = pl.program_id(0), pl.program_id(1)
+  """Reverse pass, grid (V/BV, B*HV) as the forward's. dvn ``[B, Tp, HV, V]`` (gradient of V'),
+  dh ``[B, NC, HV, K, V]`` (gradient of the state leaving each chunk), ds0 ``[B, HV, K, V]``."""
+  iv, bh = pl.program_id(0), pl.program_id(1)
   b, h = bh // hv, bh % hv
   vs = pl.ds(iv * bv, bv)
   dt = w_ref.dtype
@@ -948,7 +953,7 @@ def _recurrence_fwd(cfg, w, u, qg, aqk, kd, gc, s0, out_dtype, store):
     out_shape += [jax.ShapeDtypeStruct((bsz, nc, hv, kdim, vd), f32),
                   jax.ShapeDtypeStruct((bsz, tp, hv, vd), w.dtype)]
   kern = functools.partial(_fwd_kernel, nc=nc, hv=hv, c=c, bv=bv, store=store)
-  return pl.pallas_call(kern, out_shape=out_shape, grid=(bsz * hv, vd // bv),
+  return pl.pallas_call(kern, out_shape=out_shape, grid=(vd // bv, bsz * hv),
                         compiler_params=_params(), interpret=_interpret(),
                         name="kda_fwd_recurrence")(w, u, qg, aqk, kd, gc, s0)
 
@@ -963,7 +968,7 @@ def _recurrence_bwd(cfg, do, qg, aqk, kd, w, gc, dst):
                jax.ShapeDtypeStruct((bsz, nc, hv, kdim, vd), f32),
                jax.ShapeDtypeStruct((bsz, hv, kdim, vd), f32)]
   kern = functools.partial(_bwd_kernel, nc=nc, hv=hv, c=c, bv=bv)
-  return pl.pallas_call(kern, out_shape=out_shape, grid=(bsz * hv, vd // bv),
+  return pl.pallas_call(kern, out_shape=out_shape, grid=(vd // bv, bsz * hv),
                         compiler_params=_params(), interpret=_interpret(),
                         name="kda_bwd_recurrence")(do, qg, aqk, kd, w, gc, dst)
 
