@@ -38,6 +38,8 @@ CASES = [
     # segments and a partial last chunk at chunk 32
     ("bounded_chunk16_T9_segments", 9, 1, 1, 32, 16, 16, "bounded", True, (4,)),
     ("bounded_chunk32_grouped_T45", 45, 1, 2, 64, 16, 32, "bounded", True, (1, 31, 32)),
+    # the dense path with q, k normalised and beta in (0, 1) by the caller (no fused L2 norm)
+    ("bounded_unfused_l2_chunk64_T70", 70, 1, 1, 64, 16, 64, "bounded", False, (33,)),
     # optional (lower bound, shift of the raw gate, gradient tolerance): the gate near its lower
     # bound (most steps below -4.5), so the 32-row reference blocks come near their largest
     # exponents (+-80); a lower bound of -8 takes 16-row blocks. The gate's gradients are then
@@ -53,8 +55,9 @@ def _setup(case):
   lb, shift, tol = extra or (-5.0, 0.0, 2e-4)
   x = make(len(name), 1, t, h, hv, kd, vd)
   x["g"] += shift
-  if gate is None:  # unfused: g is the log decay, beta in (0, 1), q/k pre-normalised
+  if gate is None:  # g is the log decay
     x["g"] = -np.exp(x["g"] - 1.0)
+  if not fused:  # beta in (0, 1), q/k pre-normalised
     x["beta"] = 1 / (1 + np.exp(-x["beta"]))
     x["q"], x["k"] = (y / np.linalg.norm(y, axis=-1, keepdims=True) for y in (x["q"], x["k"]))
   seg = np.zeros((1, t), np.int32)

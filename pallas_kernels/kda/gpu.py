@@ -802,7 +802,8 @@ def _chunk_dwy(cfg, v, beta, seg, x, pkk, kg, hs, dvn, do, vn, t):
   bsz, tp, hv, vd = v.shape
   c, f32 = cfg.chunk, jnp.float32
   kern = functools.partial(_dense_dwy_kernel, cfg=cfg, hv=hv, t=t)
-  dp = [_tok(v, c, _pair_grad_dtype(cfg, dots)) for dots in reversed(GATE_DOT)]  # kk, qk
+  qk_dots, kk_dots = GATE_DOT
+  dp = [_tok(v, c, _pair_grad_dtype(cfg, d)) for d in (kk_dots, qk_dots)]  # dpkk, dpqk
   return _call(kern, "kda_chunk_dwy", (tp // c, bsz * hv),
                dp + [_tok(v, kg.shape[-1], f32), _tok(v, vd, f32),
                      jax.ShapeDtypeStruct((bsz, tp, hv), f32)],
