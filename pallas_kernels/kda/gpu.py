@@ -670,8 +670,8 @@ def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, d
 # 2.8e-3, P_qk single-pass TF32 6.6e-3 / 8.1e-3 / 3.3e-2, P_qk single-pass bf16 4.6e-2 / 5.6e-2 /
 # 0.25. ``benchmarks/kda.py --sweep`` measures accuracy and time of others on the card.
 GATE_DOT = ((_X3, _X3), (jax.lax.DotAlgorithmPreset.BF16_BF16_F32,) * 2)
-# K channels per program of ``kda_chunk_dqkg``: 32 (H200, B1 T16384 H32 K128: 64 1.7x slower,
-# 16 1.2x slower, 2026-11-30 / 12-01).
+# K channels per program of ``kda_chunk_dqkg``: 32 (H200, B1 T16384 H32 K128, 2026-12-02: 2.86 ms;
+# 16 wide 3.46; 64 wide 7.71 at 4 warps, 3.58 at 8).
 DQKG_SLICE_K = 32
 
 
@@ -749,9 +749,9 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
 
 
 # Warps per chunk-local kernel (by pallas_call name; `benchmarks/kda.py --sweep` times others).
-# H200, B1 T16384 H32 K128: kda_chunk_dqkg 4 warps 6.69 ms, 8 7.28, 16 15.16 (2026-11-30);
-# kda_chunk_dwy 4 warps 1.74 ms, 8 2.05, 16 4.55; kda_chunk_wu 2 1.34, 4 0.54, 8 1.06;
-# kda_chunk_a (one program per chunk) 4 warps 2.07 ms, 8 1.09, 16 1.73 (2026-12-01).
+# H200, B1 T16384 H32 K128, 2026-12-02: kda_chunk_dqkg 4 warps 2.86 ms, 8 4.54; kda_chunk_dwy
+# 4 warps 1.40 ms, 16 3.96 (8: 2.05 on 2026-12-01); kda_chunk_wu 2 1.32, 4 0.55, 8 1.06;
+# kda_chunk_a (one program per chunk) 4 warps 2.19 ms, 8 1.13, 16 1.77.
 WARPS = {"kda_chunk_prep": 4, "kda_chunk_prep_bwd": 4, "kda_chunk_a": 8, "kda_chunk_wu": 4,
          "kda_chunk_dwy": 4, "kda_chunk_dqkg": 4}
 
