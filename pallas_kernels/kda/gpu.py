@@ -949,8 +949,9 @@ def _recurrence_fwd(cfg, w, u, qg, aqk, kd, gc, s0, out_dtype, store):
   f32 = jnp.float32
   out_shape = [jax.ShapeDtypeStruct((bsz, tp, hv, vd), out_dtype),
                jax.ShapeDtypeStruct((bsz, hv, kdim, vd), f32)]
-  if store:  # V' in the kernels' dtype: every product that reads it (here and in the
-    # backward's dense path) takes it so (bf16: half the bytes, the same results)
+  if store:  # V' in the kernels' dtype, as this kernel's products take it (bf16: half the
+    # bytes). The dense backward rounds it to bf16 anyway (the same results); the general
+    # path's three-pass products now see the value the forward used instead of its float32
     out_shape += [jax.ShapeDtypeStruct((bsz, nc, hv, kdim, vd), f32),
                   jax.ShapeDtypeStruct((bsz, tp, hv, vd), w.dtype)]
   kern = functools.partial(_fwd_kernel, nc=nc, hv=hv, c=c, bv=bv, store=store)
