@@ -212,7 +212,8 @@ class Parts:
     _, _, x = self.wu
     dpkk, dpqk, dy, _, dbeta = self.dwy
     j = jax.jit
-    dq = dy.astype(jnp.float32)
+    dq, dg = (dy.astype(kda_gpu._store_dtype(cfg, n)) for n in ("dqk", "dg"))
+    dy = dy.astype(kda_gpu._store_dtype(cfg, "dy"))
     op = lambda save: lambda *a: jnp.sum(ours(*a, save_residuals=save)[0].astype(jnp.float32))
     whole = (q, k, v, f, beta, a_log, dtb.reshape(-1))
     return {
@@ -234,7 +235,7 @@ class Parts:
                        (q, k, v, f, beta, a_log, dtb, seg, self.hs, self.dh, self.vn, self.do,
                         dy, dpkk, dpqk, rq, rk)),
         "prep_vjp": (j(lambda *a: prep_vjp.preprocess_vjp(cfg, *a)),
-                     (q, k, f, beta, a_log, dtb, dq, dq, dq, dbeta)),
+                     (q, k, f, beta, a_log, dtb, dq, dq, dg, dbeta)),
     }
 
 
@@ -264,12 +265,86 @@ GATE_DOTS = {"all_x3": ((_P.BF16_BF16_F32_X3,) * 2,) * 2,  # gate-gradient varia
 # TF32 P_qk gate-gradient products (ddt_bias error 4.8e-2, 5.13 vs 4.08 ms).
 
 
+STORES = {"f32": (), "+dg": ("h", "dh", "dvn", "dy", "dqk", "dg")}  # BF16_STORES variants
+_STORE_USERS = ("chunk_dwy", "chunk_dqkg", "prep_vjp")
+
+
+def sweep_stores(parts, tag, left):
+  """The backward residuals stored in bf16 (``kda_gpu.BF16_STORES``) at each variant of
+  ``STORES`` and the default: the check's gradient errors and the kernels that write or read
+  them, each alone (the intermediates converted to the variant's dtypes)."""
+  default, kept = kda_gpu.BF16_STORES, (parts.hs, parts.dh, parts.dvn)
+  for name, stores in list(STORES.items()) + [("default", tuple(default))]:
+    if left() < 40:
+      return
+    kda_gpu.BF16_STORES = frozenset(stores)
+    dt = lambda n: kda_gpu._store_dtype(parts.cfg, n)
+    parts.hs, parts.dh, parts.dvn = (x.astype(dt(n)) for x, n in zip(kept, ("h", "dh", "dvn")))
+    try:
+      errs = check(decode=False, tag=f"bf16 stores {name}")
+      emit(name=f"sweep bf16 stores={name} {tag}",
+           **{n: round(_time(parts, n), 4) for n in _STORE_USERS},
+           **{k: round(errs[k], 5) for k in ("df", "dA_log", "ddt_bias", "dq", "dk", "dv",
+                                             "dbeta")})
+    except Exception as e:  # noqa: BLE001
+      print(f"sweep bf16 stores={name} FAILED", repr(e)[:800], flush=True)
+    kda_gpu.BF16_STORES = default
+  parts.hs, parts.dh, parts.dvn = kept
+
+
+def sweep_module(parts, tag, left, attr, values, names):
+  """The kernels ``names`` alone with the module option ``kda_gpu.<attr>`` at each of
+  ``values``, and at its default."""
+  default, row = getattr(kda_gpu, attr), {}
+  for val in list(values) + [default]:
+    if left() < 15:
+      break
+    setattr(kda_gpu, attr, val)
+    try:
+      for n in names:
+        row[f"{n} {val}{' (default)' if val == default else ''}"] = round(_time(parts, n), 4)
+    except Exception as e:  # noqa: BLE001
+      print(f"sweep {attr}={val} FAILED", repr(e)[:800], flush=True)
+    setattr(kda_gpu, attr, default)
+  if row:
+    emit(name=f"sweep {attr} {tag}", **row)
+
+
+LOOPS = ((1, 1), (4, 2), (8, 3))  # CHUNK_LOOP variants: (chunks per program, stages)
+
+
+def sweep_loops(parts, tag, left):
+  """Each dense chunk kernel alone with its programs walking several chunks (``LOOPS``), and at
+  its default."""
+  default = kda_gpu.CHUNK_LOOP
+  for name in ("chunk_a", "chunk_wu", "chunk_dwy", "chunk_dqkg"):
+    row = {}
+    for per, stages in LOOPS:
+      if left() < 15:
+        return
+      kda_gpu.CHUNK_LOOP = {**default, "kda_" + name: (per, stages)}
+      try:
+        row[f"{per}x{stages}"] = round(_time(parts, name), 4)
+      except Exception as e:  # noqa: BLE001
+        print(f"sweep loop {name} {per}x{stages} FAILED", repr(e)[:800], flush=True)
+      kda_gpu.CHUNK_LOOP = default
+    per, stages = default.get("kda_" + name, (1, 1))
+    row[f"{per}x{stages} (default)"] = round(_time(parts, name), 4)
+    emit(name=f"sweep chunks x stages {name} {tag}", **row)
+
+
 def sweep(parts, shape, tag, left):
-  """The variants of the chunk kernels, most promising first: the dense path's reference
-  blocks of 16 rows instead of the default (chunk_a, chunk_dqkg), chunk_dqkg at other warp
-  counts and K slice widths, the gate gradient's matrix-unit algorithm (its check errors and the
-  chunk_dqkg time), then the other kernels at other warp counts. Each kernel is timed alone;
-  stops when ``left()`` is too small for the next step."""
+  """The variants of the chunk kernels, most promising first: the bf16 backward intermediates,
+  programs walking several chunks, the sequential passes' pipeline stages and V tiles, the dense
+  path's reference blocks of 16 rows instead of the default (chunk_a, chunk_dqkg), chunk_dqkg at
+  other warp counts and K slice widths, the gate gradient's matrix-unit algorithm (its check
+  errors and the chunk_dqkg time), then the other kernels at other warp counts. Each kernel is
+  timed alone; stops when ``left()`` is too small for the next step."""
+  sweep_stores(parts, tag, left)
+  sweep_loops(parts, tag, left)
+  recur = ("recur_fwd", "recur_fwd_store", "recur_bwd")
+  sweep_module(parts, tag, left, "RECUR_STAGES", (2,), recur)
+  sweep_module(parts, tag, left, "V_TILE", (64,), recur)
   cfg = parts.cfg
   parts.cfg = dataclasses.replace(cfg, diag_rows=16)
   emit(name=f"sweep diag_rows=16 (default {cfg.diag_rows}) {tag}",

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -82,10 +83,15 @@ def diag_rows(gate: str | None, lower_bound: float, chunk: int) -> int:
   return next((n for n in (64, 32, SUB) if n <= chunk and n / 2 * -lower_bound <= _MAX_EXP), 0)
 
 
+V_TILE = None  # V-tile width of the sequential passes if set (else ``_v_tile``'s choice)
+
+
 def _v_tile(n_rows: int, vd: int) -> int:
   """V-tile width: enough (batch, head, tile) programs to fill ~132 SMs, at least 16 wide (twice
   the programs: 1.5x slower at B1 T16384 H32 on the H200; 8 warps instead of 4: 1.3x slower;
   2026-12-01)."""
+  if V_TILE:
+    return min(vd, V_TILE)
   bv = min(vd, 64)
   while bv > 16 and n_rows * (vd // bv) < 128:
     bv //= 2
@@ -387,7 +393,7 @@ def _prep_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, alog_ref, dtb_ref, se
   for a in range(n):
     dq_ref[b, rows[a], h, :] = dq[a]
     dk_ref[b, rows[a], h, :] = dk[a]
-    dv_ref[b, rows[a], h, :] = ch.beta[a][:, None] * dz[a]
+    dv_ref[b, rows[a], h, :] = (ch.beta[a][:, None] * dz[a]).astype(dv_ref.dtype)
     dg_ref[b, rows[a], h, :] = dg[a]
     dbeta_ref[b, rows[a], h] = dbeta[a]
 
@@ -429,7 +435,9 @@ def _tile_dg(dG, tail):
 # worked per V slice). chunk_dqkg as two programs per K slice (q side; k side and states):
 # 4.64 instead of 4.14 ms.
 
-SLICE_K = 64  # K channels per slice of the dense path
+# K channels per slice of the dense path (H200, B1 T16384 H32 K128, 2026-12-02: 32-wide slices
+# chunk_a 1.414 instead of 1.122 ms, chunk_wu 0.639 / 0.548, chunk_dwy 1.368 / 1.314).
+SLICE_K = 64
 
 
 class _Dense:
@@ -543,22 +551,23 @@ def _dense_inverse(a, c):
   return mm(x, inv)
 
 
-def _ids(hv, axis=0):
-  """(chunk, batch, value head) of a program whose grid has NC, B*HV at ``axis``, ``axis + 1``."""
-  ci, bh = pl.program_id(axis), pl.program_id(axis + 1)
+def _ids(hv, pid, axis=0):
+  """(chunk, batch, value head) of a chunk whose grid indices ``pid`` (from ``_call``) have the
+  chunk, B*HV at ``axis``, ``axis + 1``."""
+  ci, bh = pid[axis], pid[axis + 1]
   return ci, bh // hv, bh % hv
 
 
 def _dense_a_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
                     pkk_ref, a_ref, qg_ref, kd_ref, kg_ref, gc_ref, rq_ref, rk_ref, *, cfg, hv,
-                    group, t):
+                    group, t, pid):
   """Grid (NC, B*HV): writes pkk ``[B, Tp, HV, C]`` float32 (strict, same segment, no beta),
   A_qk ``[B, Tp, HV, C]``, QG, KD, KG ``[B, Tp, HV, K]`` (``cfg.dtype``), gC
   ``[B, NC, HV, K]`` float32 and the rows' inverse L2 norms of q and k ``[B, Tp, HV]`` (1 if
   not fused), which ``kda_chunk_dqkg`` reads instead of computing them again. Both pair
   products in one program share the gate, its cumulative sum and the column factors (1.09 ms at
   B1 T16384 H32 on the H200, against 1.71 ms for one program per product, 2026-12-01)."""
-  ci, b, h = _ids(hv)
+  ci, b, h = _ids(hv, pid)
   c = cfg.chunk
   dt = jnp.dtype(cfg.dtype)
   ch = _Dense(cfg, (q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref), b, h,
@@ -590,10 +599,10 @@ def _dense_a_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
 
 
 def _dense_wu_kernel(pkk_ref, kg_ref, v_ref, beta_ref, seg_ref, w_ref, u_ref, *x_ref, cfg, hv,
-                     t):
+                     t, pid):
   """X = (I + diag(beta) pkk)^-1 (written to ``x_ref`` [B, Tp, HV, C] float32 if given),
   W = cont * X diag(beta) KG ``[B, Tp, HV, K]``, U = X diag(beta) v ``[B, Tp, HV, V]``."""
-  ci, b, h = _ids(hv)
+  ci, b, h = _ids(hv, pid)
   c = cfg.chunk
   dt = jnp.dtype(cfg.dtype)
   kdim, vd = kg_ref.shape[-1], v_ref.shape[-1]
@@ -616,12 +625,13 @@ def _dense_wu_kernel(pkk_ref, kg_ref, v_ref, beta_ref, seg_ref, w_ref, u_ref, *x
 
 
 def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, dvn_ref, do_ref,
-                      vn_ref, dpkk_ref, dpqk_ref, dy_ref, dv_ref, dbeta_ref, *, cfg, hv, t):
+                      vn_ref, dpkk_ref, dpqk_ref, dy_ref, dv_ref, dbeta_ref, *, cfg, hv, t,
+                      pid):
   """The WY part of the backward: with W = X Y, U = X Z (Y = diag(beta) KG, Z = diag(beta) v),
   dW = -cont dV' S^T and dU = dV': dX = dW Y^T + dU Z^T, dY = X^T dW, dZ = X^T dU and
   dA_kk = -X^T dX X^T (strictly lower same-segment pairs). Writes dpkk = beta dA_kk and
   dpqk = mask(scale dO V'^T) ``[B, Tp, HV, C]``, dY ``[B, Tp, HV, K]``, dv and the whole dbeta."""
-  ci, b, h = _ids(hv)
+  ci, b, h = _ids(hv, pid)
   c = cfg.chunk
   f32 = jnp.float32
   mm = _mm  # float32 (TF32 on the matrix units)
@@ -644,7 +654,7 @@ def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, d
     dz = mm(x, dvn, ta=True)
     v = v_ref[b, rows, h, vc].astype(f32)
     dbeta = dbeta + jnp.sum(dz * v, axis=1)
-    dv_ref[b, rows, h, vc] = beta * dz
+    dv_ref[b, rows, h, vc] = (beta * dz).astype(dv_ref.dtype)
     dx = dx + mm(dvn, beta * v, tb=True)
   for s in range(ch.ns):
     cols = ch.cols(s)
@@ -653,7 +663,7 @@ def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, d
     dx = dx + mm(dw, beta * kg, tb=True)
     dy = mm(x, dw, ta=True)
     dbeta = dbeta + jnp.sum(dy * kg, axis=1)
-    dy_ref[b, rows, h, cols] = dy
+    dy_ref[b, rows, h, cols] = dy.astype(dy_ref.dtype)
   da = jnp.where(ch.strict, -mm(mm(x, dx, ta=True), x, tb=True), 0.0)
   dbeta_ref[b, rows, h] = dbeta + jnp.sum(da * ld(pkk_ref), axis=1)
   dpkk_ref[b, rows, h, :] = (beta * da).astype(dpkk_ref.dtype)
@@ -677,15 +687,15 @@ DQKG_SLICE_K = 32
 
 def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref, h_ref, dh_ref,
                        vn_ref, do_ref, dy_ref, dpkk_ref, dpqk_ref, rq_ref, rk_ref, dq_ref, dk_ref,
-                       dg_ref, *, cfg, hv, group, t, gate_dot, slice_k):
+                       dg_ref, *, cfg, hv, group, t, gate_dot, slice_k, pid):
   """Grid (K slices, NC, B*HV): gradients wrt the pre-processed q, k (per value head) and g of
   one K slice of one chunk, from the state entering the chunk (h), the gradient of the state
   leaving it (dh), V', dO, dY, the pair-product gradients dpkk, dpqk and the inverse norms.
   The K slices are the fastest grid axis (Triton launches the first axis fastest), so the
   programs of one chunk run side by side and the tiles they all read (V', dO, dP) come from L2
   after the first."""
-  s = pl.program_id(0)
-  ci, b, h = _ids(hv, 1)
+  s = pid[0]
+  ci, b, h = _ids(hv, pid, 1)
   c = cfg.chunk
   f32 = jnp.float32
   mm = _mm
@@ -694,7 +704,7 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
   rows, cols, beta = ch.rows, ch.cols(s), ch.beta[:, None]
   ld = lambda ref: ref[b, rows, h, :].astype(f32)
   q, k, G = ch.slice(s)
-  state = lambda ref: ref[b, ci, h, cols, :]  # [BK, V], loaded where used
+  state = lambda ref: ref[b, ci, h, cols, :].astype(f32)  # [BK, V], loaded where used
   blocks, e_row = ch.blocks(G)
 
   def pairs(a_side, dp_ref, dots):
@@ -721,7 +731,7 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
                                                         tb=True, dt=sdt)
     daq, dk = pairs(q, dpqk_ref, gate_dot[0])
     dq = dq + daq
-    dq_ref[b, rows, h, cols] = dq
+    dq_ref[b, rows, h, cols] = dq.astype(dq_ref.dtype)
     return dk, q * dq - k * dk
 
   def k_side(dk, dG):
@@ -731,7 +741,7 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
     dk = dk + dak + dbk
     dG = dG + k * (dak - dbk)
     gl = ch.row(G, c - 1)
-    dky = beta * jnp.exp(G) * dy_ref[b, rows, h, cols]
+    dky = beta * jnp.exp(G) * dy_ref[b, rows, h, cols].astype(f32)
     dst = state(dh_ref)
     dkd = ch.last[:, None] * jnp.exp(gl[None, :] - G) * mm(vn_ref[b, rows, h, :], dst, tb=True,
                                                            dt=sdt)
@@ -743,9 +753,9 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
 
   dk, dG, dgl = k_side(*q_side())
   # G = cumsum(g): dg_i = sum_{t >= i} dG_t, plus dG at the chunk end for every row
-  dk_ref[b, rows, h, cols] = dk
+  dk_ref[b, rows, h, cols] = dk.astype(dk_ref.dtype)
   dg_ref[b, rows, h, cols] = (dgl[None, :] + jnp.sum(dG, axis=0)[None, :]
-                              - jnp.cumsum(dG, axis=0) + dG)
+                              - jnp.cumsum(dG, axis=0) + dG).astype(dg_ref.dtype)
 
 
 # Warps per chunk-local kernel (by pallas_call name; `benchmarks/kda.py --sweep` times others).
@@ -756,9 +766,41 @@ WARPS = {"kda_chunk_prep": 4, "kda_chunk_prep_bwd": 4, "kda_chunk_a": 8, "kda_ch
          "kda_chunk_dwy": 4, "kda_chunk_dqkg": 4}
 
 
-def _call(kern, name, grid, out_shape, *args):
+# Chunks per program and software-pipeline stages of the dense path's chunk kernels (by
+# pallas_call name; default (1, 1)): a program walks ``per`` consecutive chunks in a loop, so
+# with more than one stage Triton loads the next chunk's tiles while the current chunk's
+# products run. H200, B1 T16384 H32 K128, 2026-12-02 (`benchmarks/kda.py --sweep`):
+# kda_chunk_a 4 x 3 0.986 ms, 2 x 3 0.995, 4 x 2 1.040, one chunk 1.121; kda_chunk_wu no faster
+# (4 x 2 0.549 against 0.551); kda_chunk_dqkg 2 x 2 4.97 against 2.66 (3 stages exceed shared
+# memory); kda_chunk_dwy exceeds shared memory at every setting.
+CHUNK_LOOP = {"kda_chunk_a": (4, 3)}
+
+
+def _call(kern, name, grid, out_shape, *args, chunk_axis=None):
+  """One chunk kernel. With ``chunk_axis`` (the grid axis of the chunks) the kernel takes
+  ``pid``, its grid indices with the chunk's at ``chunk_axis``, and walks ``CHUNK_LOOP``'s
+  chunks per program (the program ids are read outside the loop, as interpret mode needs)."""
+  per, stages = CHUNK_LOOP.get(name, (1, 1))
+  if chunk_axis is not None:
+    per = math.gcd(per, grid[chunk_axis])
+    grid = grid[:chunk_axis] + (grid[chunk_axis] // per,) + grid[chunk_axis + 1:]
+    one = kern
+
+    def kern(*refs):
+      ids = tuple(pl.program_id(i) for i in range(len(grid)))
+      at = lambda ci: ids[:chunk_axis] + (ci,) + ids[chunk_axis + 1:]
+
+      def step(j, carry):
+        one(*refs, pid=at(ids[chunk_axis] * per + j))
+        return carry
+
+      if per == 1:
+        one(*refs, pid=ids)
+      else:
+        jax.lax.fori_loop(0, per, step, 0)
+
   return pl.pallas_call(kern, grid=grid, out_shape=out_shape, interpret=_interpret(),
-                        compiler_params=_params(WARPS[name], 1), name=name)(*args)
+                        compiler_params=_params(WARPS[name], stages), name=name)(*args)
 
 
 def _tok(x, d, dtype):
@@ -776,7 +818,7 @@ def _chunk_a(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t):
                [_tok(v, c, f32), _tok(v, c, dt), _tok(v, kd, dt), _tok(v, kd, dt),
                 _tok(v, kd, dt), jax.ShapeDtypeStruct((bsz, tp // c, hv, kd), f32)]
                + [jax.ShapeDtypeStruct((bsz, tp, hv), f32)] * 2,
-               q, k, g, beta, A_log, dt_bias, seg)
+               q, k, g, beta, A_log, dt_bias, seg, chunk_axis=0)
 
 
 def _chunk_wu(cfg, pkk, kg, v, beta, seg, t, keep):
@@ -786,7 +828,7 @@ def _chunk_wu(cfg, pkk, kg, v, beta, seg, t, keep):
   kern = functools.partial(_dense_wu_kernel, cfg=cfg, hv=hv, t=t)
   return _call(kern, "kda_chunk_wu", (tp // c, bsz * hv),
                [_tok(v, kg.shape[-1], dt), _tok(v, vd, dt)] + [_tok(v, c, jnp.float32)] * keep,
-               pkk, kg, v, beta, seg)
+               pkk, kg, v, beta, seg, chunk_axis=0)
 
 
 def _pair_grad_dtype(cfg, dots):
@@ -805,9 +847,9 @@ def _chunk_dwy(cfg, v, beta, seg, x, pkk, kg, hs, dvn, do, vn, t):
   qk_dots, kk_dots = GATE_DOT
   dp = [_tok(v, c, _pair_grad_dtype(cfg, d)) for d in (kk_dots, qk_dots)]  # dpkk, dpqk
   return _call(kern, "kda_chunk_dwy", (tp // c, bsz * hv),
-               dp + [_tok(v, kg.shape[-1], f32), _tok(v, vd, f32),
+               dp + [_tok(v, kg.shape[-1], _store_dtype(cfg, "dy")), _tok(v, vd, v.dtype),
                      jax.ShapeDtypeStruct((bsz, tp, hv), f32)],
-               v, beta, seg, x, pkk, kg, hs, dvn, do, vn)
+               v, beta, seg, x, pkk, kg, hs, dvn, do, vn, chunk_axis=0)
 
 
 def _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, dpqk, rq,
@@ -819,8 +861,9 @@ def _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, 
   kern = functools.partial(_dense_dqkg_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
                            gate_dot=GATE_DOT, slice_k=bk)
   return _call(kern, "kda_chunk_dqkg", (kd // bk, tp // cfg.chunk, bsz * hv),
-               [_tok(v, kd, jnp.float32)] * 3,
-               q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, dpqk, rq, rk)
+               [_tok(v, kd, _store_dtype(cfg, n)) for n in ("dqk", "dqk", "dg")],
+               q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, dpqk, rq, rk,
+               chunk_axis=1)
 
 
 def _prepare(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t, keep=False):
@@ -844,15 +887,17 @@ def _prepare(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t, keep=False):
 
 
 def _prepare_bwd(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, dvn, do, t, kept):
-  """Gradients wrt the pre-processed q, k (per value head), v, g ``[B, Tp, HV, *]`` and beta
-  ``[B, Tp, HV]`` (float32); ``kept`` is what ``_prepare(..., keep=True)`` returned."""
+  """Gradients wrt the pre-processed q, k (per value head), g ``[B, Tp, HV, K]`` (float32 or,
+  per ``BF16_STORES``, the kernels' dtype), v ``[B, Tp, HV, V]`` (in v's dtype: the rounding
+  the cotangent gets anyway, written once) and beta ``[B, Tp, HV]`` (float32); ``kept`` is what
+  ``_prepare(..., keep=True)`` returned."""
   bsz, tp, h, kd = q.shape
   hv, vd = v.shape[2], v.shape[3]
   f32 = jnp.float32
   if not cfg.diag_rows:
     kern = functools.partial(_prep_bwd_kernel, cfg=cfg, hv=hv, group=hv // h, t=t)
     return _call(kern, "kda_chunk_prep_bwd", (tp // cfg.chunk, bsz * hv),
-                 [_tok(v, kd, f32), _tok(v, kd, f32), _tok(v, vd, f32), _tok(v, kd, f32),
+                 [_tok(v, kd, f32), _tok(v, kd, f32), _tok(v, vd, v.dtype), _tok(v, kd, f32),
                   jax.ShapeDtypeStruct((bsz, tp, hv), f32)],
                  q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, dvn, do)
   pkk, kg, x, rq, rk = kept
@@ -941,6 +986,33 @@ def _params(num_warps=4, num_stages=2):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+# Software-pipeline stages of the sequential passes' loads: Triton prefetches the next chunks'
+# factors while the current chunk's chain of products runs (H200, B1 T16384 H32 K128,
+# 2026-12-02: forward 0.662 ms at 2 stages, 0.472 at 3, 1.260 at 1; storing the states 0.769 /
+# 0.592; backward 0.789 / 0.622).
+RECUR_STAGES = 3
+
+# Backward intermediates stored in the kernels' dtype on the dense path (bf16 inputs), by name:
+# the chunk states h (written by the forward's recurrence), their gradients dh and dV' ("dvn",
+# by the backward's), dY (by kda_chunk_dwy) and kda_chunk_dqkg's dq, dk ("dqk", read by the
+# pre-processing VJP). The chunk kernels take h and dh only into single-pass bf16 products,
+# except the gate gradient's sum_v h dh at the chunk end (float32 sums of the bf16 values:
+# unchanged errors). The card's check against the float32 recurrence (`benchmarks/kda.py`, H200,
+# 2026-12-02): dV' rounded to bf16 before kda_chunk_dwy's TF32 products moves dv 3.6e-3 -> 3.9e-3
+# and dbeta 3.7e-3 -> 4.0e-3, dq, dk 3.2e-3 -> 3.6e-3, dY nothing; dg ("dg", not stored so) would
+# move dA_log 2.8e-3 -> 7.9e-3. Times at B1 T16384 H32 K128: all float32 -> h, dh, dV' in bf16:
+# chunk_dwy 1.433 -> 1.100 ms, chunk_dqkg 2.884 -> 2.667, backward recurrence 0.820 -> 0.706,
+# storing recurrence 0.812 -> 0.757; then dY chunk_dwy 0.986 -> 0.904, dq, dk chunk_dqkg 2.650
+# -> 2.529. The general path's three-pass products read float32.
+BF16_STORES = frozenset({"h", "dh", "dvn", "dy", "dqk"})
+
+
+def _store_dtype(cfg, name):
+  """Storage dtype of the backward residual ``name`` (see ``BF16_STORES``)."""
+  bf16 = cfg.diag_rows and cfg.dtype == "bfloat16" and name in BF16_STORES
+  return jnp.dtype(cfg.dtype) if bf16 else jnp.float32
+
+
 def _recurrence_fwd(cfg, w, u, qg, aqk, kd, gc, s0, out_dtype, store):
   bsz, tp, hv, kdim = w.shape
   vd = u.shape[-1]
@@ -949,14 +1021,15 @@ def _recurrence_fwd(cfg, w, u, qg, aqk, kd, gc, s0, out_dtype, store):
   f32 = jnp.float32
   out_shape = [jax.ShapeDtypeStruct((bsz, tp, hv, vd), out_dtype),
                jax.ShapeDtypeStruct((bsz, hv, kdim, vd), f32)]
-  if store:  # V' in the kernels' dtype, as this kernel's products take it (bf16: half the
-    # bytes). The dense backward rounds it to bf16 anyway (the same results); the general
-    # path's three-pass products now see the value the forward used instead of its float32
-    out_shape += [jax.ShapeDtypeStruct((bsz, nc, hv, kdim, vd), f32),
+  if store:  # the states (``BF16_STORES``) and V' in the kernels' dtype, as this kernel's
+    # products take it (bf16: half the bytes). The dense backward rounds V' to bf16 anyway (the
+    # same results); the general path's three-pass products see the value the forward used
+    out_shape += [jax.ShapeDtypeStruct((bsz, nc, hv, kdim, vd), _store_dtype(cfg, "h")),
                   jax.ShapeDtypeStruct((bsz, tp, hv, vd), w.dtype)]
   kern = functools.partial(_fwd_kernel, nc=nc, hv=hv, c=c, bv=bv, store=store)
   return pl.pallas_call(kern, out_shape=out_shape, grid=(vd // bv, bsz * hv),
-                        compiler_params=_params(), interpret=_interpret(),
+                        compiler_params=_params(num_stages=RECUR_STAGES),
+                        interpret=_interpret(),
                         name="kda_fwd_recurrence")(w, u, qg, aqk, kd, gc, s0)
 
 
@@ -966,12 +1039,13 @@ def _recurrence_bwd(cfg, do, qg, aqk, kd, w, gc, dst):
   c, nc = cfg.chunk, tp // cfg.chunk
   bv = _v_tile(bsz * hv, vd)
   f32 = jnp.float32
-  out_shape = [jax.ShapeDtypeStruct((bsz, tp, hv, vd), f32),
-               jax.ShapeDtypeStruct((bsz, nc, hv, kdim, vd), f32),
+  out_shape = [jax.ShapeDtypeStruct((bsz, tp, hv, vd), _store_dtype(cfg, "dvn")),
+               jax.ShapeDtypeStruct((bsz, nc, hv, kdim, vd), _store_dtype(cfg, "dh")),
                jax.ShapeDtypeStruct((bsz, hv, kdim, vd), f32)]
   kern = functools.partial(_bwd_kernel, nc=nc, hv=hv, c=c, bv=bv)
   return pl.pallas_call(kern, out_shape=out_shape, grid=(vd // bv, bsz * hv),
-                        compiler_params=_params(), interpret=_interpret(),
+                        compiler_params=_params(num_stages=RECUR_STAGES),
+                        interpret=_interpret(),
                         name="kda_bwd_recurrence")(do, qg, aqk, kd, w, gc, dst)
 
 
@@ -1005,10 +1079,11 @@ def _kda_fwd(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg):
   # ``cfg.save_residuals``: keep the forward's chunk factors, chunk states and V' for the
   # backward instead of recomputing them there (the backward's kda_chunk_a, kda_chunk_wu and
   # storing recurrence): fwd+bwd 9.92 instead of 12.01 ms at B1 T16384 H32 on the H200
-  # (2026-12-01). Per token and value head at K = V = 128, C = 64, bf16: ~3.1 KB (the states
-  # 1 KB, V' 0.25 KB), i.e. 1.7 GB at B1 T16384 H32. Under a remat policy they are kept only
-  # where it keeps Pallas outputs (``dots_kernels``); elsewhere the layer's recomputed forward
-  # produces them again, held while that layer's backward runs.
+  # (2026-12-01; 6.64 against 8.47 on 2026-12-02). Per token and value head at K = V = 128,
+  # C = 64, bf16: ~2.6 KB (the bf16 states 0.5 KB, V' 0.25 KB), i.e. 1.4 GB at B1 T16384 H32
+  # (1.7 GB with float32 states). Under a remat policy they are kept only where it keeps Pallas
+  # outputs (``dots_kernels``); elsewhere the layer's recomputed forward produces them again,
+  # held while that layer's backward runs.
   out, saved = _forward(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg, save=cfg.save_residuals)
   return out, (q, k, v, g, beta, A_log, dt_bias, s0, seg, saved)
 
@@ -1030,7 +1105,7 @@ def _kda_bwd(cfg, res, cts):
                                        t, kept)
   dq, dk, dg, dbeta, dalog, ddtb = preprocess_vjp(cfg, q, k, g, beta, A_log, dt_bias, dq, dk, dg,
                                                   dbeta)
-  return dq, dk, dv[:, :t].astype(v.dtype), dg, dbeta, dalog, ddtb, ds0, None
+  return dq, dk, dv[:, :t], dg, dbeta, dalog, ddtb, ds0, None
 
 
 _kda_core.defvjp(_kda_fwd, _kda_bwd)
