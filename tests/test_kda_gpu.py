@@ -212,3 +212,17 @@ def test_bf16_dense_path_matches_the_float32_recurrence():
   # these residuals and 3.1e-2 with float32 ones (the others 3e-3 to 4e-3), 2026-12-02
   for name, a, r in zip(ORDER, grads, ref):
     assert rel(a, r) < (6e-2 if name == "A_log" else 1e-2), (name, rel(a, r))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("kd, bv", [(64, 32), (128, 32), (128, 64), (256, 32)])
+def test_pipeline_stages_fit_shared_memory(dtype, kd, bv):
+  """The sequential passes' pipeline stages: as many as asked (3) for K3's bf16 K = 128, fewer
+  where their buffers would exceed the H200's shared memory (float32 inputs, K = 256)."""
+  from pallas_kernels.kda import gpu
+  tile = lambda d: jax.ShapeDtypeStruct((1, 64, 1, d), dtype)
+  n = gpu._recur_stages(64, kd, bv, tile(kd), tile(bv))
+  per_stage = jnp.dtype(dtype).itemsize * 64 * (3 * kd + 64 + bv)
+  assert n >= 1 and (n == 1 or n * per_stage + gpu._SMEM_OWN <= gpu._SMEM)
+  if dtype == jnp.bfloat16 and kd <= 128:
+    assert n == gpu.RECUR_STAGES == 3

@@ -782,7 +782,11 @@ def _call(kern, name, grid, out_shape, *args, chunk_axis=None):
   chunks per program (the program ids are read outside the loop, as interpret mode needs)."""
   per, stages = CHUNK_LOOP.get(name, (1, 1))
   if chunk_axis is not None:
-    per = math.gcd(per, grid[chunk_axis])
+    nc = grid[chunk_axis]
+    per = math.gcd(per, nc)
+    # what one chunk's program reads of each chunk-indexed input ([B, Tp, ...] / [B, NC, ...])
+    stages = _stages(stages, sum(x.dtype.itemsize * (x.shape[1] // nc) * math.prod(x.shape[3:])
+                                 for x in args if x.ndim >= 3 and x.shape[1] % nc == 0))
     grid = grid[:chunk_axis] + (grid[chunk_axis] // per,) + grid[chunk_axis + 1:]
     one = kern
 
@@ -986,6 +990,25 @@ def _params(num_warps=4, num_stages=2):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+# Shared memory one program may use on the H200 (232,448 bytes, as Triton reports it) and what a
+# pipelined kernel takes besides its stages' buffers: the forward recurrence at 4 stages of
+# 61,440 bytes asked for 253,952 (2026-12-02).
+_SMEM, _SMEM_OWN = 232448, 8192
+
+
+def _stages(want, stage_bytes):
+  """Software-pipeline stages: ``want``, or as many buffers of ``stage_bytes`` (one loop step's
+  loads) as fit beside the kernel's own shared memory (fewer for float32 inputs, K = 256)."""
+  return max(1, min(want, (_SMEM - _SMEM_OWN) // max(stage_bytes, 1)))
+
+
+def _recur_stages(c, kdim, bv, *tiles):
+  """Stages of a sequential pass whose chunk step loads three [C, K] factors, A_qk [C, C] (of
+  ``tiles[0]``'s dtype) and one [C, BV] tile (``tiles[1]``'s)."""
+  return _stages(RECUR_STAGES, tiles[0].dtype.itemsize * c * (3 * kdim + c)
+                 + tiles[1].dtype.itemsize * c * bv)
+
+
 # Software-pipeline stages of the sequential passes' loads: Triton prefetches the next chunks'
 # factors while the current chunk's chain of products runs (H200, B1 T16384 H32 K128,
 # 2026-12-02: forward 0.662 ms at 2 stages, 0.472 at 3, 1.260 at 1; storing the states 0.769 /
@@ -1028,7 +1051,7 @@ def _recurrence_fwd(cfg, w, u, qg, aqk, kd, gc, s0, out_dtype, store):
                   jax.ShapeDtypeStruct((bsz, tp, hv, vd), w.dtype)]
   kern = functools.partial(_fwd_kernel, nc=nc, hv=hv, c=c, bv=bv, store=store)
   return pl.pallas_call(kern, out_shape=out_shape, grid=(vd // bv, bsz * hv),
-                        compiler_params=_params(num_stages=RECUR_STAGES),
+                        compiler_params=_params(num_stages=_recur_stages(c, kdim, bv, w, u)),
                         interpret=_interpret(),
                         name="kda_fwd_recurrence")(w, u, qg, aqk, kd, gc, s0)
 
@@ -1044,7 +1067,7 @@ def _recurrence_bwd(cfg, do, qg, aqk, kd, w, gc, dst):
                jax.ShapeDtypeStruct((bsz, hv, kdim, vd), f32)]
   kern = functools.partial(_bwd_kernel, nc=nc, hv=hv, c=c, bv=bv)
   return pl.pallas_call(kern, out_shape=out_shape, grid=(vd // bv, bsz * hv),
-                        compiler_params=_params(num_stages=RECUR_STAGES),
+                        compiler_params=_params(num_stages=_recur_stages(c, kdim, bv, w, do)),
                         interpret=_interpret(),
                         name="kda_bwd_recurrence")(do, qg, aqk, kd, w, gc, dst)
 
