@@ -9,6 +9,7 @@
 #   bash benchmarks/h200_round.sh long      # k3_1b at long context (LONG, LONG_SET): one GPU, split
 #   bash benchmarks/h200_round.sh step      # k3_1b 16 x 4096 on one GPU, remat dots and dots_kernels
 #   bash benchmarks/h200_round.sh peers     # KDA vs jla and fla at the three PERF.md shapes
+#   bash benchmarks/h200_round.sh flapeers  # the same with fla first at each shape (a call of its own)
 #   bash benchmarks/h200_round.sh kdasweep  # KDA variants and warp counts (ours only); KDA_BASE=DIR
 #                                           # also times an earlier commit's copy of the kernels
 #   bash benchmarks/h200_round.sh ncu       # Nsight Compute: our KDA kernels, fwd+bwd
@@ -126,6 +127,11 @@ peers() {  # KDA vs jla and fla at the PERF.md shapes, fwd and fwd+bwd; fla last
     --shapes 1x16384x32x128,4x4096x32x128,1x65536x16x128 --budget $(( ${PEERS_S:-300} - 20 ))
 }
 
+flapeers() {  # fla's autotuning outlasts the budget when it comes last: fla beside ours first
+  bench kda_fla_peers 540 benchmarks/kda.py --fla-first --no-parts --no-decode \
+    --shapes 1x16384x32x128,4x4096x32x128,1x65536x16x128 --budget 520
+}
+
 kdasweep() {  # KDA variants and warp counts at B1 T16384 H32 (ours only)
   # KDA_BASE=DIR (a copy of an earlier commit, e.g. `git archive`) first times that code's
   # kernels one by one at the same shape: the before/after of a change in one run.
@@ -162,7 +168,7 @@ ncu() {
 [ $# -gt 0 ] || set -- both
 for what in "$@"; do  # several modes run side by side; timed GPU work takes the lock in turn
   case "$what" in
-    kernels|multi|peers|kdasweep|ncu|glu|lse|kdadecode|mladecode|qbselect|conv|attnres|permute|optim) $what & ;;  # blocking
+    kernels|multi|peers|flapeers|kdasweep|ncu|glu|lse|kdadecode|mladecode|qbselect|conv|attnres|permute|optim) $what & ;;  # blocking
     train|long|step) $what ;;        # these start background jobs of this shell
     both) train; sleep 5; kernels & ;;
     *) echo "usage: $0 MODE... (the modes are listed at the top of this script)"

@@ -13,6 +13,8 @@ when importable, in the same run, within a time budget (the H200 run takes about
   python3 benchmarks/kda.py --ours-only    # no peers
   python3 benchmarks/kda.py --all-shapes   # also the other PERF.md shapes and the XLA path
   python3 benchmarks/kda.py --shapes 4x4096x32x128,1x65536x16x128 --no-parts --no-decode
+  python3 benchmarks/kda.py --fla-first    # fla right after ours at each shape (its autotuning
+                                           # outlasts the budget when it comes last), then jla
   python3 benchmarks/kda.py --emulate      # CPU: the check with the GPU's matrix-unit roundings
                                            # emulated, for the default and GATE_DOTS (~2 min)
   python3 benchmarks/kda.py --decode-sweep # decode only: every tuning of decode.SWEEP at N=256,
@@ -561,13 +563,17 @@ def main():
     check()
   except Exception as e:  # noqa: BLE001 - the timings below are still worth having
     print("CHECK ERROR", repr(e)[:2000], flush=True)
-  runners = [("ours", time_ours)] + [("jla", time_jla)] * peers
+  fla_first = peers and "--fla-first" in sys.argv  # fla beside ours at each shape, then jla
+  runners = [("ours", time_ours)] + [("fla", time_fla)] * fla_first + [("jla", time_jla)] * peers
   if "--all-shapes" in sys.argv:
     runners.append(("chunked", time_chunked))
   parts = None
   for i, shape in enumerate(shapes):
     tag = "B{} T{} H{} K{}".format(*shape)
     for name, fn in runners:
+      if name != "ours" and left() < 20:
+        print(f"{name} {tag}: time budget spent", flush=True)
+        continue
       try:
         emit(name=f"{name} {tag}", **{k: round(v, 4) for k, v in fn(shape).items()})
       except Exception as e:  # noqa: BLE001
@@ -584,7 +590,7 @@ def main():
   tag = "B{} T{} H{} K{}".format(*shapes[0])
   if "--sweep" in sys.argv and parts is not None:
     sweep(parts, shapes[0], tag, left)
-  if peers and left() > 45:
+  if peers and not fla_first and left() > 45:
     for shape in shapes:
       try:
         emit(name="fla B{} T{} H{} K{}".format(*shape), **{
