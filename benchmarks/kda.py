@@ -337,7 +337,7 @@ def sweep_loops(parts, tag, left):
 
 def sweep(parts, shape, tag, left):
   """The variants of the chunk kernels, most promising first: the bf16 backward intermediates,
-  programs walking several chunks, the sequential passes' pipeline stages and V tiles, the dense
+  programs walking several chunks, the sequential passes' pipeline stages, the dense
   path's reference blocks of 16 rows instead of the default (chunk_a, chunk_dqkg), chunk_dqkg at
   other warp counts and K slice widths, the gate gradient's matrix-unit algorithm (its check
   errors and the chunk_dqkg time), then the other kernels at other warp counts. Each kernel is
@@ -346,7 +346,6 @@ def sweep(parts, shape, tag, left):
   sweep_loops(parts, tag, left)
   recur = ("recur_fwd", "recur_fwd_store", "recur_bwd")
   sweep_module(parts, tag, left, "RECUR_STAGES", (2,), recur)
-  sweep_module(parts, tag, left, "V_TILE", (64,), recur)
   cfg = parts.cfg
   parts.cfg = dataclasses.replace(cfg, diag_rows=16)
   emit(name=f"sweep diag_rows=16 (default {cfg.diag_rows}) {tag}",

@@ -41,7 +41,7 @@ class KDAConfig:
   # The short convs (pallas_kernels.conv): None = the fused Pallas kernels on GPU, XLA elsewhere.
   conv_implementation: str | None = None
   # Pallas GPU under differentiation: the forward keeps its intermediates for the backward
-  # (~3.1 KB per token and value head; fwd+bwd 1.2x faster); False recomputes them.
+  # (~2.6 KB per token and value head; fwd+bwd 1.2x faster); False recomputes them.
   save_residuals: bool = True
 
   @property

@@ -56,7 +56,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     use_qk_l2norm: L2-normalise q and k first.
     gate: None, ``"bounded"`` or ``"softplus"`` (see :func:`kda_gate`).
     save_residuals: ``pallas_gpu`` under differentiation: the forward keeps its chunk factors,
-      states and V' for the backward (about 3.1 KB per token and value head at K = V = 128 in
+      states and V' for the backward (about 2.6 KB per token and value head at K = V = 128 in
       bf16; fwd+bwd 1.2x faster on the H200); False recomputes them in the backward.
   Returns:
     ``(o [B, T, HV, V], final_state [B, HV, K, V] float32 or None)``; o has v's dtype.

@@ -83,15 +83,11 @@ def diag_rows(gate: str | None, lower_bound: float, chunk: int) -> int:
   return next((n for n in (64, 32, SUB) if n <= chunk and n / 2 * -lower_bound <= _MAX_EXP), 0)
 
 
-V_TILE = None  # V-tile width of the sequential passes if set (else ``_v_tile``'s choice)
-
-
 def _v_tile(n_rows: int, vd: int) -> int:
   """V-tile width: enough (batch, head, tile) programs to fill ~132 SMs, at least 16 wide (twice
   the programs: 1.5x slower at B1 T16384 H32 on the H200; 8 warps instead of 4: 1.3x slower;
-  2026-12-01)."""
-  if V_TILE:
-    return min(vd, V_TILE)
+  2026-12-01). With 3 pipeline stages (2026-12-02, B1 T16384 H32: 32 wide) the forward takes
+  0.47 ms, 0.80 at 16 wide, 0.56 at 64 wide."""
   bv = min(vd, 64)
   while bv > 16 and n_rows * (vd // bv) < 128:
     bv //= 2
@@ -704,7 +700,7 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
   rows, cols, beta = ch.rows, ch.cols(s), ch.beta[:, None]
   ld = lambda ref: ref[b, rows, h, :].astype(f32)
   q, k, G = ch.slice(s)
-  state = lambda ref: ref[b, ci, h, cols, :].astype(f32)  # [BK, V], loaded where used
+  state = lambda ref: ref[b, ci, h, cols, :]  # [BK, V], loaded where used
   blocks, e_row = ch.blocks(G)
 
   def pairs(a_side, dp_ref, dots):
@@ -747,7 +743,8 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
                                                            dt=sdt)
     dk = dk + dky + dkd
     dG = dG + k * (dky - dkd)
-    dgl = (ch.cont_last * jnp.exp(gl) * jnp.sum(state(h_ref) * dst, axis=1)
+    hdh = state(h_ref).astype(f32) * dst.astype(f32)  # float32 sums of the stored values
+    dgl = (ch.cont_last * jnp.exp(gl) * jnp.sum(hdh, axis=1)
            + jnp.sum(k * dkd, axis=0))
     return dk, dG, dgl
 
@@ -787,7 +784,7 @@ def _call(kern, name, grid, out_shape, *args, chunk_axis=None):
     # what one chunk's program reads of each chunk-indexed input ([B, Tp, ...] / [B, NC, ...])
     stages = _stages(stages, sum(x.dtype.itemsize * (x.shape[1] // nc) * math.prod(x.shape[3:])
                                  for x in args if x.ndim >= 3 and x.shape[1] % nc == 0))
-    grid = grid[:chunk_axis] + (grid[chunk_axis] // per,) + grid[chunk_axis + 1:]
+    grid = grid[:chunk_axis] + (nc // per,) + grid[chunk_axis + 1:]
     one = kern
 
     def kern(*refs):
@@ -1002,18 +999,18 @@ def _stages(want, stage_bytes):
   return max(1, min(want, (_SMEM - _SMEM_OWN) // max(stage_bytes, 1)))
 
 
-def _recur_stages(c, kdim, bv, *tiles):
-  """Stages of a sequential pass whose chunk step loads three [C, K] factors, A_qk [C, C] (of
-  ``tiles[0]``'s dtype) and one [C, BV] tile (``tiles[1]``'s)."""
-  return _stages(RECUR_STAGES, tiles[0].dtype.itemsize * c * (3 * kdim + c)
-                 + tiles[1].dtype.itemsize * c * bv)
-
-
 # Software-pipeline stages of the sequential passes' loads: Triton prefetches the next chunks'
 # factors while the current chunk's chain of products runs (H200, B1 T16384 H32 K128,
 # 2026-12-02: forward 0.662 ms at 2 stages, 0.472 at 3, 1.260 at 1; storing the states 0.769 /
 # 0.592; backward 0.789 / 0.622).
 RECUR_STAGES = 3
+
+
+def _recur_stages(c, kdim, bv, factor, tile):
+  """Stages of a sequential pass whose chunk step loads three [C, K] factors and A_qk [C, C] of
+  ``factor``'s dtype and one [C, BV] tile of ``tile``'s."""
+  return _stages(RECUR_STAGES, factor.dtype.itemsize * c * (3 * kdim + c)
+                 + tile.dtype.itemsize * c * bv)
 
 # Backward intermediates stored in the kernels' dtype on the dense path (bf16 inputs), by name:
 # the chunk states h (written by the forward's recurrence), their gradients dh and dV' ("dvn",
