@@ -11,7 +11,8 @@
 #   bash benchmarks/h200_round.sh peers     # KDA vs jla and fla at the three PERF.md shapes
 #   bash benchmarks/h200_round.sh flapeers  # the same with fla first at each shape (a call of its own)
 #   bash benchmarks/h200_round.sh kdasweep  # KDA variants and warp counts (ours only); KDA_BASE=DIR
-#                                           # also times an earlier commit's copy of the kernels
+#                                           # also times an earlier commit's copy of the kernels;
+#                                           # KDA_SWEEP_S=95: this code's whole op and parts only
 #   bash benchmarks/h200_round.sh ncu       # Nsight Compute: our KDA kernels, fwd+bwd
 #   bash benchmarks/h200_round.sh glu       # packed SiTU-GLU kernels vs XLA, tile sweep
 #   bash benchmarks/h200_round.sh lse       # LM-head log-sum-exp kernel vs XLA, tile sweep
@@ -135,11 +136,14 @@ flapeers() {  # fla's autotuning outlasts the budget when it comes last: fla bes
 kdasweep() {  # KDA variants and warp counts at B1 T16384 H32 (ours only)
   # KDA_BASE=DIR (a copy of an earlier commit, e.g. `git archive`) first times that code's
   # kernels one by one at the same shape: the before/after of a change in one run.
+  # KDA_SWEEP_S: seconds for this code's run (200; below about 100 the sweep itself is skipped
+  # and only the whole op and its parts are timed).
+  local secs=${KDA_SWEEP_S:-200}
   if [ -n "${KDA_BASE:-}" ]; then
     (cd "$KDA_BASE" && export PYTHONPATH=/tmp/site:$PWD &&
       bench kda_base 120 benchmarks/kda.py --ours-only --no-decode --budget 100)
   fi
-  bench kda_sweep 200 benchmarks/kda.py --sweep --ours-only --no-decode --budget 170
+  bench kda_sweep "$secs" benchmarks/kda.py --sweep --ours-only --no-decode --budget $(( secs - 30 ))
 }
 
 # The step's glue kernels against XLA with their tile sweeps, the decode kernels' configurations

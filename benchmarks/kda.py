@@ -203,7 +203,7 @@ class Parts:
     self.dvn, self.dh, _ = jax.jit(lambda *p: kda_gpu._recurrence_bwd(cfg, *p))(
         self.do, qg, aqk, kdec, w, gc, self.s0)
     self.dwy = jax.jit(lambda *p: kda_gpu._chunk_dwy(cfg, *p, t))(
-        v, beta, self.seg, x, pkk, kg, self.hs, self.dvn, self.do, self.vn)
+        v, beta, self.seg, x, pkk, kg, self.hs, self.dvn)
 
   def fns(self):
     """name -> (jitted function, args) for each kernel alone and the XLA pre-processing VJP."""
@@ -212,7 +212,7 @@ class Parts:
     pkk, _, _, _, kg, _, rq, rk = self.a
     w, u, qg, aqk, kdec, gc = self.fac
     _, _, x = self.wu
-    dpkk, dpqk, dy, _, dbeta = self.dwy
+    dpkk, dy, _, dbeta = self.dwy
     j = jax.jit
     dq, dg = (dy.astype(kda_gpu._store_dtype(cfg, n)) for n in ("dqk", "dg"))
     dy = dy.astype(kda_gpu._store_dtype(cfg, "dy"))
@@ -232,10 +232,10 @@ class Parts:
         "recur_bwd": (j(lambda *p: kda_gpu._recurrence_bwd(cfg, *p)),
                       (self.do, qg, aqk, kdec, w, gc, self.s0)),
         "chunk_dwy": (j(lambda *p: kda_gpu._chunk_dwy(cfg, *p, t)),
-                      (v, beta, seg, x, pkk, kg, self.hs, self.dvn, self.do, self.vn)),
+                      (v, beta, seg, x, pkk, kg, self.hs, self.dvn)),
         "chunk_dqkg": (j(lambda *p: kda_gpu._chunk_dqkg(cfg, *p, t)),
                        (q, k, v, f, beta, a_log, dtb, seg, self.hs, self.dh, self.vn, self.do,
-                        dy, dpkk, dpqk, rq, rk)),
+                        dy, dpkk, rq, rk)),
         "prep_vjp": (j(lambda *a: prep_vjp.preprocess_vjp(cfg, *a)),
                      (q, k, f, beta, a_log, dtb, dq, dq, dg, dbeta)),
     }

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import triton_math as tm
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -119,7 +121,7 @@ def _fwd_kernel(x_ref, w_ref, *refs, t, c, width, rows, bc, unroll, segmented):
     ss = [io.seg(u0 + q) for q in range(unroll)]
     for q in range(unroll):
       xw, sw = xw + [xs[q]], sw + [ss[q]]
-      io.store(y_ref, u0 + q, jax.nn.silu(_z(taps, xw, sw)))
+      io.store(y_ref, u0 + q, tm.silu(_z(taps, xw, sw)))
       xw, sw = xw[1:], sw[1:]
     return tuple(xw), tuple(sw)
 
@@ -138,7 +140,7 @@ def _bwd_kernel(x_ref, w_ref, dy_ref, *refs, t, c, width, rows, bc, unroll, nb, 
   def dz_row(u, xw, sw, dws):
     """dz at row u (the x window ``xw`` ends at row u) and the dw terms with row u's."""
     z = _z(taps, xw, sw)
-    sg = jax.nn.sigmoid(z)
+    sg = tm.sigmoid(z)
     dz = io.load(dy_ref, u) * (sg * (1.0 + z * (1.0 - sg)))
     own = jnp.where(u < own_end, dz, 0.0)  # dw counts the program's own rows only
     return dz, [dws[k] + _same(xw[k], sw[k], sw[-1]) * own for k in range(width)]

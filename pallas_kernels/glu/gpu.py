@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import triton_math as tm
 from pallas_kernels.glu.reference import glu_math
 
 # The fastest of benchmarks/glu.py's sweeps on an H200 at gu [524288, 1024] bf16 (2026-12-01:
@@ -48,14 +49,14 @@ def _load(ref, r, c0, bf, mask):
 def _fwd_kernel(gu_ref, h_ref, *, m, f, bm, bf, kind, beta, beta_lin):
   r, c0, mask = _tile(m, f, bm, bf)
   h = glu_math(kind, beta, beta_lin, _load(gu_ref, r, c0, bf, mask),
-               _load(gu_ref, r, c0 + f, bf, mask), grads=False)
+               _load(gu_ref, r, c0 + f, bf, mask), grads=False, exp=tm.exp)
   plgpu.store(h_ref.at[r, pl.ds(c0, bf)], h.astype(h_ref.dtype), mask=mask)
 
 
 def _bwd_kernel(gu_ref, g_ref, d_ref, *, m, f, bm, bf, kind, beta, beta_lin):
   r, c0, mask = _tile(m, f, bm, bf)
   _, da, db = glu_math(kind, beta, beta_lin, _load(gu_ref, r, c0, bf, mask),
-                       _load(gu_ref, r, c0 + f, bf, mask))
+                       _load(gu_ref, r, c0 + f, bf, mask), exp=tm.exp)
   g = _load(g_ref, r, c0, bf, mask)
   plgpu.store(d_ref.at[r, pl.ds(c0, bf)], (g * da).astype(d_ref.dtype), mask=mask)
   plgpu.store(d_ref.at[r, pl.ds(c0 + f, bf)], (g * db).astype(d_ref.dtype), mask=mask)

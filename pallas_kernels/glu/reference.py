@@ -6,19 +6,18 @@ dtype. ``gu [..., 2F]`` packs the gate half ``a`` and the up half ``b``.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 KINDS = ("situ", "silu")
 
 
-def _situ_parts(a, b, beta: float, beta_lin: float):
+def _situ_parts(a, b, beta: float, beta_lin: float, exp):
   """``(tanh(a / beta), sigmoid(a), tanh(b / beta_lin))`` from three exponentials of
   non-positive arguments and one division (no overflow: every factor lies in (0, 2]), cheaper on
   GPUs than two library tanh and a sigmoid."""
-  e1 = jnp.exp(-2.0 / beta * jnp.abs(a))      # tanh(|a|/beta) = (1 - e1) / (1 + e1)
-  e2 = e1 * e1 if beta == 4.0 else jnp.exp(-jnp.abs(a))  # sigmoid(|a|) = 1 / (1 + e2)
-  e3 = jnp.exp(-2.0 / beta_lin * jnp.abs(b))  # tanh(|b|/beta_lin) = (1 - e3) / (1 + e3)
+  e1 = exp(-2.0 / beta * jnp.abs(a))      # tanh(|a|/beta) = (1 - e1) / (1 + e1)
+  e2 = e1 * e1 if beta == 4.0 else exp(-jnp.abs(a))  # sigmoid(|a|) = 1 / (1 + e2)
+  e3 = exp(-2.0 / beta_lin * jnp.abs(b))  # tanh(|b|/beta_lin) = (1 - e3) / (1 + e3)
   p1, p2, p3 = 1.0 + e1, 1.0 + e2, 1.0 + e3
   r = 1.0 / (p1 * p2 * p3)
   ta = jnp.sign(a) * ((1.0 - e1) * p2 * p3 * r)
@@ -27,19 +26,20 @@ def _situ_parts(a, b, beta: float, beta_lin: float):
   return ta, sa, tb
 
 
-def glu_math(kind: str, beta: float, beta_lin: float, a, b, grads: bool = True):
+def glu_math(kind: str, beta: float, beta_lin: float, a, b, grads: bool = True, exp=jnp.exp):
   """``h`` (and ``dh/da``, ``dh/db`` when ``grads``) of activation ``kind`` at float32 (or
   float64) ``a``, ``b``. ``situ``: ``(beta tanh(a/beta) sigmoid(a)) (beta_lin tanh(b/beta_lin))``;
-  ``silu``: ``silu(a) b``."""
+  ``silu``: ``silu(a) b``. ``exp`` is the exponential to use (the Triton kernels pass
+  :func:`pallas_kernels.triton_math.exp`)."""
   if kind == "situ":
-    ta, sa, tb = _situ_parts(a, b, beta, beta_lin)
+    ta, sa, tb = _situ_parts(a, b, beta, beta_lin, exp)
     u = beta * ta * sa  # the gate half
     h = u * (beta_lin * tb)
     if not grads:
       return h
     du = (1.0 - ta * ta) * sa + beta * ta * sa * (1.0 - sa)
     return h, du * (beta_lin * tb), u * (1.0 - tb * tb)
-  s = jax.nn.sigmoid(a)
+  s = 1.0 / (1.0 + exp(-a))
   if not grads:
     return a * s * b
   return a * s * b, b * s * (1.0 + a * (1.0 - s)), a * s

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.kda import gpu, reference
+from pallas_kernels.kda import gpu
 from pallas_kernels.kda.reference import L2_EPS
 
 # Keyword arguments of ``_decode_gpu`` timed by ``benchmarks/kda.py --decode-sweep``, the

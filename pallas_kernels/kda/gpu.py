@@ -422,9 +422,10 @@ def _tile_dg(dG, tail):
 #                               KG = k e^G, QG, gC;
 #            ``kda_chunk_wu``   X = (I + diag(beta) P_kk)^-1 (float32, kept for the backward),
 #                               W = X diag(beta) KG, U = X diag(beta) v;
-#   backward ``kda_chunk_dwy``  the WY part: dP_kk, dP_qk [C, C], dY = X^T dW [C, K], dv, dbeta;
+#   backward ``kda_chunk_dwy``  the WY part: dP_kk [C, C], dY = X^T dW [C, K], dv, dbeta;
 #            ``kda_chunk_dqkg`` one program per ``DQKG_SLICE_K``-wide K slice: dq, dk, dg from
-#                               the pair products, the states and dY.
+#                               the pair products (dP_qk = scale dO V'^T formed in place from
+#                               the dO and V' tiles it loads anyway), the states and dY.
 # Nsight Compute on the H200 (B1 T16384 H32 K128, 2026-12-01): every chunk kernel runs one
 # program per SM (registers: 232-255), kda_chunk_a without spills; kda_chunk_dqkg and
 # kda_chunk_dwy spill (35M / 16M local-memory requests before dP was loaded per block and dwy
@@ -620,13 +621,12 @@ def _dense_wu_kernel(pkk_ref, kg_ref, v_ref, beta_ref, seg_ref, w_ref, u_ref, *x
         u_ref.dtype)
 
 
-def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, dvn_ref, do_ref,
-                      vn_ref, dpkk_ref, dpqk_ref, dy_ref, dv_ref, dbeta_ref, *, cfg, hv, t,
-                      pid):
+def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, dvn_ref,
+                      dpkk_ref, dy_ref, dv_ref, dbeta_ref, *, cfg, hv, t, pid):
   """The WY part of the backward: with W = X Y, U = X Z (Y = diag(beta) KG, Z = diag(beta) v),
   dW = -cont dV' S^T and dU = dV': dX = dW Y^T + dU Z^T, dY = X^T dW, dZ = X^T dU and
-  dA_kk = -X^T dX X^T (strictly lower same-segment pairs). Writes dpkk = beta dA_kk and
-  dpqk = mask(scale dO V'^T) ``[B, Tp, HV, C]``, dY ``[B, Tp, HV, K]``, dv and the whole dbeta."""
+  dA_kk = -X^T dX X^T (strictly lower same-segment pairs). Writes dpkk = beta dA_kk
+  ``[B, Tp, HV, C]``, dY ``[B, Tp, HV, K]``, dv and the whole dbeta."""
   ci, b, h = _ids(hv, pid)
   c = cfg.chunk
   f32 = jnp.float32
@@ -637,8 +637,8 @@ def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, d
   ld = lambda ref: ref[b, rows, h, :].astype(f32)
   # Fewer live tiles than whole [C, V] float32 ones (1.60 instead of 1.82 ms at B1 T16384 H32
   # on the H200, 2026-12-01): dZ = X^T dV', dv, dZ's part of dbeta and dX's dU Z^T part per
-  # 64-wide V slice, dV' loaded again for dW, and the products with the states and dO V'^T in
-  # the kernels' dtype (like the forward's).
+  # 64-wide V slice, dV' loaded again for dW, and the products with the states in the kernels'
+  # dtype (like the forward's).
   sdt = jnp.dtype(cfg.dtype)
   x = ld(x_ref)
   vd = v_ref.shape[-1]
@@ -663,9 +663,6 @@ def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, d
   da = jnp.where(ch.strict, -mm(mm(x, dx, ta=True), x, tb=True), 0.0)
   dbeta_ref[b, rows, h] = dbeta + jnp.sum(da * ld(pkk_ref), axis=1)
   dpkk_ref[b, rows, h, :] = (beta * da).astype(dpkk_ref.dtype)
-  dpqk_ref[b, rows, h, :] = jnp.where(
-      ch.incl, cfg.scale * mm(do_ref[b, rows, h, :], vn_ref[b, rows, h, :], tb=True, dt=sdt),
-      0.0).astype(dpqk_ref.dtype)
 
 
 # Matrix-unit algorithms of the pair-product gradients in ``kda_chunk_dqkg``, ((P_qk: d q, d k),
@@ -682,14 +679,19 @@ DQKG_SLICE_K = 32
 
 
 def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref, h_ref, dh_ref,
-                       vn_ref, do_ref, dy_ref, dpkk_ref, dpqk_ref, rq_ref, rk_ref, dq_ref, dk_ref,
-                       dg_ref, *, cfg, hv, group, t, gate_dot, slice_k, pid):
+                       vn_ref, do_ref, dy_ref, dpkk_ref, rq_ref, rk_ref, dq_ref, dk_ref, dg_ref, *,
+                       cfg, hv, group, t, gate_dot, slice_k, pid):
   """Grid (K slices, NC, B*HV): gradients wrt the pre-processed q, k (per value head) and g of
   one K slice of one chunk, from the state entering the chunk (h), the gradient of the state
-  leaving it (dh), V', dO, dY, the pair-product gradients dpkk, dpqk and the inverse norms.
+  leaving it (dh), V', dO, dY, the pair-product gradient dpkk and the inverse norms.
+  dP_qk = mask(scale dO V'^T) is formed here, in each reference block's step, from the dO and
+  V' tiles (float32 sums of the bf16 tiles), not stored by ``kda_chunk_dwy`` and loaded as
+  float32: chunk_dwy 0.91-0.95 -> 0.76 ms, chunk_dqkg 2.55 -> 2.64-2.69 ms at B1 T16384 H32 on
+  the H200, the whole op unchanged within the spread; formed once per program and kept across
+  the blocks, chunk_dqkg took 2.68 ms (2026-12-03, RESULTS.md KDA runs 23-26).
   The K slices are the fastest grid axis (Triton launches the first axis fastest), so the
-  programs of one chunk run side by side and the tiles they all read (V', dO, dP) come from L2
-  after the first."""
+  programs of one chunk run side by side and the tiles they all read (V', dO, dP_kk) come from
+  L2 after the first."""
   s = pid[0]
   ci, b, h = _ids(hv, pid, 1)
   c = cfg.chunk
@@ -703,15 +705,16 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
   state = lambda ref: ref[b, ci, h, cols, :]  # [BK, V], loaded where used
   blocks, e_row = ch.blocks(G)
 
-  def pairs(a_side, dp_ref, dots):
+  def pairs(a_side, dp, dots):
     """Gradients of the pair product P_ij = sum_d a_id k_jd e^{G_id - G_jd} (i >= j) given
-    dP, products by the algorithms ``dots`` (for d a, for d k): (d a, d k) [C, BK]."""
+    dP (``dp()``: [C, C] float32), products by the algorithms ``dots`` (for d a, for d k):
+    (d a, d k) [C, BK]."""
     mma, mmb = (functools.partial(_mm, precision=d) for d in dots)
     la = a_side * e_row
     da = db = jnp.zeros_like(k)
-    for block in blocks:  # dP loaded per block, not kept live across them (fewer spills)
+    for block in blocks:  # dP loaded / formed per block, not kept live across them (fewer spills)
       rws, col = block()
-      p = jnp.where(rws, ld(dp_ref), 0.0)
+      p = jnp.where(rws, dp(), 0.0)
       da = da + mma(p, k * col)
       db = db + col * mmb(p, la, ta=True)
     return da * e_row, db
@@ -723,9 +726,11 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
 
   def q_side():
     """dq (from the state and from P_qk) and P_qk's part of dk and dG."""
-    dq = cfg.scale * ch.cont[:, None] * jnp.exp(G) * mm(do_ref[b, rows, h, :], state(h_ref),
-                                                        tb=True, dt=sdt)
-    daq, dk = pairs(q, dpqk_ref, gate_dot[0])
+    do = do_ref[b, rows, h, :]
+    dq = cfg.scale * ch.cont[:, None] * jnp.exp(G) * mm(do, state(h_ref), tb=True, dt=sdt)
+    dpqk = lambda: jnp.where(ch.incl, cfg.scale * mm(do_ref[b, rows, h, :], vn_ref[b, rows, h, :],
+                                                     tb=True, dt=sdt), 0.0)
+    daq, dk = pairs(q, dpqk, gate_dot[0])
     dq = dq + daq
     dq_ref[b, rows, h, cols] = dq.astype(dq_ref.dtype)
     return dk, q * dq - k * dk
@@ -733,7 +738,7 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
   def k_side(dk, dG):
     """P_kk's part, W's factor k e^G (gradient dY) and KD = k e^{G_C - G} (from the state
     gradient), added to dk, dG; and the gradient of G at the chunk end."""
-    dak, dbk = pairs(k, dpkk_ref, gate_dot[1])
+    dak, dbk = pairs(k, lambda: ld(dpkk_ref), gate_dot[1])
     dk = dk + dak + dbk
     dG = dG + k * (dak - dbk)
     gl = ch.row(G, c - 1)
@@ -840,21 +845,19 @@ def _pair_grad_dtype(cfg, dots):
   return jnp.dtype(cfg.dtype) if single and cfg.dtype == "bfloat16" else jnp.float32
 
 
-def _chunk_dwy(cfg, v, beta, seg, x, pkk, kg, hs, dvn, do, vn, t):
-  """``kda_chunk_dwy``: (dpkk, dpqk, dy, dv, dbeta), see :func:`_dense_dwy_kernel`."""
+def _chunk_dwy(cfg, v, beta, seg, x, pkk, kg, hs, dvn, t):
+  """``kda_chunk_dwy``: (dpkk, dy, dv, dbeta), see :func:`_dense_dwy_kernel`."""
   bsz, tp, hv, vd = v.shape
   c, f32 = cfg.chunk, jnp.float32
   kern = functools.partial(_dense_dwy_kernel, cfg=cfg, hv=hv, t=t)
-  qk_dots, kk_dots = GATE_DOT
-  dp = [_tok(v, c, _pair_grad_dtype(cfg, d)) for d in (kk_dots, qk_dots)]  # dpkk, dpqk
   return _call(kern, "kda_chunk_dwy", (tp // c, bsz * hv),
-               dp + [_tok(v, kg.shape[-1], _store_dtype(cfg, "dy")), _tok(v, vd, v.dtype),
-                     jax.ShapeDtypeStruct((bsz, tp, hv), f32)],
-               v, beta, seg, x, pkk, kg, hs, dvn, do, vn, chunk_axis=0)
+               [_tok(v, c, _pair_grad_dtype(cfg, GATE_DOT[1])),
+                _tok(v, kg.shape[-1], _store_dtype(cfg, "dy")), _tok(v, vd, v.dtype),
+                jax.ShapeDtypeStruct((bsz, tp, hv), f32)],
+               v, beta, seg, x, pkk, kg, hs, dvn, chunk_axis=0)
 
 
-def _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, dpqk, rq,
-                rk, t):
+def _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, rq, rk, t):
   """``kda_chunk_dqkg``: (dq, dk, dg), see :func:`_dense_dqkg_kernel`."""
   bsz, tp, h, kd = q.shape
   hv = v.shape[2]
@@ -863,7 +866,7 @@ def _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, 
                            gate_dot=GATE_DOT, slice_k=bk)
   return _call(kern, "kda_chunk_dqkg", (kd // bk, tp // cfg.chunk, bsz * hv),
                [_tok(v, kd, _store_dtype(cfg, n)) for n in ("dqk", "dqk", "dg")],
-               q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, dpqk, rq, rk,
+               q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, rq, rk,
                chunk_axis=1)
 
 
@@ -902,9 +905,9 @@ def _prepare_bwd(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, dvn, do
                   jax.ShapeDtypeStruct((bsz, tp, hv), f32)],
                  q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, dvn, do)
   pkk, kg, x, rq, rk = kept
-  dpkk, dpqk, dy, dv, dbeta = _chunk_dwy(cfg, v, beta, seg, x, pkk, kg, hs, dvn, do, vn, t)
-  dq, dk, dg = _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy,
-                           dpkk, dpqk, rq, rk, t)
+  dpkk, dy, dv, dbeta = _chunk_dwy(cfg, v, beta, seg, x, pkk, kg, hs, dvn, t)
+  dq, dk, dg = _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk,
+                           rq, rk, t)
   return dq, dk, dv, dg, dbeta
 
 
