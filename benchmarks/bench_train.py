@@ -22,13 +22,11 @@ their timed steps run one at a time.
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import contextlib
 import fcntl
 import glob
 import gzip
-import importlib
 import json
 import re
 import statistics
@@ -44,6 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import train  # noqa: E402
 from k3jax import config as config_lib, data as data_lib, flops, optim  # noqa: E402
 from k3jax import train_step as step_lib  # noqa: E402
+from timing import set_module_option  # noqa: E402
 
 COLLECTIVES = "collectives (NCCL)"
 KINDS = (  # (kind, substrings of a kernel name), first match wins
@@ -155,12 +154,10 @@ def main(argv=None):
   p.add_argument("overrides", nargs="*")
   args = p.parse_args(argv)
   for opt in args.set:
-    target, _, value = opt.partition("=")
-    module, _, name = target.partition(":")
-    mod = importlib.import_module(module)
-    if not name or not hasattr(mod, name):
-      p.error(f"--set {opt!r}: {module} has no option {name!r}")
-    setattr(mod, name, ast.literal_eval(value))
+    try:
+      set_module_option(opt)
+    except ValueError as e:
+      p.error(str(e))
   if args.steps < 3:
     p.error("--steps must be at least 3 (two untimed warm-up steps)")
   cfg = config_lib.load(args.config, ["checkpoint.enabled=false", *args.overrides])

@@ -33,6 +33,19 @@ def kernel_bench_args(p: argparse.ArgumentParser, budget: float):
   return a, elapsed, lambda: a.budget - elapsed(), reps
 
 
+def set_module_option(spec: str) -> None:
+  """``MODULE:NAME=VALUE``: sets the module-level kernel option ``NAME`` of ``MODULE`` to the
+  Python literal ``VALUE`` (before the kernels are traced); ValueError for an unknown option."""
+  import ast
+  import importlib
+  target, _, value = spec.partition("=")
+  module, _, name = target.partition(":")
+  mod = importlib.import_module(module)
+  if not name or not hasattr(mod, name):
+    raise ValueError(f"--set {spec!r}: {module} has no option {name!r}")
+  setattr(mod, name, ast.literal_eval(value))
+
+
 def median_ms(fn, *args, reps: int = 15, inner: int = 5) -> float:
   """Median milliseconds per call of ``fn(*args)``: ``reps`` samples of ``inner`` back-to-back
   calls (launch overhead hidden), after one warm-up call, each sample synchronised."""

@@ -20,3 +20,11 @@ def test_dump_writes_each_kernel(root, tmp_path):
     assert opts["num_warps"] >= 1 and opts["num_stages"] >= 1
   assert "tensor<16x256xf32>" in (out / "glu_fwd.ttir").read_text()  # the --set tile
   assert meta["sets"] == ["pallas_kernels.glu.gpu:BLOCK_M=16"]
+
+
+def test_dump_rejects_an_unknown_option(root, tmp_path):
+  res = subprocess.run([sys.executable, str(root / "tools" / "triton_report.py"), "dump",
+                        str(tmp_path / "x"), "--op", "glu", "--set",
+                        "pallas_kernels.glu.gpu:BLOCKM=16"], capture_output=True, text=True,
+                       timeout=300)
+  assert res.returncode != 0 and "has no option 'BLOCKM'" in res.stderr

@@ -7,7 +7,7 @@ two environments:
 
   # 1. the project's venv: lower the op for CUDA and write each kernel's Triton IR
   python tools/triton_report.py dump OUT [--op kda|glu|logsumexp|conv] [--set MODULE:NAME=VALUE]
-  # 2. a venv with Triton's wheel (it brings ptxas and nvdisasm): compile and report
+  # 2. a venv with Triton's wheel (it brings ptxas and cuobjdump): compile and report
   python -m venv /tmp/tvenv && /tmp/tvenv/bin/pip install triton==3.6.0
   /tmp/tvenv/bin/python tools/triton_report.py report OUT [OTHER_OUT ...]
 
@@ -74,29 +74,24 @@ def _ops(name):
   raise SystemExit(f"triton_report: unknown op {name!r}; one of {sorted(SHAPES)}")
 
 
-def _set_option(spec):
-  """``MODULE:NAME=VALUE``: a module-level kernel option (VALUE a Python literal)."""
-  import ast
-  import importlib
-  mod, rest = spec.split(":", 1)
-  attr, val = rest.split("=", 1)
-  setattr(importlib.import_module(mod), attr, ast.literal_eval(val))
-
-
 def dump(out, op, sets):
   """Lowers ``op`` for an H200 on the CPU and writes each Triton kernel's IR (``NAME.ttir``) and
   its launch options (``kernels.json``) to ``out``."""
-  sys.path.insert(0, ROOT)
+  sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
   import importlib
 
   import jax
   from jax._src.interpreters import mlir
   from jax._src.pallas.triton import gpu_info, lowering
+  from timing import set_module_option
   gpu_info.get_gpu_info = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
   for m in ("kda.gpu", "kda.prep_vjp", "glu.gpu", "logsumexp.gpu", "conv.gpu"):
     importlib.import_module("pallas_kernels." + m)._interpret = lambda: False  # real lowering
   for spec in sets:
-    _set_option(spec)
+    try:
+      set_module_option(spec)
+    except ValueError as e:
+      raise SystemExit(f"triton_report: {e}") from None
   fn, args = _ops(op)
   os.makedirs(out, exist_ok=True)
   last, kernels = {}, {}
