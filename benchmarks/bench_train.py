@@ -25,7 +25,6 @@ import argparse
 import collections
 import contextlib
 import fcntl
-import glob
 import gzip
 import json
 import re
@@ -42,28 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import train  # noqa: E402
 from k3jax import config as config_lib, data as data_lib, flops, optim  # noqa: E402
 from k3jax import train_step as step_lib  # noqa: E402
-from timing import set_module_option  # noqa: E402
-
-COLLECTIVES = "collectives (NCCL)"
-KINDS = (  # (kind, substrings of a kernel name), first match wins
-    (COLLECTIVES, ("nccl", "all-gather", "all_gather", "all-to-all", "all_to_all",
-                            "reduce-scatter", "reduce_scatter", "all-reduce", "all_reduce",
-                            "collective-permute", "sendrecv")),
-    ("kda", ("kda", "delta", "chunk_")),
-    ("attention (MLA)", ("mla", "flash", "attention", "fmha", "cudnn", "sdpa")),
-    ("expert grouped matmul", ("gmm", "ragged", "grouped", "moe", "mosaic_gpu")),
-    ("dense matmul", ("gemm", "nvjet", "xmma", "cublas", "cutlass", "matmul", "dot")),
-    ("sort/gather/scatter", ("sort", "scatter", "gather", "radix", "topk", "top_k")),
-)
-
-
-def kind_of(name: str) -> str:
-  low = name.lower()
-  for kind, keys in KINDS:
-    if any(k in low for k in keys):
-      return kind
-  return "other fusions (elementwise, norms, optimizer, reductions)"
-
+from timing import COLLECTIVES, kernel_times, set_module_option  # noqa: E402
 
 SCOPES = ("embed", "kda", "mla", "attn_res", "moe", "mlp", "router", "balance", "permute",
           "experts", "unpermute", "shared_experts", "lm_head_loss", "optimizer")
@@ -85,35 +63,6 @@ def hlo_scopes(hlo_text: str) -> dict[str, str]:
       label += " (bwd)"
     out[name] = out[name.replace(".", "_")] = label
   return out
-
-
-def kernel_times(trace_dir: str) -> tuple[dict, dict, dict, dict]:
-  """GPU kernel time in microseconds from the Perfetto trace under ``trace_dir``: ({kind: total},
-  {kernel name: total}, {device: {kind: total}}, {HLO op name: total}), totals over all devices.
-  Kernels inside a CUDA graph (``hlo_op`` a ``command_buffer``) count under their kernel name,
-  which for XLA's own fusions is the HLO name with underscores."""
-  files = glob.glob(f"{trace_dir}/**/*perfetto_trace.json.gz", recursive=True) or \
-      glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
-  if not files:
-    return {}, {}, {}, {}
-  with gzip.open(files[0]) as f:
-    events = json.load(f)
-  events = events["traceEvents"] if isinstance(events, dict) else events
-  names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  gpu = {pid: n for pid, n in names.items() if "gpu" in n.lower() or "/device:" in n.lower()}
-  by_kind, by_name, by_op = collections.Counter(), collections.Counter(), collections.Counter()
-  by_device: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-  for e in events:
-    if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
-      kind = kind_of(e["name"])
-      by_name[e["name"]] += e["dur"]
-      op = e.get("args", {}).get("hlo_op") or ""
-      by_op[e["name"] if not op or op.startswith("command_buffer") else op] += e["dur"]
-      by_kind[kind] += e["dur"]
-      by_device[gpu[e["pid"]]][kind] += e["dur"]
-  return (dict(by_kind), dict(by_name), {d: dict(c) for d, c in sorted(by_device.items())},
-          dict(by_op))
 
 
 @contextlib.contextmanager

@@ -125,7 +125,7 @@ step() {
 
 peers() {  # KDA vs jla and fla at the PERF.md shapes, fwd and fwd+bwd; fla last (autotuning)
   bench kda_peers "${PEERS_S:-300}" benchmarks/kda.py \
-    --shapes 1x16384x32x128,4x4096x32x128,1x65536x16x128 --budget $(( ${PEERS_S:-300} - 20 ))
+    --shapes 1x16384x32x128,4x4096x32x128,1x65536x16x128 --profile --budget $(( ${PEERS_S:-300} - 20 ))
 }
 
 flapeers() {  # fla's autotuning outlasts the budget when it comes last: fla beside ours first

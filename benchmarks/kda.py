@@ -11,6 +11,8 @@ when importable, in the same run, within a time budget (the H200 run takes about
   python3 benchmarks/kda.py --budget 135   # seconds after which optional steps are skipped
   python3 benchmarks/kda.py --quick        # a small shape instead (B1 T2048 H8 K128)
   python3 benchmarks/kda.py --ours-only    # no peers
+  python3 benchmarks/kda.py --profile      # also each kernel's GPU time per call, ours and jla's
+                                           # (profiler trace, first shape, fwd and fwd+bwd)
   python3 benchmarks/kda.py --all-shapes   # also the other PERF.md shapes and the XLA path
   python3 benchmarks/kda.py --shapes 4x4096x32x128,1x65536x16x128 --no-parts --no-decode
   python3 benchmarks/kda.py --fla-first    # fla right after ours at each shape (its autotuning
@@ -56,7 +58,7 @@ from jax.experimental.pallas import triton as plgpu  # noqa: E402
 from pallas_kernels.kda import kda, kda_decode  # noqa: E402
 from pallas_kernels.kda import gpu as kda_gpu  # noqa: E402
 from pallas_kernels.kda import prep_vjp  # noqa: E402
-from timing import Rows, median_ms as jtime, rel_err as rel  # noqa: E402
+from timing import Rows, kernel_times, median_ms as jtime, rel_err as rel  # noqa: E402
 
 SHAPES = [(1, 16384, 32, 128), (4, 4096, 32, 128), (1, 65536, 16, 128)]
 DECODE_N = (64, 256)
@@ -336,16 +338,19 @@ def sweep_loops(parts, tag, left):
 
 
 def sweep(parts, shape, tag, left):
-  """The variants of the chunk kernels, most promising first: the bf16 backward intermediates,
+  """The variants of the kernels, most promising first: the forward's sequential pass (Triton
+  or Mosaic GPU, the latter's V tile and ring slots), the bf16 backward intermediates,
   programs walking several chunks, the sequential passes' pipeline stages, the dense
   path's reference blocks of 16 rows instead of the default (chunk_a, chunk_dqkg), chunk_dqkg at
   other warp counts and K slice widths, the gate gradient's matrix-unit algorithm (its check
   errors and the chunk_dqkg time), then the other kernels at other warp counts. Each kernel is
   timed alone; stops when ``left()`` is too small for the next step."""
+  recur = ("recur_fwd", "recur_fwd_store", "recur_bwd")
+  sweep_module(parts, tag, left, "RECURRENCE", ("triton", "mosaic"), recur)
+  sweep_module(parts, tag, left, "MGPU_STAGES", (2,), recur)
+  sweep_module(parts, tag, left, "MGPU_V_TILE", (32,), recur)
   sweep_stores(parts, tag, left)
   sweep_loops(parts, tag, left)
-  recur = ("recur_fwd", "recur_fwd_store", "recur_bwd")
-  sweep_module(parts, tag, left, "RECUR_STAGES", (2,), recur)
   cfg = parts.cfg
   parts.cfg = dataclasses.replace(cfg, diag_rows=16)
   emit(name=f"sweep diag_rows=16 (default {cfg.diag_rows}) {tag}",
@@ -409,6 +414,33 @@ def time_jla(shape):
   loss = lambda *a: jnp.sum(jla_kda(*a, use_qk_l2norm=True)[0].astype(jnp.float32))
   fb = fwd_bwd(loss, 5)
   return {"fwd": jtime(fwd, q, k, v, g, bb), "fwdbwd": jtime(fb, q, k, v, g, bb, reps=7)}
+
+
+def profile_kernels(shape, reps=5):
+  """GPU time per call of each kernel of ours and of jla at ``shape``, forward and
+  forward+backward (the profiler's trace, ``reps`` calls after a warm-up): where the two differ."""
+  import tempfile
+  from jla.ops.mosaic_gpu.kda import kda as jla_kda
+  b, t, h, kd = shape
+  q, k, v, f, beta, a_log, dt_bias = inputs(b, t, h, kd)
+  g = LB * jax.nn.sigmoid(f.astype(jnp.float32))
+  bb = jax.nn.sigmoid(beta.astype(jnp.float32)).astype(jnp.bfloat16)
+  mine = lambda *a: ours(*a)[0]
+  peer = lambda *a: jla_kda(*a, use_qk_l2norm=True)[0]
+  total = lambda fn: lambda *a: jnp.sum(fn(*a).astype(jnp.float32))
+  runs = {"ours": (mine, (q, k, v, f, beta, a_log, dt_bias)), "jla": (peer, (q, k, v, g, bb))}
+  for name, (fn, args) in runs.items():
+    for mode, jf in (("fwd", jax.jit(fn)), ("fwdbwd", fwd_bwd(total(fn), len(args)))):
+      jax.block_until_ready(jf(*args))
+      with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+          for _ in range(reps):
+            out = jf(*args)
+          jax.block_until_ready(out)
+        by_name = kernel_times(d)[1]
+      emit(name=f"profile {name} {mode} B{b} T{t} H{h} K{kd} (ms per call)",
+           **{n[:60]: round(us / reps / 1e3, 4)
+              for n, us in sorted(by_name.items(), key=lambda x: -x[1]) if us / reps > 5})
 
 
 def time_fla(shape):
@@ -583,6 +615,11 @@ def main():
         emit(name=f"ours parts {tag}", **{k: round(v, 4) for k, v in res.items()})
       except Exception as e:  # noqa: BLE001
         print(f"ours parts {tag} FAILED", repr(e)[:1500], flush=True)
+  if "--profile" in sys.argv:
+    try:
+      profile_kernels(shapes[0])
+    except Exception as e:  # noqa: BLE001
+      print("profile FAILED", repr(e)[:1500], flush=True)
   if "--no-decode" not in sys.argv:
     decode()
   table()

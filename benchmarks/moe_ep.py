@@ -28,8 +28,7 @@ import numpy as np  # noqa: E402
 
 import pallas_kernels.moe as moe_ops  # noqa: E402
 import sharding  # noqa: E402
-from benchmarks.bench_train import COLLECTIVES, kernel_times  # noqa: E402
-from benchmarks.timing import median_ms, rel_err  # noqa: E402
+from benchmarks.timing import COLLECTIVES, kernel_times, median_ms, rel_err  # noqa: E402
 from k3jax.config import MeshConfig  # noqa: E402
 from sharding import expert_parallel  # noqa: E402
 

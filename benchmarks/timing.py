@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import glob
+import gzip
 import json
 import os
 import statistics
@@ -122,3 +125,53 @@ def print_ratios(lines) -> None:
   for label, x_ms, p_ms, nbytes in lines:
     print(f"{label:14s}{x_ms:10.3f}{p_ms:11.3f}{nbytes / x_ms / 1e6:10.0f}"
           f"{nbytes / p_ms / 1e6:12.0f}{x_ms / p_ms:11.2f}", flush=True)
+
+
+COLLECTIVES = "collectives (NCCL)"
+KINDS = (  # (kind, substrings of a kernel name), first match wins
+    (COLLECTIVES, ("nccl", "all-gather", "all_gather", "all-to-all", "all_to_all",
+                            "reduce-scatter", "reduce_scatter", "all-reduce", "all_reduce",
+                            "collective-permute", "sendrecv")),
+    ("kda", ("kda", "delta", "chunk_")),
+    ("attention (MLA)", ("mla", "flash", "attention", "fmha", "cudnn", "sdpa")),
+    ("expert grouped matmul", ("gmm", "ragged", "grouped", "moe", "mosaic_gpu")),
+    ("dense matmul", ("gemm", "nvjet", "xmma", "cublas", "cutlass", "matmul", "dot")),
+    ("sort/gather/scatter", ("sort", "scatter", "gather", "radix", "topk", "top_k")),
+)
+
+
+def kind_of(name: str) -> str:
+  low = name.lower()
+  for kind, keys in KINDS:
+    if any(k in low for k in keys):
+      return kind
+  return "other fusions (elementwise, norms, optimizer, reductions)"
+
+
+def kernel_times(trace_dir: str) -> tuple[dict, dict, dict, dict]:
+  """GPU kernel time in microseconds from the Perfetto trace under ``trace_dir``: ({kind: total},
+  {kernel name: total}, {device: {kind: total}}, {HLO op name: total}), totals over all devices.
+  Kernels inside a CUDA graph (``hlo_op`` a ``command_buffer``) count under their kernel name,
+  which for XLA's own fusions is the HLO name with underscores."""
+  files = glob.glob(f"{trace_dir}/**/*perfetto_trace.json.gz", recursive=True) or \
+      glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
+  if not files:
+    return {}, {}, {}, {}
+  with gzip.open(files[0]) as f:
+    events = json.load(f)
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  gpu = {pid: n for pid, n in names.items() if "gpu" in n.lower() or "/device:" in n.lower()}
+  by_kind, by_name, by_op = collections.Counter(), collections.Counter(), collections.Counter()
+  by_device: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+  for e in events:
+    if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
+      kind = kind_of(e["name"])
+      by_name[e["name"]] += e["dur"]
+      op = e.get("args", {}).get("hlo_op") or ""
+      by_op[e["name"] if not op or op.startswith("command_buffer") else op] += e["dur"]
+      by_kind[kind] += e["dur"]
+      by_device[gpu[e["pid"]]][kind] += e["dur"]
+  return (dict(by_kind), dict(by_name), {d: dict(c) for d, c in sorted(by_device.items())},
+          dict(by_op))

@@ -17,7 +17,8 @@ The work is split the way it parallelises (SPEC section 2, chunks of C tokens):
    apply).
 2. ``_fwd_kernel`` (grid (B*HV, V tiles), sequential over chunks): the state tile ``S [K, BV]``
    stays in registers; per chunk ``V' = U - W S``, ``O = QG S + A_qk V'``,
-   ``S = gC * S + KD^T V'``.
+   ``S = gC * S + KD^T V'``. On Hopper this pass and the backward's are Mosaic GPU kernels
+   where they win (``recurrence_mgpu.py``, ``RECURRENCE``).
 3. Backward: the chunk factors (the dense path also with ``P_kk``, ``k e^G`` and the inverse),
    the chunk states and V', kept by the forward (``save_residuals``, with ``_fwd_kernel``
    storing the states) or recomputed by steps 1 and 2 from the inputs; ``_bwd_kernel`` carries
@@ -46,6 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.kda import recurrence_mgpu
 from pallas_kernels.kda.prep_vjp import preprocess_vjp
 from pallas_kernels.kda.reference import L2_EPS, kda_gate, l2norm, restart_mask
 
@@ -1036,10 +1038,46 @@ def _store_dtype(cfg, name):
   return jnp.dtype(cfg.dtype) if bf16 else jnp.float32
 
 
+# The sequential passes (``recurrence_mgpu`` where it applies: Hopper or interpret mode, bf16
+# factors and stores, 64-token chunks; else Triton's ``_fwd_kernel``, ``_bwd_kernel``): "mosaic"
+# (both passes), "triton" (neither), or "auto": the backward's always (its products issued in
+# pairs), the forward's (its output products on a second warpgroup, off the state's chain) where
+# its CTAs fit one wave on the GPU. H200, 2026-12-03 (RESULTS.md KDA runs 27-28): at B1 T16384 H32
+# K128 (64 CTAs) the forward 0.343-0.358 ms against Triton's 0.471-0.485, storing the states
+# 0.431-0.460 against 0.580-0.590, the backward 0.375-0.383 against 0.555-0.563; in the k3_1b
+# step (B16 T4096 HV8: 256 CTAs) the storing forward 5.13 ms per step against Triton's 4.81, the
+# backward 4.56 against 4.75. The Mosaic V tile and ring slots (B1 T16384 H32): the forward
+# 0.358 ms at 64 wide, 0.476 at 32, 1.22 at 16; storing 0.431 / 0.652 / 1.41.
+RECURRENCE = "auto"
+MGPU_V_TILE = 64
+MGPU_STAGES = 3
+
+
+def _mosaic(cfg, w, tile, *stored, forward=False) -> int:
+  """The V tile of the Mosaic GPU pass for these operands, or 0 for Triton's."""
+  bv = min(MGPU_V_TILE, tile.shape[-1])
+  ctas = w.shape[0] * w.shape[2] * (tile.shape[-1] // bv)
+  wanted = (RECURRENCE == "mosaic" or RECURRENCE == "auto" and (
+      not forward or _interpret() or ctas <= (getattr(jax.devices()[0], "core_count", 0) or 132)))
+  ok = (wanted and (_interpret() or _hopper()) and tile.shape[-1] % bv == 0
+        and recurrence_mgpu.supported(w, tile, cfg.chunk, *stored))
+  return bv if ok else 0
+
+
+def _hopper() -> bool:
+  dev = jax.devices()[0]
+  return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
 def _recurrence_fwd(cfg, w, u, qg, aqk, kd, gc, s0, out_dtype, store):
   bsz, tp, hv, kdim = w.shape
   vd = u.shape[-1]
   c, nc = cfg.chunk, tp // cfg.chunk
+  bv = _mosaic(cfg, w, u, *([_store_dtype(cfg, "h")] if store else []), forward=True)
+  if bv:
+    return recurrence_mgpu.recurrence_fwd(w, u, qg, aqk, kd, gc, s0, out_dtype=out_dtype,
+                                          store=store, block_v=bv, stages=MGPU_STAGES,
+                                          interpret=_interpret())
   bv = _v_tile(bsz * hv, vd)
   f32 = jnp.float32
   out_shape = [jax.ShapeDtypeStruct((bsz, tp, hv, vd), out_dtype),
@@ -1060,6 +1098,10 @@ def _recurrence_bwd(cfg, do, qg, aqk, kd, w, gc, dst):
   bsz, tp, hv, kdim = w.shape
   vd = do.shape[-1]
   c, nc = cfg.chunk, tp // cfg.chunk
+  bv = _mosaic(cfg, w, do, _store_dtype(cfg, "dvn"), _store_dtype(cfg, "dh"))
+  if bv:
+    return recurrence_mgpu.recurrence_bwd(do, qg, aqk, kd, w, gc, dst, block_v=bv,
+                                          stages=MGPU_STAGES, interpret=_interpret())
   bv = _v_tile(bsz * hv, vd)
   f32 = jnp.float32
   out_shape = [jax.ShapeDtypeStruct((bsz, tp, hv, vd), _store_dtype(cfg, "dvn")),

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import default_backend
+from pallas_kernels import default_backend, wgmma
 from pallas_kernels.mla.prefill import (LOG2E, _dot_nt, _finish, _gpu_params, _pow2_parts,
                                         _scores, _softmax_step)
 
@@ -143,17 +143,6 @@ def _mgpu_grid(n: int, ns: int, nr: int) -> tuple[int, ...]:
   return tuple(size[a] for a in MGPU_GRID)
 
 
-def _wgmma_add(acc, a, b, interpret: bool):
-  """``acc + a @ b`` with wgmma, accumulating in place. GPU interpret mode lacks ``run_state``
-  (a preinitialised accumulator), so there the product goes to a fresh accumulator and is added."""
-  if interpret:
-    def fresh(ref):
-      plgpu.wgmma(ref, a, b)
-      return ref[...]
-    return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
-  return pl.run_state(lambda ref: plgpu.wgmma(ref, a, b))(plgpu.ACC.init(acc))
-
-
 def _mgpu_program(lens_ref, steps_per_split: int):
   """This program's (row block, split, request, warpgroup, request length, first cache step,
   steps)."""
@@ -246,11 +235,7 @@ def _mgpu_kernel(lens_ref, table_ref, q_ref, cache_ref, o_ref, lse_ref, q_smem, 
       plgpu.barrier_wait(k_ready.at[slot])
       kv = k_smem.at[slot]
 
-      def qk(s_ref):
-        plgpu.wgmma(s_ref, q_smem, kv.transpose((1, 0)))
-        return s_ref[...]
-
-      s = pl.run_scoped(qk, plgpu.ACC((MGPU_ROWS, MGPU_STEP), jnp.float32)) * (scale * LOG2E)
+      s = wgmma.product((MGPU_ROWS, MGPU_STEP), (q_smem, kv.transpose((1, 0)))) * (scale * LOG2E)
       if masked:
         s = jnp.where(_mgpu_visible(s.shape, rb * MGPU_ROWS, (start + k) * MGPU_STEP, length, tn,
                                     heads), s, -jnp.inf)
@@ -268,8 +253,8 @@ def _mgpu_kernel(lens_ref, table_ref, q_ref, cache_ref, o_ref, lse_ref, q_smem, 
       alpha_smem[...] = alpha
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_ready)
-      acc = _wgmma_add(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_smem,
-                       kv.at[:, pl.ds(0, half)], interpret)
+      acc = wgmma.add(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]),
+                      (p_smem, kv.at[:, pl.ds(0, half)]), interpret=interpret)
       plgpu.barrier_arrive(k_free.at[slot])
       return acc, m_new, l
 
@@ -305,8 +290,8 @@ def _mgpu_kernel(lens_ref, table_ref, q_ref, cache_ref, o_ref, lse_ref, q_smem, 
       plgpu.barrier_wait(k_ready.at[slot])
       plgpu.barrier_wait(p_ready)
       alpha = plgpu.load(alpha_smem, layout=row_layout)
-      acc = _wgmma_add(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_smem,
-                       k_smem.at[slot].at[:, pl.ds(half, half)], interpret)
+      acc = wgmma.add(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]),
+                      (p_smem, k_smem.at[slot].at[:, pl.ds(half, half)]), interpret=interpret)
       plgpu.barrier_arrive(p_free)
       plgpu.barrier_arrive(k_free.at[slot])
       return acc

@@ -1,0 +1,159 @@
+"""The Mosaic GPU sequential passes of the chunked KDA (``pallas_kernels.kda.recurrence_mgpu``), in
+GPU interpret mode on CPU, against float64 NumPy loops with the kernels' bf16 roundings of the
+matrix-unit operands (the state entering each chunk, V' and dV'); and their CUDA lowering at the
+benchmark shape (layout inference, shared memory)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda import gpu, recurrence_mgpu
+
+C = recurrence_mgpu.CHUNK
+BF16 = jnp.bfloat16
+
+
+def _f64(x):
+  return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def _bf(x):
+  """float64 values rounded to bf16, as the kernels hand them to wgmma."""
+  return _f64(jnp.asarray(x, jnp.float32).astype(BF16))
+
+
+def _factors(seed, b, nc, hv, kd, vd):
+  rng = np.random.default_rng(seed)
+  tok = lambda d, s=0.3: jnp.asarray(rng.normal(size=(b, nc * C, hv, d)) * s, BF16)
+  # W and KD small enough that the state stays O(1) (KD^T W contracts): a growing state would
+  # turn single bf16 rounding flips into large differences
+  w, qg, kdec, u, aqk = tok(kd, 0.03), tok(kd), tok(kd, 0.03), tok(vd), tok(C)
+  gc = jnp.asarray(rng.uniform(0.3, 1.0, size=(b, nc, hv, kd)), jnp.float32)
+  state = jnp.asarray(rng.normal(size=(b, hv, kd, vd)), jnp.float32)
+  return w, u, qg, aqk, kdec, gc, state
+
+
+def _forward_loop(w, u, qg, aqk, kdec, gc, s0):
+  w, u, qg, a, kd, gc = map(_f64, (w, u, qg, aqk, kdec, gc))
+  b, tp, hv, _ = w.shape
+  nc = tp // C
+  s = _f64(s0).copy()
+  o, vn = np.zeros_like(u), np.zeros_like(u)
+  h = np.zeros((b, nc, hv) + s.shape[2:])
+  for bi in range(b):
+    for hi in range(hv):
+      for ci in range(nc):
+        r = slice(ci * C, (ci + 1) * C)
+        sb = _bf(s[bi, hi])
+        h[bi, ci, hi] = sb
+        v_new = _bf(u[bi, r, hi] - w[bi, r, hi] @ sb)
+        vn[bi, r, hi] = v_new
+        o[bi, r, hi] = qg[bi, r, hi] @ sb + a[bi, r, hi] @ v_new
+        s[bi, hi] = gc[bi, ci, hi][:, None] * s[bi, hi] + kd[bi, r, hi].T @ v_new
+  return o, s, h, vn
+
+
+def _backward_loop(do, qg, aqk, kdec, w, gc, dst):
+  do, qg, a, kd, w, gc = map(_f64, (do, qg, aqk, kdec, w, gc))
+  b, tp, hv, _ = w.shape
+  nc = tp // C
+  ds = _f64(dst).copy()
+  dvn = np.zeros_like(do)
+  dh = np.zeros((b, nc, hv) + ds.shape[2:])
+  for bi in range(b):
+    for hi in range(hv):
+      for ci in reversed(range(nc)):
+        r = slice(ci * C, (ci + 1) * C)
+        db = _bf(ds[bi, hi])
+        dh[bi, ci, hi] = db
+        d = _bf(a[bi, r, hi].T @ do[bi, r, hi] + kd[bi, r, hi] @ db)
+        dvn[bi, r, hi] = d
+        ds[bi, hi] = (gc[bi, ci, hi][:, None] * ds[bi, hi] + qg[bi, r, hi].T @ do[bi, r, hi]
+                      - w[bi, r, hi].T @ d)
+  return dvn, dh, ds
+
+
+def _close(got, want, tol, name):
+  got = _f64(got)
+  err = np.abs(got - want).max() / np.abs(want).max()
+  assert err < tol, f"{name}: max error {err:.2e} of the largest value"
+
+
+# (batch, chunks, value heads, K, V, V tile, ring slots): one chunk (fewer chunks than the
+# prologue fetches), two and five (both S / V' buffers reused, the ring wrapping), two V tiles
+@pytest.mark.parametrize("b,nc,hv,kd,vd,bv,stages", [
+    (1, 1, 1, 64, 32, 32, 3), (2, 2, 2, 64, 16, 16, 2), (1, 5, 1, 128, 64, 32, 3)])
+def test_forward_and_backward_match_float64_loops(b, nc, hv, kd, vd, bv, stages):
+  w, u, qg, aqk, kdec, gc, s0 = _factors(nc + kd, b, nc, hv, kd, vd)
+  o_want, st_want, h_want, vn_want = _forward_loop(w, u, qg, aqk, kdec, gc, s0)
+  for store in (False, True):
+    outs = recurrence_mgpu.recurrence_fwd(w, u, qg, aqk, kdec, gc, s0, out_dtype=BF16,
+                                          store=store, block_v=bv, stages=stages, interpret=True)
+    assert len(outs) == 2 + 2 * store
+    _close(outs[0], o_want, 8e-3, "o")  # bf16 output
+    _close(outs[1], st_want, 1e-4, "final state")
+    if store:
+      _close(outs[2], h_want, 1e-3, "h")  # the same bf16 values up to rounding flips
+      _close(outs[3], vn_want, 1e-3, "vn")
+  do = u[..., ::-1]  # any bf16 [B, Tp, HV, V] tile other than U
+  dvn, dh, ds0 = recurrence_mgpu.recurrence_bwd(do, qg, aqk, kdec, w, gc, s0, block_v=bv,
+                                                stages=stages, interpret=True)
+  dvn_want, dh_want, ds0_want = _backward_loop(do, qg, aqk, kdec, w, gc, s0)
+  _close(dvn, dvn_want, 8e-3, "dvn")
+  _close(dh, dh_want, 8e-3, "dh")
+  _close(ds0, ds0_want, 1e-4, "ds0")
+
+
+def test_kernels_lower_for_cuda(monkeypatch):
+  """Both passes inside the op at the benchmark shape (B1 T16384 H32 K128, bf16), lowered for
+  an H200 on the CPU: Mosaic GPU's layout inference and shared-memory limit pass."""
+  from jax._src.pallas.triton import gpu_info
+  from pallas_kernels.kda import kda, prep_vjp
+  monkeypatch.setattr(gpu_info, "get_gpu_info",
+                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+  for mod in (gpu, prep_vjp):
+    monkeypatch.setattr(mod, "_interpret", lambda: False)
+  monkeypatch.setattr(gpu, "_hopper", lambda: True)
+  b, t, h, kd = 1, 16384, 32, 128
+
+  def loss(q, k, v, g, beta):
+    o, _ = kda(q, k, v, g, beta, use_qk_l2norm=True, A_log=jnp.zeros(h), dt_bias=jnp.zeros(h * kd),
+               gate="bounded", beta_is_logit=True, implementation="pallas_gpu")
+    return jnp.sum(o.astype(jnp.float32))
+
+  args = [jax.ShapeDtypeStruct((b, t, h, kd), BF16)] * 4 + [jax.ShapeDtypeStruct((b, t, h), BF16)]
+  dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                abstract_device=dev)):
+    text = jax.jit(jax.grad(loss, argnums=tuple(range(5)))).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+  for name in ("kda_fwd_recurrence_mgpu", "kda_bwd_recurrence_mgpu"):
+    assert name in text, f"{name} is not in the lowered module"
+  assert 'name = "kda_fwd_recurrence"' not in text  # the Triton passes are not used
+
+
+def test_unsupported_factors_take_the_triton_passes():
+  """float32 factors, 32-token chunks or float32 stores: the Triton kernels."""
+  w = jax.ShapeDtypeStruct((1, 64, 1, 64), BF16)
+  assert recurrence_mgpu.supported(w, w, 64, BF16)
+  assert not recurrence_mgpu.supported(jax.ShapeDtypeStruct((1, 64, 1, 64), jnp.float32), w, 64)
+  assert not recurrence_mgpu.supported(w, w, 32)
+  assert not recurrence_mgpu.supported(w, w, 64, jnp.float32)
+
+
+def test_auto_takes_the_mosaic_forward_within_one_wave(monkeypatch):
+  """``RECURRENCE="auto"`` on a Hopper GPU: the Mosaic backward always; the Mosaic forward only
+  while its CTAs (batch x value heads x V tiles) fit one per SM, else Triton's."""
+  monkeypatch.setattr(gpu, "_interpret", lambda: False)
+  monkeypatch.setattr(gpu, "_hopper", lambda: True)
+  cfg = gpu._Config(scale=1.0, chunk=64, use_qk_l2norm=True, gate="bounded", lower_bound=-5.0,
+                    beta_is_logit=True, diag_rows=32, dtype="bfloat16")
+  sds = lambda b, hv, d: jax.ShapeDtypeStruct((b, 4096, hv, d), BF16)
+  one_wave, two_waves = (sds(1, 32, 128), sds(1, 32, 128)), (sds(16, 8, 128), sds(16, 8, 128))
+  assert gpu._mosaic(cfg, *one_wave, BF16, forward=True) == 64  # 64 CTAs
+  assert gpu._mosaic(cfg, *two_waves, BF16, forward=True) == 0  # 256 CTAs
+  assert gpu._mosaic(cfg, *two_waves, BF16, BF16) == 64
+  for mode, want in (("triton", 0), ("mosaic", 64)):
+    monkeypatch.setattr(gpu, "RECURRENCE", mode)
+    assert gpu._mosaic(cfg, *two_waves, BF16, forward=True) == want
