@@ -404,31 +404,29 @@ def _time(parts, name):
   return jtime(fn, *args)
 
 
-def time_jla(shape):
+def jla_op(shape):
+  """jla's KDA output as a function of its inputs, and those inputs at ``shape``: ours'
+  (``inputs``) with the gate and beta pre-computed (its API), L2 norm in its kernel."""
   from jla.ops.mosaic_gpu.kda import kda as jla_kda
-  b, t, h, kd = shape
-  q, k, v, f, beta, _, _ = inputs(b, t, h, kd)
+  q, k, v, f, beta, _, _ = inputs(*shape)
   g = LB * jax.nn.sigmoid(f.astype(jnp.float32))
   bb = jax.nn.sigmoid(beta.astype(jnp.float32)).astype(jnp.bfloat16)
-  fwd = jax.jit(lambda *a: jla_kda(*a, use_qk_l2norm=True)[0])
-  loss = lambda *a: jnp.sum(jla_kda(*a, use_qk_l2norm=True)[0].astype(jnp.float32))
-  fb = fwd_bwd(loss, 5)
-  return {"fwd": jtime(fwd, q, k, v, g, bb), "fwdbwd": jtime(fb, q, k, v, g, bb, reps=7)}
+  return (lambda *a: jla_kda(*a, use_qk_l2norm=True)[0]), (q, k, v, g, bb)
+
+
+def time_jla(shape):
+  op, args = jla_op(shape)
+  fb = fwd_bwd(lambda *a: jnp.sum(op(*a).astype(jnp.float32)), len(args))
+  return {"fwd": jtime(jax.jit(op), *args), "fwdbwd": jtime(fb, *args, reps=7)}
 
 
 def profile_kernels(shape, reps=5):
   """GPU time per call of each kernel of ours and of jla at ``shape``, forward and
   forward+backward (the profiler's trace, ``reps`` calls after a warm-up): where the two differ."""
   import tempfile
-  from jla.ops.mosaic_gpu.kda import kda as jla_kda
   b, t, h, kd = shape
-  q, k, v, f, beta, a_log, dt_bias = inputs(b, t, h, kd)
-  g = LB * jax.nn.sigmoid(f.astype(jnp.float32))
-  bb = jax.nn.sigmoid(beta.astype(jnp.float32)).astype(jnp.bfloat16)
-  mine = lambda *a: ours(*a)[0]
-  peer = lambda *a: jla_kda(*a, use_qk_l2norm=True)[0]
   total = lambda fn: lambda *a: jnp.sum(fn(*a).astype(jnp.float32))
-  runs = {"ours": (mine, (q, k, v, f, beta, a_log, dt_bias)), "jla": (peer, (q, k, v, g, bb))}
+  runs = {"ours": (lambda *a: ours(*a)[0], inputs(b, t, h, kd)), "jla": jla_op(shape)}
   for name, (fn, args) in runs.items():
     for mode, jf in (("fwd", jax.jit(fn)), ("fwdbwd", fwd_bwd(total(fn), len(args)))):
       jax.block_until_ready(jf(*args))

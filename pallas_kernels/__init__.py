@@ -28,6 +28,12 @@ def default_backend() -> str:
   return jax.default_backend()
 
 
+def num_sms() -> int:
+  """Streaming multiprocessors (cores) of the default device; 132 (an H100 / H200) where the
+  device does not say."""
+  return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
 def resolve_implementation(op: str, implementation: str | None, known: tuple[str, ...],
                            defaults: dict[str, str]) -> str:
   """The concrete implementation of ``op`` on the current backend.

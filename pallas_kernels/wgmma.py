@@ -6,6 +6,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+SMEM_BYTES = 227 * 1024  # shared memory of one CTA on Hopper
+
 
 def product(shape, *pairs):
   """``sum_i a_i @ b_i`` ``[M, N]`` float32 (WGMMA layout) for SMEM operands ``pairs`` ((a, b),

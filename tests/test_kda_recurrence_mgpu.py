@@ -134,12 +134,31 @@ def test_kernels_lower_for_cuda(monkeypatch):
 
 
 def test_unsupported_factors_take_the_triton_passes():
-  """float32 factors, 32-token chunks or float32 stores: the Triton kernels."""
+  """float32 factors, 32-token chunks, float32 stores or K = 256: the Triton kernels."""
   w = jax.ShapeDtypeStruct((1, 64, 1, 64), BF16)
   assert recurrence_mgpu.supported(w, w, 64, BF16)
   assert not recurrence_mgpu.supported(jax.ShapeDtypeStruct((1, 64, 1, 64), jnp.float32), w, 64)
   assert not recurrence_mgpu.supported(w, w, 32)
   assert not recurrence_mgpu.supported(w, w, 64, jnp.float32)
+  assert not recurrence_mgpu.supported(jax.ShapeDtypeStruct((1, 64, 1, 256), BF16), w, 64)
+
+
+@pytest.mark.parametrize("kd,bv", [(64, 16), (128, 32), (128, 64)])
+def test_every_supported_tiling_fits_shared_memory(kd, bv):
+  """Both passes at each supported K and V tile, at most ``ring_slots`` slots, lowered for an
+  H200 (Mosaic GPU refuses more than 227 KiB of SMEM per CTA)."""
+  sds = jax.ShapeDtypeStruct
+  tok = lambda d: sds((1, 256, 2, d), BF16)
+  gc, state = sds((1, 4, 2, kd), jnp.float32), sds((1, 2, kd, 2 * bv), jnp.float32)
+  fwd = lambda *a: recurrence_mgpu.recurrence_fwd(*a, out_dtype=BF16, store=True, block_v=bv,
+                                                  stages=8, interpret=False)
+  bwd = lambda *a: recurrence_mgpu.recurrence_bwd(*a, block_v=bv, stages=8, interpret=False)
+  dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                abstract_device=dev)):
+    for fn, args in ((fwd, (tok(kd), tok(2 * bv), tok(kd), tok(C), tok(kd), gc, state)),
+                     (bwd, (tok(2 * bv), tok(kd), tok(C), tok(kd), tok(kd), gc, state))):
+      assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_auto_takes_the_mosaic_forward_within_one_wave(monkeypatch):

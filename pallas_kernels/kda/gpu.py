@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import num_sms
 from pallas_kernels.kda import recurrence_mgpu
 from pallas_kernels.kda.prep_vjp import preprocess_vjp
 from pallas_kernels.kda.reference import L2_EPS, kda_gate, l2norm, restart_mask
@@ -1058,7 +1059,7 @@ def _mosaic(cfg, w, tile, *stored, forward=False) -> int:
   bv = min(MGPU_V_TILE, tile.shape[-1])
   ctas = w.shape[0] * w.shape[2] * (tile.shape[-1] // bv)
   wanted = (RECURRENCE == "mosaic" or RECURRENCE == "auto" and (
-      not forward or _interpret() or ctas <= (getattr(jax.devices()[0], "core_count", 0) or 132)))
+      not forward or _interpret() or ctas <= num_sms()))
   ok = (wanted and (_interpret() or _hopper()) and tile.shape[-1] % bv == 0
         and recurrence_mgpu.supported(w, tile, cfg.chunk, *stored))
   return bv if ok else 0

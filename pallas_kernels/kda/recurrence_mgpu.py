@@ -41,37 +41,26 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import kernel_output, wgmma
 
 CHUNK = 64  # the wgmma row tile: the chunk of the dense path
-SMEM_BYTES = 227 * 1024  # shared memory of one CTA on Hopper
 _ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout array
 
 
 def supported(w, u, chunk: int, *stored) -> bool:
   """Whether the kernels take these factors: w and the value-side tile u (U or dO) in bf16,
-  64-token chunks, K a multiple of 64 up to 256, V of 16, and what they store (the dtypes
-  ``stored``) in bf16."""
+  64-token chunks, K = 64 or 128 (two ring slots of K = 256 exceed the SMEM), V a multiple of
+  16, and what they store (the dtypes ``stored``) in bf16."""
   bf16 = jnp.dtype(jnp.bfloat16)
-  return (w.dtype == bf16 and u.dtype == bf16 and chunk == CHUNK and w.shape[-1] % 64 == 0
-          and w.shape[-1] <= 256 and u.shape[-1] % 16 == 0
-          and all(jnp.dtype(d) == bf16 for d in stored))
+  return (w.dtype == bf16 and u.dtype == bf16 and chunk == CHUNK and w.shape[-1] in (64, 128)
+          and u.shape[-1] % 16 == 0 and all(jnp.dtype(d) == bf16 for d in stored))
 
 
-def _stages(want: int, per_slot: int, fixed: int) -> int:
-  """Ring slots: ``want``, or as many as fit beside ``fixed`` bytes of other SMEM (at least 2)."""
-  return max(2, min(want, (SMEM_BYTES - fixed - 1024) // per_slot))
-
-
-def fwd_stages(kdim: int, bv: int, want: int) -> int:
-  """The forward's ring slots per warpgroup (W, KD, U, gC; QG, A_qk) beside the double-buffered
-  S, V' and O tiles."""
+def ring_slots(kdim: int, bv: int, want: int, forward: bool) -> int:
+  """Ring slots of a pass: ``want``, or as many as fit the SMEM (at least 2). A slot holds one
+  chunk's tiles, the same in both passes (W, KD, QG, A_qk, gC and the [C, BV] tile U or dO);
+  besides the ring, the forward double-buffers S, V' and O, the backward dS and dV' and holds
+  -dV'."""
   per = 2 * (3 * CHUNK * kdim + CHUNK * bv + CHUNK * CHUNK) + 4 * kdim
-  return _stages(want, per, 2 * 2 * (kdim * bv + 2 * CHUNK * bv))
-
-
-def bwd_stages(kdim: int, bv: int, want: int) -> int:
-  """The backward's ring slots (dO, A_qk, KD, QG, W, gC) beside the double-buffered dS and dV'
-  tiles and -dV'."""
-  per = 2 * (3 * CHUNK * kdim + CHUNK * bv + CHUNK * CHUNK) + 4 * kdim
-  return _stages(want, per, 2 * (2 * kdim * bv + 3 * CHUNK * bv))
+  other = 4 * (kdim * bv + 2 * CHUNK * bv) if forward else 2 * (2 * kdim * bv + 3 * CHUNK * bv)
+  return max(2, min(want, (wgmma.SMEM_BYTES - other - 1024) // per))
 
 
 def _ring(bars, stages: int, nc: int, tiles):
@@ -164,7 +153,7 @@ def recurrence_fwd(w, u, qg, aqk, kd, gc, s0, *, out_dtype, store: bool, block_v
   vd = u.shape[-1]
   c, nc = CHUNK, tp // CHUNK
   bv = block_v
-  stages = fwd_stages(kdim, bv, stages)
+  stages = ring_slots(kdim, bv, stages, forward=True)
   bf16 = jnp.bfloat16
   out_type = [jax.ShapeDtypeStruct((bsz, tp, hv, vd), out_dtype),
               jax.ShapeDtypeStruct((bsz, hv, kdim, vd), jnp.float32)]
@@ -251,7 +240,7 @@ def recurrence_bwd(do, qg, aqk, kd, w, gc, dst, *, block_v: int, stages: int, in
   bsz, tp, hv, kdim = w.shape
   vd = do.shape[-1]
   c, nc, bv = CHUNK, tp // CHUNK, block_v
-  stages = bwd_stages(kdim, bv, stages)
+  stages = ring_slots(kdim, bv, stages, forward=False)
   bf16 = jnp.bfloat16
   key = functools.partial(wgmma.swizzled, dtype=bf16, swizzle=min(2 * bv, 128))
   kern = functools.partial(_bwd_kernel, hv=hv, nc=nc, bv=bv, stages=stages, interpret=interpret)

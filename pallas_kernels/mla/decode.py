@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import default_backend, wgmma
+from pallas_kernels import default_backend, num_sms, wgmma
 from pallas_kernels.mla.prefill import (LOG2E, _dot_nt, _finish, _gpu_params, _pow2_parts,
                                         _scores, _softmax_step)
 
@@ -40,8 +40,7 @@ def _step_tokens(page_size: int, cap: int) -> int:
 def _default_splits(n: int, row_blocks: int, steps: int, backend: str, waves: int = 2) -> int:
   """Enough (request, split, row block) programs to fill the chip ``waves`` times (GPU; TPU: 2
   splits for its cores), each split at least 16 steps long (the merge reads every split)."""
-  cores = getattr(jax.devices()[0], "core_count", None) or 132
-  target = waves * cores if backend == "gpu" else 2
+  target = waves * num_sms() if backend == "gpu" else 2
   return max(1, min(-(-target // (n * row_blocks)), steps // 16))
 
 

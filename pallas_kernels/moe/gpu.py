@@ -47,14 +47,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import default_backend
+from pallas_kernels import default_backend, num_sms
+from pallas_kernels.wgmma import SMEM_BYTES
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ROW_ALIGN = 8  # a row tile starts at a multiple of this (TMA tiles rows by 8)
 MIN_ROWS = 128  # M of :func:`gmm`: at least the largest block_m
 BLOCK_K = 64  # rows per step of tgmm
 STEPS = 4  # pipeline depth of tgmm
-SMEM_BYTES = 227 * 1024  # shared memory of one block on Hopper
 INTERPRET_SMS = 3  # simulated SMs in interpret mode (exercises several items per SM)
 
 
@@ -65,7 +65,7 @@ def _interpret():
 def _num_sms() -> int:
   if default_backend() == "cpu":
     return INTERPRET_SMS
-  return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+  return num_sms()
 
 
 def block_n_for(n: int) -> int:
