@@ -17,6 +17,7 @@ when importable, in the same run, within a time budget (the H200 run takes about
   python3 benchmarks/kda.py --shapes 4x4096x32x128,1x65536x16x128 --no-parts --no-decode
   python3 benchmarks/kda.py --fla-first    # fla right after ours at each shape (its autotuning
                                            # outlasts the budget when it comes last), then jla
+  python3 benchmarks/kda.py --check-only   # only the checks (random and similar keys)
   python3 benchmarks/kda.py --emulate      # CPU: the check with the GPU's matrix-unit roundings
                                            # emulated, for the default and GATE_DOTS (~2 min)
   python3 benchmarks/kda.py --decode-sweep # decode only: every tuning of decode.SWEEP at N=256,
@@ -96,11 +97,18 @@ CHECK_TOL = 3e-2  # relative error of the bf16 kernel vs the float32 recurrence
 CHECK_SHAPE = (2, 600, 4, 128)  # B, T (3 segments: 5/12, 1/6, 5/12 of T), H, K
 
 
-def check(decode=True, tag="pallas_gpu"):
+def check(decode=True, tag="pallas_gpu", similar=False):
   """bf16 kernel vs float32 naive recurrence: outputs, final state, all gradients (and the
-  decode kernel vs the XLA path if ``decode``). Returns the relative errors."""
+  decode kernel vs the XLA path if ``decode``). Returns the relative errors. ``similar``: keys
+  of cosine similarity about 0.94, gates near 0 and beta near 1, so that (I + diag(beta) A_kk)
+  has entries near 1 across whole chunks (the inverse's hard case)."""
   b, t, h, kd = CHECK_SHAPE
   q, k, v, f, beta, a_log, dt_bias = inputs(b, t, h, kd, seed=1)
+  if similar:
+    common = jax.random.normal(jax.random.key(11), (1, 1, h, kd), jnp.float32)
+    k = (0.97 * common + 0.24 * k.astype(jnp.float32)).astype(k.dtype)
+    f, beta = f - 8, beta + 3
+    tag += " similar keys"
   seg = jnp.broadcast_to((jnp.arange(t) >= 5 * t // 12).astype(jnp.int32)
                          + (jnp.arange(t) >= 7 * t // 12).astype(jnp.int32), (b, t))
   s0 = jax.random.normal(jax.random.key(9), (b, h, kd, kd), jnp.float32)
@@ -114,11 +122,11 @@ def check(decode=True, tag="pallas_gpu"):
     o, s = run(impl, *a)
     return jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(kd))) + jnp.sum(s * 0.01)
 
-  if "ref" not in _REF:  # the float32 reference, once per run
+  if similar not in _REF:  # the float32 reference, once per run
     up = tuple(x.astype(jnp.float32) for x in args)
-    _REF["ref"] = (jax.jit(lambda *a: run("naive", *a))(*up),
-                   jax.jit(jax.grad(lambda *a: loss("naive", *a), argnums=tuple(range(8))))(*up))
-  (o2, s2), g2 = _REF["ref"]
+    _REF[similar] = (jax.jit(lambda *a: run("naive", *a))(*up),
+                     jax.jit(jax.grad(lambda *a: loss("naive", *a), argnums=tuple(range(8))))(*up))
+  (o2, s2), g2 = _REF[similar]
   o1, s1 = jax.jit(lambda *a: run("pallas_gpu", *a))(*args)
   g1 = jax.jit(jax.grad(lambda *a: loss("pallas_gpu", *a), argnums=tuple(range(8))))(*args)
   errs = {"o": rel(o1, o2), "state": rel(s1, s2)}
@@ -255,7 +263,7 @@ def time_parts(shape):
   return res, parts
 
 
-WARP_SWEEP = {"chunk_dqkg": (4, 16), "chunk_a": (4, 16), "chunk_dwy": (4, 16), "chunk_wu": (2, 8)}
+WARP_SWEEP = {"chunk_dqkg": (4, 16), "chunk_a": (4, 16), "chunk_dwy": (4, 16)}
 DQKG_SLICES = {16: (4,), 64: (4, 8)}  # K slice widths of chunk_dqkg other than the default: warps
 _P = jax.lax.DotAlgorithmPreset
 GATE_DOTS = {"all_x3": ((_P.BF16_BF16_F32_X3,) * 2,) * 2,  # gate-gradient variants
@@ -321,7 +329,7 @@ def sweep_loops(parts, tag, left):
   """Each dense chunk kernel alone with its programs walking several chunks (``LOOPS``), and at
   its default."""
   default = kda_gpu.CHUNK_LOOP
-  for name in ("chunk_a", "chunk_wu", "chunk_dwy", "chunk_dqkg"):
+  for name in ("chunk_a", "chunk_dwy", "chunk_dqkg"):
     row = {}
     for per, stages in LOOPS:
       if left() < 15:
@@ -338,14 +346,17 @@ def sweep_loops(parts, tag, left):
 
 
 def sweep(parts, shape, tag, left):
-  """The variants of the kernels, most promising first: the forward's sequential pass (Triton
-  or Mosaic GPU, the latter's V tile and ring slots), the bf16 backward intermediates,
+  """The variants of the kernels, most promising first: the WY factors (Triton or Mosaic GPU,
+  the latter's inverse in float16 or split bf16 products),
+  the forward's sequential pass (Triton or Mosaic GPU, the latter's V tile and ring slots), the bf16 backward intermediates,
   programs walking several chunks, the sequential passes' pipeline stages, the dense
   path's reference blocks of 16 rows instead of the default (chunk_a, chunk_dqkg), chunk_dqkg at
   other warp counts and K slice widths, the gate gradient's matrix-unit algorithm (its check
   errors and the chunk_dqkg time), then the other kernels at other warp counts. Each kernel is
   timed alone; stops when ``left()`` is too small for the next step."""
   recur = ("recur_fwd", "recur_fwd_store", "recur_bwd")
+  sweep_module(parts, tag, left, "CHUNK_WU", ("triton",), ("chunk_wu", "chunk_wu_keep"))
+  sweep_module(parts, tag, left, "WU_SPLIT", (True,), ("chunk_wu", "chunk_wu_keep"))
   sweep_module(parts, tag, left, "RECURRENCE", ("triton", "mosaic"), recur)
   sweep_module(parts, tag, left, "MGPU_STAGES", (2,), recur)
   sweep_module(parts, tag, left, "MGPU_V_TILE", (32,), recur)
@@ -374,7 +385,7 @@ def sweep(parts, shape, tag, left):
     except Exception as e:  # noqa: BLE001
       print(f"sweep gate_dot={name} FAILED", repr(e)[:800], flush=True)
     kda_gpu.GATE_DOT = default
-  for name in ("chunk_a", "chunk_dwy", "chunk_wu"):
+  for name in ("chunk_a", "chunk_dwy"):
     sweep_warps(parts, name, tag, left)
 
 
@@ -537,7 +548,7 @@ def emulate():
   """On the CPU (interpret mode) the kernels' products are exact float32; this replaces them
   with the GPU's roundings (TF32 for float32 operands, bf16 / three bf16 passes for those
   algorithms) and runs the check at B1 T256 H2 K128 for the default gate-gradient algorithms
-  and each of ``GATE_DOTS``."""
+  and each of ``GATE_DOTS``, then with similar keys."""
   global CHECK_SHAPE
   exact = kda_gpu._mm
   hi = jax.lax.Precision.HIGHEST
@@ -557,7 +568,9 @@ def emulate():
   for name, dot in [("default", default)] + list(GATE_DOTS.items()):
     kda_gpu.GATE_DOT = dot
     check(decode=False, tag=f"emulated gate_dot={name}")
-  kda_gpu.GATE_DOT, kda_gpu._mm = default, exact
+  kda_gpu.GATE_DOT = default
+  check(decode=False, tag="emulated", similar=True)
+  kda_gpu._mm = exact
 
 
 def main():
@@ -590,8 +603,11 @@ def main():
         "warps", kda_gpu.WARPS, flush=True)
   try:
     check()
+    check(decode=False, similar=True)
   except Exception as e:  # noqa: BLE001 - the timings below are still worth having
     print("CHECK ERROR", repr(e)[:2000], flush=True)
+  if "--check-only" in sys.argv:
+    return
   fla_first = peers and "--fla-first" in sys.argv  # fla beside ours at each shape, then jla
   runners = [("ours", time_ours)] + [("fla", time_fla)] * fla_first + [("jla", time_jla)] * peers
   if "--all-shapes" in sys.argv:

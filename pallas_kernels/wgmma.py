@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -9,14 +12,38 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 SMEM_BYTES = 227 * 1024  # shared memory of one CTA on Hopper
 
 
-def product(shape, *pairs):
-  """``sum_i a_i @ b_i`` ``[M, N]`` float32 (WGMMA layout) for SMEM operands ``pairs`` ((a, b),
-  ...), accumulated in one fresh accumulator."""
-  def scope(acc):
-    for a, b in pairs:
-      plgpu.wgmma(acc, a, b)
-    return acc[...]
-  return pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32))
+class Regs(NamedTuple):
+  """A 16-bit WGMMA-layout array in registers as the left operand of a product (Hopper's wgmma
+  reads it from registers; GPU interpret mode, whose wgmma takes SMEM only, from a copy)."""
+  value: jax.Array
+
+
+def products(*specs, interpret: bool = False):
+  """``[sum_i a_i @ b_i for (shape, pairs) in specs]``: each spec's ``[M, N]`` float32 sum (WGMMA
+  layout) in a fresh accumulator, every product issued before the first wait. ``a`` is an SMEM
+  ref or :class:`Regs`, ``b`` an SMEM ref."""
+  regs = [a for _, pairs in specs for a, _ in pairs if isinstance(a, Regs)]
+  if interpret and regs:
+    def staged(*bufs):
+      copies = iter(bufs)
+      for buf, a in zip(bufs, regs):
+        buf[...] = a.value
+      plgpu.commit_smem()
+      return products(*[(shape, [(next(copies) if isinstance(a, Regs) else a, b)
+                                 for a, b in pairs]) for shape, pairs in specs])
+    return pl.run_scoped(staged, *(swizzled(a.value.shape, a.value.dtype) for a in regs))
+
+  def scope(*accs):
+    for acc, (_, pairs) in zip(accs, specs):
+      for a, b in pairs:
+        plgpu.wgmma(acc, a.value if isinstance(a, Regs) else a, b)
+    return tuple(acc[...] for acc in accs)
+  return pl.run_scoped(scope, *(plgpu.ACC(shape, jnp.float32) for shape, _ in specs))
+
+
+def product(shape, *pairs, interpret: bool = False):
+  """``sum_i a_i @ b_i`` ``[M, N]`` float32 for ``pairs`` ((a, b), ...) as in :func:`products`."""
+  return products((shape, pairs), interpret=interpret)[0]
 
 
 def add(acc, *pairs, interpret: bool):

@@ -18,7 +18,8 @@ The work is split the way it parallelises (SPEC section 2, chunks of C tokens):
 2. ``_fwd_kernel`` (grid (B*HV, V tiles), sequential over chunks): the state tile ``S [K, BV]``
    stays in registers; per chunk ``V' = U - W S``, ``O = QG S + A_qk V'``,
    ``S = gC * S + KD^T V'``. On Hopper this pass and the backward's are Mosaic GPU kernels
-   where they win (``recurrence_mgpu.py``, ``RECURRENCE``).
+   where they win (``recurrence_mgpu.py``, ``RECURRENCE``), and so is ``kda_chunk_wu``
+   (``wu_mgpu.py``, ``CHUNK_WU``).
 3. Backward: the chunk factors (the dense path also with ``P_kk``, ``k e^G`` and the inverse),
    the chunk states and V', kept by the forward (``save_residuals``, with ``_fwd_kernel``
    storing the states) or recomputed by steps 1 and 2 from the inputs; ``_bwd_kernel`` carries
@@ -48,11 +49,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import num_sms
-from pallas_kernels.kda import recurrence_mgpu
+from pallas_kernels.kda import recurrence_mgpu, wu_mgpu
 from pallas_kernels.kda.prep_vjp import preprocess_vjp
 from pallas_kernels.kda.reference import L2_EPS, kda_gate, l2norm, restart_mask
 
-SUB = 16  # sub-tile rows of the general path's pair products and of the inverse's blocks
+SUB = 16  # sub-tile rows of the general path (its pair products and inverse blocks)
 _MAX_EXP = 85.0  # largest exponent a dense diagonal block may need (float32 max ~ e^88)
 
 
@@ -243,17 +244,10 @@ def _pair_grads(ch, a_side, b_side, dP, mm):
 
 def _inverse(akk, n):
   """Tiles of ``(I + A)^-1`` for strictly lower-triangular A given as tiles akk[a][c]."""
-  eye = (jnp.arange(SUB)[:, None] == jnp.arange(SUB)[None, :]).astype(jnp.float32)
   mm = functools.partial(_mm, precision=_HI)
   x = [[None] * n for _ in range(n)]
   for a in range(n):
-    L = akk[a][a]  # nilpotent (L^16 = 0): (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8)
-    inv = eye - L
-    p = mm(L, L)
-    for _ in range(3):
-      inv = mm(inv, eye + p)
-      p = mm(p, p)
-    x[a][a] = inv
+    inv = x[a][a] = _lower_inverse(akk[a][a], SUB, precision=_HI)
     for c in range(a - 1, -1, -1):
       s = mm(akk[a][c], x[c][c])
       for e in range(c + 1, a):
@@ -525,30 +519,25 @@ class _Dense:
     return [functools.partial(block, i) for i in range(len(refs))], jnp.exp(G - ref_rows)
 
 
-def _dense_inverse(a, c):
-  """``(I + a)^-1`` for a strictly lower [C, C] ``a``: the 16x16 diagonal blocks by the
-  nilpotent series ``(I - D)(I + D^2)(I + D^4)(I + D^8)``, then ``(I + D^-1 E)^-1 D^-1`` with the
-  block-strictly-lower rest ``E`` by the same doubling (``(D^-1 E)^{C/16} = 0``). Float32
-  products (TF32 on the GPU's matrix units)."""
-  mm = _mm
+def _lower_inverse(a, c, precision=None):
+  """``(I + a)^-1`` for a strictly lower [C, C] ``a`` by doubling its diagonal blocks: with X the
+  inverse of the block diagonal of 1-row blocks (I), each level merges pairs of n-row blocks,
+  ``[[P, 0], [L, Q]]^-1 = [[P^-1, 0], [-Q^-1 L P^-1, Q^-1]]``, for all pairs at once as
+  ``X <- X - X (L X)`` with L the lower-left blocks of the pairs. Every intermediate is a block of
+  the inverse, so the rounding errors stay at the size of the inverse's entries; the former
+  nilpotent series ``(I - D)(I + D^2)(I + D^4)(I + D^8)`` went through powers of ``a`` that reach
+  ~1e3 for keys with cosine similarity 0.9 and lost every digit in TF32 (2026-12-03). Float32
+  products at ``precision`` (by default TF32 on the GPU's matrix units): 2 log2(C) - 2 of them
+  (ten at C = 64)."""
   ii, jj = jnp.arange(c)[:, None], jnp.arange(c)[None, :]
-  eye = (ii == jj).astype(jnp.float32)
-  blk = (ii // SUB) == (jj // SUB)
-  d = jnp.where(blk, a, 0.0)
-  p = mm(d, d)
-  inv = mm(eye - d, eye + p)
-  for _ in range(2):
-    p = mm(p, p)
-    inv = mm(inv, eye + p)
-  if c == SUB:
-    return inv
-  m = mm(inv, jnp.where(blk, 0.0, a))
-  x, p, span = eye - m, m, 2
-  while span < c // SUB:
-    p = mm(p, p)
-    x = mm(x, eye + p)
-    span *= 2
-  return mm(x, inv)
+  x = (ii == jj).astype(jnp.float32) - jnp.where((ii == jj + 1) & (ii % 2 == 1), a, 0.0)
+  n = 2
+  while n < c:
+    rb, cb = ii // n, jj // n
+    low = jnp.where((rb == cb + 1) & (rb % 2 == 1), a, 0.0)
+    x = x - _mm(x, _mm(low, x, precision=precision), precision=precision)
+    n *= 2
+  return x
 
 
 def _ids(hv, pid, axis=0):
@@ -608,7 +597,7 @@ def _dense_wu_kernel(pkk_ref, kg_ref, v_ref, beta_ref, seg_ref, w_ref, u_ref, *x
   kdim, vd = kg_ref.shape[-1], v_ref.shape[-1]
   ch = _Dense(cfg, (None, None, None, beta_ref, None, None, seg_ref), b, h, h, ci * c, t, kdim)
   rows = ch.rows
-  x = _dense_inverse(ch.beta[:, None] * pkk_ref[b, rows, h, :], c)
+  x = _lower_inverse(ch.beta[:, None] * pkk_ref[b, rows, h, :], c)
   if x_ref:
     x_ref[0][b, rows, h, :] = x
   xb = x * ch.beta[None, :]
@@ -830,10 +819,30 @@ def _chunk_a(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t):
                q, k, g, beta, A_log, dt_bias, seg, chunk_axis=0)
 
 
+# The WY factors: "mosaic" (``wu_mgpu`` where it applies: Hopper or interpret mode, bf16, 64-token
+# chunks, K and V up to 128) or "triton" (``_dense_wu_kernel``). WU_SPLIT: the Mosaic inverse's
+# products as three bf16 products of split operands (True), one float16 product (False), or
+# "auto": float16 where the keys are L2-normalised and beta a sigmoid (entries of order 1).
+CHUNK_WU = "mosaic"
+WU_SPLIT = "auto"
+
+
 def _chunk_wu(cfg, pkk, kg, v, beta, seg, t, keep):
   """``kda_chunk_wu``: (w, u) and, if ``keep``, the inverse x; see :func:`_dense_wu_kernel`."""
   bsz, tp, hv, vd = v.shape
   c, dt = cfg.chunk, jnp.dtype(cfg.dtype)
+  if (CHUNK_WU == "mosaic" and (_interpret() or _hopper())
+      and wu_mgpu.supported(kg, v, cfg.chunk)):
+    beta = beta.astype(jnp.float32)
+    if cfg.beta_is_logit:
+      beta = jax.nn.sigmoid(beta)
+    beta = jnp.where((jnp.arange(tp) < t)[None, :, None], beta, 0.0)  # padded tokens
+    prev = seg[:, jnp.maximum(jnp.arange(tp) // c * c - 1, 0)]  # the token before each chunk
+    split = (not (cfg.use_qk_l2norm and cfg.beta_is_logit) if WU_SPLIT == "auto"
+             else bool(WU_SPLIT))
+    return wu_mgpu.chunk_wu(pkk, kg, v, jnp.swapaxes(beta, 1, 2),
+                            (seg == prev).astype(jnp.float32), keep=keep, split=split,
+                            interpret=_interpret())
   kern = functools.partial(_dense_wu_kernel, cfg=cfg, hv=hv, t=t)
   return _call(kern, "kda_chunk_wu", (tp // c, bsz * hv),
                [_tok(v, kg.shape[-1], dt), _tok(v, vd, dt)] + [_tok(v, c, jnp.float32)] * keep,
