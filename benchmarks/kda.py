@@ -347,8 +347,8 @@ def sweep_loops(parts, tag, left):
 
 def sweep(parts, shape, tag, left):
   """The variants of the kernels, most promising first: the WY factors (Triton or Mosaic GPU,
-  the latter's inverse in float16 or split bf16 products),
-  the forward's sequential pass (Triton or Mosaic GPU, the latter's V tile and ring slots), the bf16 backward intermediates,
+  the latter's inverse in float16 or split bf16 products), the forward's sequential pass
+  (Triton or Mosaic GPU, the latter's V tile and ring slots), the bf16 backward intermediates,
   programs walking several chunks, the sequential passes' pipeline stages, the dense
   path's reference blocks of 16 rows instead of the default (chunk_a, chunk_dqkg), chunk_dqkg at
   other warp counts and K slice widths, the gate gradient's matrix-unit algorithm (its check

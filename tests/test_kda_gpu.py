@@ -40,21 +40,31 @@ CASES = [
     ("bounded_chunk32_grouped_T45", 45, 1, 2, 64, 16, 32, "bounded", True, (1, 31, 32)),
     # the dense path with q, k normalised and beta in (0, 1) by the caller (no fused L2 norm)
     ("bounded_unfused_l2_chunk64_T70", 70, 1, 1, 64, 16, 64, "bounded", False, (33,)),
-    # optional (lower bound, shift of the raw gate, gradient tolerance): the gate near its lower
-    # bound (most steps below -4.5), so the 32-row reference blocks come near their largest
-    # exponents (+-80); a lower bound of -8 takes 16-row blocks. The gate's gradients are then
-    # sums of terms e^80 apart: float32 keeps them to ~1e-3 (the previous kernels, 16-row blocks
-    # referenced at their start, failed this case on dg).
+    # optional (lower bound, shift of the raw gate, gradient tolerance, key similarity): the gate
+    # near its lower bound (most steps below -4.5), so the 32-row reference blocks come near their
+    # largest exponents (+-80); a lower bound of -8 takes 16-row blocks. The gate's gradients are
+    # then sums of terms e^80 apart: float32 keeps them to ~1e-3 (the previous kernels, 16-row
+    # blocks referenced at their start, failed this case on dg).
     ("bounded_saturated_chunk64", 80, 1, 1, 64, 16, 64, "bounded", True, (50,), -5.0, 4.0, 2e-3),
     ("bounded_lb8_chunk64", 70, 1, 1, 32, 16, 64, "bounded", True, (20,), -8.0, 3.0, 2e-3),
+    # keys of cosine similarity ~0.98, gates near 0 and beta near 1: (I + diag(beta) A_kk) with
+    # entries near 1 across the chunk, whose inverse the former nilpotent series lost to the
+    # powers of A (~1e17 here)
+    ("bounded_chunk64_similar_keys", 64, 1, 1, 64, 16, 64, "bounded", True, (), -5.0, -8.0, 2e-4,
+     0.98),
 ]
 
 
 def _setup(case):
   name, t, h, hv, kd, vd, chunk, gate, fused, cuts, *extra = case
-  lb, shift, tol = extra or (-5.0, 0.0, 2e-4)
+  defaults = (-5.0, 0.0, 2e-4, 0.0)
+  lb, shift, tol, cos = tuple(extra) + defaults[len(extra):]
   x = make(len(name), 1, t, h, hv, kd, vd)
   x["g"] += shift
+  if cos:  # keys of cosine similarity about cos (after the L2 norm), beta near 1
+    common = np.random.default_rng(7).standard_normal((1, 1, h, kd)).astype(np.float32)
+    x["k"] = np.sqrt(cos) * common + np.sqrt(1 - cos) * x["k"]
+    x["beta"] += 3
   if gate is None:  # g is the log decay
     x["g"] = -np.exp(x["g"] - 1.0)
   if not fused:  # beta in (0, 1), q/k pre-normalised

@@ -115,7 +115,8 @@ def test_triton_inverse_is_stable_for_similar_keys(c):
 
 def test_lowers_for_cuda():
   """At the benchmark shape (B1 T16384 HV32 K=V=128, both precisions) and the narrowest K and
-  V, with and without X, lowered for an H200 on the CPU (layout inference, register operands, SMEM)."""
+  V, with and without X, lowered for an H200 on the CPU (layout inference, register operands,
+  SMEM)."""
   sds = jax.ShapeDtypeStruct
   dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),

@@ -1,15 +1,15 @@
 """The chunked KDA's WY factors as a Mosaic GPU kernel (Hopper: TMA, wgmma from registers).
 
 Same results as ``gpu._dense_wu_kernel`` (Triton): per chunk of C = 64 tokens,
-``X = (I + A)^-1`` for the strictly lower ``A = diag(beta) P_kk``, then ``W = cont * X diag(beta) KG``
-and ``U = X diag(beta) v``. One warpgroup per chunk inverts by doubling the diagonal blocks
-(``gpu._lower_inverse``: blocks of 1, 2, 4, ... 32 rows merged as ``X <- X - X (L X)``, two
-dependent products per level, ten in all), the left operand from registers, the right one
-through SMEM. A float32 product is one float16 wgmma (the operands rounded to 11 significant
-bits, as TF32 rounds them in the Triton kernel: for keys of unit norm and beta in (0, 1), whose
-inverse has entries of order 1) or, with ``split``, three bf16 wgmmas of split operands
-(``x ~ hi + lo``: ``hi hi + hi lo + lo hi``, about 16 bits, any range). W and U take
-``X diag(beta)`` rounded to bf16, as the Triton kernel does.
+``X = (I + A)^-1`` for the strictly lower ``A = diag(beta) P_kk``, then
+``W = cont * X diag(beta) KG`` and ``U = X diag(beta) v``. One warpgroup per chunk inverts by
+doubling the diagonal blocks (``gpu._lower_inverse``: blocks of 1, 2, 4, ... 32 rows merged as
+``X <- X - X (L X)``, two dependent products per level, ten in all), the left operand from
+registers, the right one through SMEM. A float32 product is one float16 wgmma (the operands
+rounded to 11 significant bits, as TF32 rounds them in the Triton kernel: for keys of unit norm
+and beta in (0, 1), whose inverse has entries of order 1) or, with ``split``, three bf16 wgmmas
+of split operands (``x ~ hi + lo``: ``hi hi + hi lo + lo hi``, about 16 bits, any range). W and
+U take ``X diag(beta)`` rounded to bf16, as the Triton kernel does.
 
 Shapes: pkk ``[B, Tp, HV, C]`` float32 (strictly lower, same segment, without beta), kg
 ``[B, Tp, HV, K]`` and v ``[B, Tp, HV, V]`` bf16, beta ``[B, HV, Tp]`` float32 (the gate's value,
