@@ -346,8 +346,8 @@ def sweep_loops(parts, tag, left):
 
 
 def sweep(parts, shape, tag, left):
-  """The variants of the kernels, most promising first: the WY factors (Triton or Mosaic GPU,
-  the latter's inverse in float16 or split bf16 products), the forward's sequential pass
+  """The variants of the kernels, most promising first: chunk_a and the WY factors (Triton or
+  Mosaic GPU, the latter's inverse in float16 or split bf16 products), the forward's sequential pass
   (Triton or Mosaic GPU, the latter's V tile and ring slots), the bf16 backward intermediates,
   programs walking several chunks, the sequential passes' pipeline stages, the dense
   path's reference blocks of 16 rows instead of the default (chunk_a, chunk_dqkg), chunk_dqkg at
@@ -355,6 +355,7 @@ def sweep(parts, shape, tag, left):
   errors and the chunk_dqkg time), then the other kernels at other warp counts. Each kernel is
   timed alone; stops when ``left()`` is too small for the next step."""
   recur = ("recur_fwd", "recur_fwd_store", "recur_bwd")
+  sweep_module(parts, tag, left, "CHUNK_A", ("mosaic",), ("chunk_a",))
   sweep_module(parts, tag, left, "CHUNK_WU", ("triton",), ("chunk_wu", "chunk_wu_keep"))
   sweep_module(parts, tag, left, "WU_SPLIT", (True,), ("chunk_wu", "chunk_wu_keep"))
   sweep_module(parts, tag, left, "RECURRENCE", ("triton", "mosaic"), recur)
