@@ -114,15 +114,15 @@ def _kernel(q_ref, k_ref, f_ref, gate_ref, rowf_ref,
     for i in range(1, len(refs)):
       ref_rows = jnp.where(rid >= i * n, refs[i], ref_rows)
     e_row = jnp.exp(G - ref_rows)
-    lk, lq = k * e_row, q * e_row
+    lk, lq = (k * e_row).astype(bf16), (q * e_row).astype(bf16)  # bf16 operands: half the registers
     for i, ref in enumerate(refs):
       blk = (rid >= i * n) & (rid < (i + 1) * n)
       col = jnp.where(rid < (i + 1) * n, jnp.exp(jnp.minimum(ref - G, _MAX_EXP)), 0.0)
       kc_smem[...] = (k * col).astype(bf16)
       plgpu.commit_smem()
       pk, pq = wgmma.products(
-          ((c, c), [(wgmma.Regs(jnp.where(blk, lk, 0.0).astype(bf16)), kc_smem.T)]),
-          ((c, c), [(wgmma.Regs(jnp.where(blk, lq, 0.0).astype(bf16)), kc_smem.T)]),
+          ((c, c), [(wgmma.Regs(jnp.where(blk, lk, jnp.zeros_like(lk))), kc_smem.T)]),
+          ((c, c), [(wgmma.Regs(jnp.where(blk, lq, jnp.zeros_like(lq))), kc_smem.T)]),
           interpret=interpret)
       akk, aqk = (pk, pq) if akk is None else (akk + pk, aqk + pq)
     eg = jnp.exp(G)
