@@ -10,6 +10,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 SMEM_BYTES = 227 * 1024  # shared memory of one CTA on Hopper
+ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout array
+COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+
+
+def kernel_params(interpret: bool) -> dict:
+  """``plgpu.kernel``'s compiler parameters (fast exponentials) and interpret mode."""
+  return dict(compiler_params=plgpu.CompilerParams(approx_math=True),
+              interpret=plgpu.InterpretGPUParams() if interpret else None)
 
 
 class Regs(NamedTuple):
@@ -47,7 +55,8 @@ def product(shape, *pairs, interpret: bool = False):
 
 
 def add(acc, *pairs, interpret: bool):
-  """``acc + sum_i a_i @ b_i`` with wgmma, accumulating in place. GPU interpret mode lacks
+  """``acc + sum_i a_i @ b_i`` with wgmma (operands as in :func:`products`), accumulating in
+  place. GPU interpret mode lacks
   ``run_state`` (a preinitialised accumulator), so there the products go to a fresh accumulator
   and are added."""
   if interpret:
@@ -55,7 +64,7 @@ def add(acc, *pairs, interpret: bool):
 
   def scope(ref):
     for a, b in pairs:
-      plgpu.wgmma(ref, a, b)
+      plgpu.wgmma(ref, a.value if isinstance(a, Regs) else a, b)
   return pl.run_state(scope)(plgpu.ACC.init(acc))
 
 

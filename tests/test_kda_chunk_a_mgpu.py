@@ -59,6 +59,7 @@ def test_lowers_for_cuda():
   dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
                                                                 abstract_device=dev)):
-    fn = lambda *a: chunk_a_mgpu.chunk_a(_cfg(kd, True), *a, hv=h, t=tp, interpret=False)
+    fn = lambda *a: chunk_a_mgpu.chunk_a(_cfg(kd, True), *a, hv=h, t=tp, max_exp=gpu._MAX_EXP,
+                                         interpret=False)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "kda_chunk_a_mgpu" in text

@@ -29,20 +29,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import kernel_output, wgmma
+from pallas_kernels.kda.recurrence_mgpu import CHUNK
 from pallas_kernels.kda.reference import L2_EPS
 
-CHUNK = 64
 BK = CHUNK  # K slice (as wide as the chunk: one iota serves both)
 _WG = plgpu.Layout.WGMMA
-_ROWS = _WG.reduce(1)
-_COLS = _WG.reduce(0)
-_MAX_EXP = 85.0
 
 
-def supported(cfg, q, kd) -> bool:
-  """Bounded gate, bf16, 64-token chunks, K a multiple of 64 up to 128."""
+def supported(cfg, q) -> bool:
+  """Bounded gate, bf16, 64-token chunks, K 64 or 128."""
   return (cfg.gate == "bounded" and cfg.chunk == CHUNK and q.dtype == jnp.bfloat16
-          and cfg.dtype == "bfloat16" and kd % BK == 0 and kd <= 128 and cfg.diag_rows > 0)
+          and cfg.dtype == "bfloat16" and q.shape[-1] in (64, 128) and cfg.diag_rows > 0)
 
 
 def _split3(x):
@@ -58,7 +55,7 @@ def _split3(x):
 def _kernel(q_ref, k_ref, f_ref, gate_ref, rowf_ref,
             pkk_ref, aqk_ref, qg_ref, kd_ref, kg_ref, gc_ref, rq_ref, rk_ref,
             q_smem, k_smem, f_smem, gate_smem, rowf_smem, g_smem, kc_smem, out_smem, norm_smem,
-            landed, *, cfg, hv, group, t, interpret):
+            landed, *, cfg, hv, group, t, max_exp, interpret):
   c, f32, bf16 = CHUNK, jnp.float32, jnp.bfloat16
   ci, bh = lax.axis_index("c"), lax.axis_index("bh")
   b, h = lax.div(bh, hv), lax.rem(bh, hv)
@@ -75,11 +72,11 @@ def _kernel(q_ref, k_ref, f_ref, gate_ref, rowf_ref,
   iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, (c, c), layout=_WG)
   rid, cid = iota(0), iota(1)
   # j <= i share a segment iff j is at or after the start of i's segment in the chunk
-  same = cid.astype(f32) >= lax.broadcast_in_dim(plgpu.load(rowf_smem.at[3], layout=_ROWS),
+  same = cid.astype(f32) >= lax.broadcast_in_dim(plgpu.load(rowf_smem.at[3], layout=wgmma.ROWS),
                                                  (c, c), [0])
   valid = (rid + c0) < t
-  rows_of = lambda ref: lax.broadcast_in_dim(plgpu.load(ref, layout=_ROWS), (c, c), [0])
-  cols_of = lambda ref: lax.broadcast_in_dim(plgpu.load(ref, layout=_COLS), (c, c), [1])
+  rows_of = lambda ref: lax.broadcast_in_dim(plgpu.load(ref, layout=wgmma.ROWS), (c, c), [0])
+  cols_of = lambda ref: lax.broadcast_in_dim(plgpu.load(ref, layout=wgmma.COLS), (c, c), [1])
   tile = lambda ref, s: plgpu.load(ref.at[:, pl.ds(s * BK, BK)], layout=_WG).astype(f32)
   ns = kdim // BK
 
@@ -108,7 +105,7 @@ def _kernel(q_ref, k_ref, f_ref, gate_ref, rowf_ref,
     G = wgmma.product((c, c), *[(tril, buf) for buf in out_smem], interpret=interpret)
     g_smem[...] = G
     plgpu.commit_smem()
-    row = lambda i: lax.broadcast_in_dim(plgpu.load(g_smem.at[i], layout=_COLS), (c, c), [1])
+    row = lambda i: lax.broadcast_in_dim(plgpu.load(g_smem.at[i], layout=wgmma.COLS), (c, c), [1])
     refs = [row(i * n + n // 2 - 1) for i in range(c // n)]
     ref_rows = refs[0]
     for i in range(1, len(refs)):
@@ -117,7 +114,7 @@ def _kernel(q_ref, k_ref, f_ref, gate_ref, rowf_ref,
     lk, lq = (k * e_row).astype(bf16), (q * e_row).astype(bf16)  # bf16 operands: half the registers
     for i, ref in enumerate(refs):
       blk = (rid >= i * n) & (rid < (i + 1) * n)
-      col = jnp.where(rid < (i + 1) * n, jnp.exp(jnp.minimum(ref - G, _MAX_EXP)), 0.0)
+      col = jnp.where(rid < (i + 1) * n, jnp.exp(jnp.minimum(ref - G, max_exp)), 0.0)
       kc_smem[...] = (k * col).astype(bf16)
       plgpu.commit_smem()
       pk, pq = wgmma.products(
@@ -149,16 +146,17 @@ def _kernel(q_ref, k_ref, f_ref, gate_ref, rowf_ref,
   plgpu.wait_smem_to_gmem(0)
 
 
-def chunk_a(cfg, q, k, f, gate, rowf, *, hv: int, t: int, interpret: bool):
+def chunk_a(cfg, q, k, f, gate, rowf, *, hv: int, t: int, max_exp: float, interpret: bool):
   """(pkk, aqk, qg, kd, kg, gc, rq, rk) as ``gpu._chunk_a`` returns them; see the module
-  docstring."""
+  docstring. ``max_exp`` bounds the column factors' exponents (``gpu._MAX_EXP``)."""
   bsz, tp, h, kdim = q.shape
   c, f32, bf16 = CHUNK, jnp.float32, jnp.bfloat16
   tok = lambda d, dt: jax.ShapeDtypeStruct((bsz, tp, hv, d), dt)
   out_type = (tok(c, f32), tok(c, bf16), tok(kdim, bf16), tok(kdim, bf16), tok(kdim, bf16),
               jax.ShapeDtypeStruct((bsz, tp // c, hv, kdim), f32),
               jax.ShapeDtypeStruct((bsz, hv, tp), f32), jax.ShapeDtypeStruct((bsz, hv, tp), f32))
-  kern = functools.partial(_kernel, cfg=cfg, hv=hv, group=hv // h, t=t, interpret=interpret)
+  kern = functools.partial(_kernel, cfg=cfg, hv=hv, group=hv // h, t=t, max_exp=max_exp,
+                           interpret=interpret)
   kern.__name__ = "kda_chunk_a_mgpu"
   sw = functools.partial(wgmma.swizzled, dtype=bf16)
   scratch = (
@@ -173,6 +171,5 @@ def chunk_a(cfg, q, k, f, gate, rowf, *, hv: int, t: int, interpret: bool):
   )
   outs = plgpu.kernel(
       kern, out_type=out_type, scratch_types=scratch, grid=(tp // c, bsz * hv),
-      grid_names=("c", "bh"), compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=plgpu.InterpretGPUParams() if interpret else None)(q, k, f, gate, rowf)
+      grid_names=("c", "bh"), **wgmma.kernel_params(interpret))(q, k, f, gate, rowf)
   return tuple(kernel_output(x) for x in outs)

@@ -829,12 +829,11 @@ def _chunk_a(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t):
   bsz, tp, h, kd = q.shape
   hv, c = v.shape[2], cfg.chunk
   dt, f32 = jnp.dtype(cfg.dtype), jnp.float32
-  if (CHUNK_A == "mosaic" and (_interpret() or _hopper())
-      and chunk_a_mgpu.supported(cfg, q, kd)):
+  if CHUNK_A == "mosaic" and _mosaic_gpu() and chunk_a_mgpu.supported(cfg, q):
     gate = jnp.stack([jnp.broadcast_to(jnp.exp(A_log.astype(f32))[:, None], (hv, kd)),
                       dt_bias.astype(f32).reshape(hv, kd)])
     *out, rq, rk = chunk_a_mgpu.chunk_a(cfg, q, k, g, gate, jnp.stack(_row_flags(seg, c)),
-                                        hv=hv, t=t, interpret=_interpret())
+                                        hv=hv, t=t, max_exp=_MAX_EXP, interpret=_interpret())
     return (*out, jnp.swapaxes(rq, 1, 2), jnp.swapaxes(rk, 1, 2))
   kern = functools.partial(_dense_a_kernel, cfg=cfg, hv=hv, group=hv // h, t=t)
   return _call(kern, "kda_chunk_a", (tp // c, bsz * hv),
@@ -856,8 +855,7 @@ def _chunk_wu(cfg, pkk, kg, v, beta, seg, t, keep):
   """``kda_chunk_wu``: (w, u) and, if ``keep``, the inverse x; see :func:`_dense_wu_kernel`."""
   bsz, tp, hv, vd = v.shape
   c, dt = cfg.chunk, jnp.dtype(cfg.dtype)
-  if (CHUNK_WU == "mosaic" and (_interpret() or _hopper())
-      and wu_mgpu.supported(kg, v, cfg.chunk)):
+  if CHUNK_WU == "mosaic" and _mosaic_gpu() and wu_mgpu.supported(kg, v, cfg.chunk):
     beta = beta.astype(jnp.float32)
     if cfg.beta_is_logit:
       beta = jax.nn.sigmoid(beta)
@@ -1092,7 +1090,7 @@ def _mosaic(cfg, w, tile, *stored, forward=False) -> int:
   ctas = w.shape[0] * w.shape[2] * (tile.shape[-1] // bv)
   wanted = (RECURRENCE == "mosaic" or RECURRENCE == "auto" and (
       not forward or _interpret() or ctas <= num_sms()))
-  ok = (wanted and (_interpret() or _hopper()) and tile.shape[-1] % bv == 0
+  ok = (wanted and _mosaic_gpu() and tile.shape[-1] % bv == 0
         and recurrence_mgpu.supported(w, tile, cfg.chunk, *stored))
   return bv if ok else 0
 
@@ -1100,6 +1098,11 @@ def _mosaic(cfg, w, tile, *stored, forward=False) -> int:
 def _hopper() -> bool:
   dev = jax.devices()[0]
   return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def _mosaic_gpu() -> bool:
+  """Whether our Mosaic GPU kernels run here: on Hopper, or in GPU interpret mode on the CPU."""
+  return _interpret() or _hopper()
 
 
 def _recurrence_fwd(cfg, w, u, qg, aqk, kd, gc, s0, out_dtype, store):

@@ -40,8 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import kernel_output, wgmma
 
-CHUNK = 64  # the wgmma row tile: the chunk of the dense path
-_ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout array
+CHUNK = 64  # the wgmma row tile: the chunk of the dense path (of every Mosaic KDA kernel)
 
 
 def supported(w, u, chunk: int, *stored) -> bool:
@@ -113,7 +112,7 @@ def _kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, 
                                 commit_group=False)
         plgpu.commit_smem_to_gmem_group()
       plgpu.barrier_arrive(ready.at[p])
-      decay = plgpu.load(gc_smem.at[slot], layout=_ROWS)
+      decay = plgpu.load(gc_smem.at[slot], layout=wgmma.ROWS)
       s = s * lax.broadcast_in_dim(decay, s.shape, [0])
       return wgmma.add(s, (kd_smem.at[slot].T, vn_smem.at[p]), interpret=interpret)
 
@@ -182,14 +181,9 @@ def recurrence_fwd(w, u, qg, aqk, kd, gc, s0, *, out_dtype, store: bool, block_v
   )
   outs = plgpu.kernel(
       kern, out_type=tuple(out_type), scratch_types=scratch, grid=(vd // bv, bsz * hv),
-      grid_names=("v", "bh"), num_threads=2, thread_name="wg", **_params(interpret))(
+      grid_names=("v", "bh"), num_threads=2, thread_name="wg", **wgmma.kernel_params(interpret))(
           w, u, qg, aqk, kd, gc, s0)
   return tuple(kernel_output(x) for x in outs)
-
-
-def _params(interpret: bool) -> dict:
-  return dict(compiler_params=plgpu.CompilerParams(approx_math=True),
-              interpret=plgpu.InterpretGPUParams() if interpret else None)
 
 
 def _bwd_kernel(do_ref, qg_ref, a_ref, kd_ref, w_ref, gc_ref, dst_ref, dvn_ref, dh_ref, ds0_ref,
@@ -223,7 +217,7 @@ def _bwd_kernel(do_ref, qg_ref, a_ref, kd_ref, w_ref, gc_ref, dst_ref, dvn_ref, 
     plgpu.copy_smem_to_gmem(dvn_smem.at[p], dvn_ref.at[b, rows(j), h, vs],
                             commit_group=False)
     plgpu.commit_smem_to_gmem_group()
-    decay = plgpu.load(gc_smem.at[slot], layout=_ROWS)
+    decay = plgpu.load(gc_smem.at[slot], layout=wgmma.ROWS)
     return wgmma.add(ds * lax.broadcast_in_dim(decay, ds.shape, [0]),
                      (qg_smem.at[slot].T, do_smem.at[slot]), (w_smem.at[slot].T, ndvn_smem),
                      interpret=interpret)
@@ -261,6 +255,6 @@ def recurrence_bwd(do, qg, aqk, kd, w, gc, dst, *, block_v: int, stages: int, in
           wgmma.swizzled((2, c, bv), bf16),  # dV'
           wgmma.swizzled((c, bv), bf16),  # -dV'
           plgpu.Barrier(num_arrivals=6, num_barriers=stages)),  # a chunk's tiles landed
-      grid=(vd // bv, bsz * hv), grid_names=("v", "bh"), **_params(interpret))(
+      grid=(vd // bv, bsz * hv), grid_names=("v", "bh"), **wgmma.kernel_params(interpret))(
           do, qg, aqk, kd, w, gc, dst)
   return tuple(kernel_output(x) for x in outs)

@@ -30,11 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import kernel_output, wgmma
-
-CHUNK = 64
-_WG = plgpu.Layout.WGMMA
-_ROWS = _WG.reduce(1)  # one value per row of a WGMMA-layout array
-_COLS = _WG.reduce(0)  # one value per column
+from pallas_kernels.kda.recurrence_mgpu import CHUNK
 
 
 def supported(kg, v, chunk: int) -> bool:
@@ -80,11 +76,11 @@ def _kernel(pkk_ref, kg_ref, v_ref, beta_ref, cont_ref, w_ref, u_ref, *rest, hv,
     plgpu.copy_gmem_to_smem(src, dst, landed)
   plgpu.barrier_wait(landed)
 
-  beta_rows = plgpu.load(beta_smem, layout=_ROWS)
-  a = plgpu.load(a_smem, layout=_WG, optimized=False) * lax.broadcast_in_dim(
+  beta_rows = plgpu.load(beta_smem, layout=wgmma.ROWS)
+  a = plgpu.load(a_smem, layout=plgpu.Layout.WGMMA, optimized=False) * lax.broadcast_in_dim(
       beta_rows, (c, c), [0])
-  ii = plgpu.broadcasted_iota(jnp.int32, (c, c), 0, layout=_WG)
-  jj = plgpu.broadcasted_iota(jnp.int32, (c, c), 1, layout=_WG)
+  ii = plgpu.broadcasted_iota(jnp.int32, (c, c), 0, layout=plgpu.Layout.WGMMA)
+  jj = plgpu.broadcasted_iota(jnp.int32, (c, c), 1, layout=plgpu.Layout.WGMMA)
   # blocks of 1 -> 2: row i = 2m + 1 takes -A[i, i - 1]
   x = (ii == jj).astype(f32) - jnp.where((ii == jj + 1) & ((ii & 1) == 1), a, 0.0)
   level = 1
@@ -100,11 +96,11 @@ def _kernel(pkk_ref, kg_ref, v_ref, beta_ref, cont_ref, w_ref, u_ref, *rest, hv,
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(a_smem, x_ref.at[b, rows, h])
 
-  xb = wgmma.Regs((x * lax.broadcast_in_dim(plgpu.load(beta_smem, layout=_COLS), (c, c), [1])
+  xb = wgmma.Regs((x * lax.broadcast_in_dim(plgpu.load(beta_smem, layout=wgmma.COLS), (c, c), [1])
                    ).astype(jnp.bfloat16))
   w, u = wgmma.products(((c, kg_smem.shape[-1]), [(xb, kg_smem)]),
                         ((c, v_smem.shape[-1]), [(xb, v_smem)]), interpret=interpret)
-  cont = lax.broadcast_in_dim(plgpu.load(cont_smem, layout=_ROWS), w.shape, [0])
+  cont = lax.broadcast_in_dim(plgpu.load(cont_smem, layout=wgmma.ROWS), w.shape, [0])
   kg_smem[...] = (cont * w).astype(kg_smem.dtype)  # the products are done with KG and v
   v_smem[...] = u.astype(v_smem.dtype)
   plgpu.commit_smem()
@@ -136,6 +132,5 @@ def chunk_wu(pkk, kg, v, beta, cont, *, keep: bool, split: bool, interpret: bool
   ) + (wgmma.swizzled((c, c), bf16 if split else jnp.float16),) * (1 + split)  # right operand
   outs = plgpu.kernel(
       kern, out_type=tuple(out_type), scratch_types=scratch, grid=(tp // c, bsz * hv),
-      grid_names=("c", "bh"), compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=plgpu.InterpretGPUParams() if interpret else None)(pkk, kg, v, beta, cont)
+      grid_names=("c", "bh"), **wgmma.kernel_params(interpret))(pkk, kg, v, beta, cont)
   return tuple(kernel_output(x) for x in outs)
