@@ -18,6 +18,8 @@ when importable, in the same run, within a time budget (the H200 run takes about
   python3 benchmarks/kda.py --fla-first    # fla right after ours at each shape (its autotuning
                                            # outlasts the budget when it comes last), then jla
   python3 benchmarks/kda.py --check-only   # only the checks (random and similar keys)
+  python3 benchmarks/kda.py --set "RECURRENCE='mosaic'"  # a ``pallas_kernels.kda.gpu`` option
+                                           # (a Python literal) for the whole run (repeatable)
   python3 benchmarks/kda.py --emulate      # CPU: the check with the GPU's matrix-unit roundings
                                            # emulated, for the default and GATE_DOTS (~2 min)
   python3 benchmarks/kda.py --decode-sweep # decode only: every tuning of decode.SWEEP at N=256,
@@ -59,7 +61,8 @@ from jax.experimental.pallas import triton as plgpu  # noqa: E402
 from pallas_kernels.kda import kda, kda_decode  # noqa: E402
 from pallas_kernels.kda import gpu as kda_gpu  # noqa: E402
 from pallas_kernels.kda import prep_vjp  # noqa: E402
-from timing import Rows, kernel_times, median_ms as jtime, rel_err as rel  # noqa: E402
+from timing import (Rows, gpu_span, kernel_times, median_ms as jtime, rel_err as rel,  # noqa: E402
+                    set_module_option)
 
 SHAPES = [(1, 16384, 32, 128), (4, 4096, 32, 128), (1, 65536, 16, 128)]
 DECODE_N = (64, 256)
@@ -346,21 +349,20 @@ def sweep_loops(parts, tag, left):
 
 
 def sweep(parts, shape, tag, left):
-  """The variants of the kernels, most promising first: chunk_a and the WY factors (Triton or
-  Mosaic GPU, the latter's inverse in float16 or split bf16 products), the forward's sequential pass
-  (Triton or Mosaic GPU, the latter's V tile and ring slots), the bf16 backward intermediates,
-  programs walking several chunks, the sequential passes' pipeline stages, the dense
-  path's reference blocks of 16 rows instead of the default (chunk_a, chunk_dqkg), chunk_dqkg at
-  other warp counts and K slice widths, the gate gradient's matrix-unit algorithm (its check
-  errors and the chunk_dqkg time), then the other kernels at other warp counts. Each kernel is
-  timed alone; stops when ``left()`` is too small for the next step."""
+  """The variants of the kernels, most promising first: the sequential passes (Triton or Mosaic
+  GPU, the latter's V tile and ring slots), the WY factors (Triton or Mosaic GPU, the latter's
+  inverse in float16 or split bf16 products), the bf16 backward intermediates, programs walking
+  several chunks, the dense path's reference blocks of 16 rows instead of the default (chunk_a,
+  chunk_dqkg), chunk_dqkg at other warp counts and K slice widths, the gate
+  gradient's matrix-unit algorithm (its check errors and the chunk_dqkg time), then the other
+  kernels at other warp counts. Each kernel is timed alone; stops when ``left()`` is too small
+  for the next step."""
   recur = ("recur_fwd", "recur_fwd_store", "recur_bwd")
-  sweep_module(parts, tag, left, "CHUNK_A", ("mosaic",), ("chunk_a",))
+  sweep_module(parts, tag, left, "RECURRENCE", ("triton", "mosaic"), recur)
+  sweep_module(parts, tag, left, "MGPU_V_TILE", (32,), recur)
+  sweep_module(parts, tag, left, "MGPU_STAGES", (2,), recur)
   sweep_module(parts, tag, left, "CHUNK_WU", ("triton",), ("chunk_wu", "chunk_wu_keep"))
   sweep_module(parts, tag, left, "WU_SPLIT", (True,), ("chunk_wu", "chunk_wu_keep"))
-  sweep_module(parts, tag, left, "RECURRENCE", ("triton", "mosaic"), recur)
-  sweep_module(parts, tag, left, "MGPU_STAGES", (2,), recur)
-  sweep_module(parts, tag, left, "MGPU_V_TILE", (32,), recur)
   sweep_stores(parts, tag, left)
   sweep_loops(parts, tag, left)
   cfg = parts.cfg
@@ -448,9 +450,11 @@ def profile_kernels(shape, reps=5):
             out = jf(*args)
           jax.block_until_ready(out)
         by_name = kernel_times(d)[1]
+        busy, span = gpu_span(d)
       emit(name=f"profile {name} {mode} B{b} T{t} H{h} K{kd} (ms per call)",
+           busy=round(busy / reps / 1e3, 4), span=round(span / reps / 1e3, 4),
            **{n[:60]: round(us / reps / 1e3, 4)
-              for n, us in sorted(by_name.items(), key=lambda x: -x[1]) if us / reps > 5})
+              for n, us in sorted(by_name.items(), key=lambda x: -x[1]) if us / reps > 1})
 
 
 def time_fla(shape):
@@ -593,6 +597,10 @@ def main():
       decode_fla()
     print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
     return
+  for i, arg in enumerate(sys.argv):
+    if arg == "--set":  # a kernel option of pallas_kernels.kda.gpu for the whole run
+      set_module_option("pallas_kernels.kda.gpu:" + sys.argv[i + 1])
+      print("pallas_kernels.kda.gpu", sys.argv[i + 1], flush=True)
   quick = "--quick" in sys.argv
   shapes = ([(1, 2048, 8, 128)] if quick else SHAPES if "--all-shapes" in sys.argv
             else SHAPES[:1])

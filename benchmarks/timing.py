@@ -148,21 +148,41 @@ def kind_of(name: str) -> str:
   return "other fusions (elementwise, norms, optimizer, reductions)"
 
 
-def kernel_times(trace_dir: str) -> tuple[dict, dict, dict, dict]:
-  """GPU kernel time in microseconds from the Perfetto trace under ``trace_dir``: ({kind: total},
-  {kernel name: total}, {device: {kind: total}}, {HLO op name: total}), totals over all devices.
-  Kernels inside a CUDA graph (``hlo_op`` a ``command_buffer``) count under their kernel name,
-  which for XLA's own fusions is the HLO name with underscores."""
+def _gpu_events(trace_dir: str) -> tuple[list, dict]:
+  """The events of the Perfetto trace under ``trace_dir`` and its GPU processes {pid: name}."""
   files = glob.glob(f"{trace_dir}/**/*perfetto_trace.json.gz", recursive=True) or \
       glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
   if not files:
-    return {}, {}, {}, {}
+    return [], {}
   with gzip.open(files[0]) as f:
     events = json.load(f)
   events = events["traceEvents"] if isinstance(events, dict) else events
   names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
-  gpu = {pid: n for pid, n in names.items() if "gpu" in n.lower() or "/device:" in n.lower()}
+  return events, {pid: n for pid, n in names.items()
+                  if "gpu" in n.lower() or "/device:" in n.lower()}
+
+
+def gpu_span(trace_dir: str) -> tuple[float, float]:
+  """(busy, span) in microseconds of the trace's GPU kernels: their summed durations and the time
+  from the first one's start to the last one's end. span - busy is the GPU's idle time between
+  kernels (launch gaps, host waits)."""
+  events, gpu = _gpu_events(trace_dir)
+  ks = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e]
+  if not ks:
+    return 0.0, 0.0
+  return (sum(e["dur"] for e in ks),
+          max(e["ts"] + e["dur"] for e in ks) - min(e["ts"] for e in ks))
+
+
+def kernel_times(trace_dir: str) -> tuple[dict, dict, dict, dict]:
+  """GPU kernel time in microseconds from the Perfetto trace under ``trace_dir``: ({kind: total},
+  {kernel name: total}, {device: {kind: total}}, {HLO op name: total}), totals over all devices.
+  Kernels inside a CUDA graph (``hlo_op`` a ``command_buffer``) count under their kernel name,
+  which for XLA's own fusions is the HLO name with underscores."""
+  events, gpu = _gpu_events(trace_dir)
+  if not events:
+    return {}, {}, {}, {}
   by_kind, by_name, by_op = collections.Counter(), collections.Counter(), collections.Counter()
   by_device: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
   for e in events:

@@ -19,8 +19,7 @@ The work is split the way it parallelises (SPEC section 2, chunks of C tokens):
    stays in registers; per chunk ``V' = U - W S``, ``O = QG S + A_qk V'``,
    ``S = gC * S + KD^T V'``. On Hopper this pass and the backward's are Mosaic GPU kernels
    where they win (``recurrence_mgpu.py``, ``RECURRENCE``), and so is ``kda_chunk_wu``
-   (``wu_mgpu.py``, ``CHUNK_WU``); ``kda_chunk_a`` has one too, not yet the default
-   (``chunk_a_mgpu.py``, ``CHUNK_A``).
+   (``wu_mgpu.py``, ``CHUNK_WU``).
 3. Backward: the chunk factors (the dense path also with ``P_kk``, ``k e^G`` and the inverse),
    the chunk states and V', kept by the forward (``save_residuals``, with ``_fwd_kernel``
    storing the states) or recomputed by steps 1 and 2 from the inputs; ``_bwd_kernel`` carries
@@ -50,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import num_sms
-from pallas_kernels.kda import chunk_a_mgpu, recurrence_mgpu, wu_mgpu
+from pallas_kernels.kda import recurrence_mgpu, wu_mgpu
 from pallas_kernels.kda.prep_vjp import preprocess_vjp
 from pallas_kernels.kda.reference import L2_EPS, kda_gate, l2norm, restart_mask
 
@@ -807,21 +806,10 @@ def _tok(x, d, dtype):
   return jax.ShapeDtypeStruct(x.shape[:3] + (d,), dtype)
 
 
-# "triton" (``_dense_a_kernel``) or "mosaic" (``chunk_a_mgpu`` where it applies: Hopper or
-# interpret mode, bf16, 64-token chunks, K 64 or 128; not yet timed on a GPU, 2026-12-03).
-CHUNK_A = "triton"
-
-
-def _row_flags(seg, c):
-  """Per token ``[B, Tp]`` float32: cont (continues the state entering its chunk), last (in its
-  chunk's last segment), the cont of its chunk's last token, and where its segment starts in
-  its chunk (0 if before it)."""
-  tp = seg.shape[1]
-  start = jnp.arange(tp) // c * c
-  prev, end = seg[:, jnp.maximum(start - 1, 0)], seg[:, start + c - 1]
-  first = jax.vmap(lambda s: jnp.searchsorted(s, s, side="left"))(seg)  # seg is non-decreasing
-  return tuple(x.astype(jnp.float32) for x in (seg == prev, seg == end, end == prev,
-                                               jnp.maximum(first - start, 0)))
+def _cont(seg, c):
+  """``[B, Tp]`` float32: 1 where a token continues the state entering its chunk."""
+  start = jnp.arange(seg.shape[1]) // c * c
+  return (seg == seg[:, jnp.maximum(start - 1, 0)]).astype(jnp.float32)
 
 
 def _chunk_a(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t):
@@ -829,12 +817,6 @@ def _chunk_a(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t):
   bsz, tp, h, kd = q.shape
   hv, c = v.shape[2], cfg.chunk
   dt, f32 = jnp.dtype(cfg.dtype), jnp.float32
-  if CHUNK_A == "mosaic" and _mosaic_gpu() and chunk_a_mgpu.supported(cfg, q):
-    gate = jnp.stack([jnp.broadcast_to(jnp.exp(A_log.astype(f32))[:, None], (hv, kd)),
-                      dt_bias.astype(f32).reshape(hv, kd)])
-    *out, rq, rk = chunk_a_mgpu.chunk_a(cfg, q, k, g, gate, jnp.stack(_row_flags(seg, c)),
-                                        hv=hv, t=t, max_exp=_MAX_EXP, interpret=_interpret())
-    return (*out, jnp.swapaxes(rq, 1, 2), jnp.swapaxes(rk, 1, 2))
   kern = functools.partial(_dense_a_kernel, cfg=cfg, hv=hv, group=hv // h, t=t)
   return _call(kern, "kda_chunk_a", (tp // c, bsz * hv),
                [_tok(v, c, f32), _tok(v, c, dt), _tok(v, kd, dt), _tok(v, kd, dt),
@@ -862,7 +844,7 @@ def _chunk_wu(cfg, pkk, kg, v, beta, seg, t, keep):
     beta = jnp.where((jnp.arange(tp) < t)[None, :, None], beta, 0.0)  # padded tokens
     split = (not (cfg.use_qk_l2norm and cfg.beta_is_logit) if WU_SPLIT == "auto"
              else bool(WU_SPLIT))
-    return wu_mgpu.chunk_wu(pkk, kg, v, jnp.swapaxes(beta, 1, 2), _row_flags(seg, c)[0],
+    return wu_mgpu.chunk_wu(pkk, kg, v, jnp.swapaxes(beta, 1, 2), _cont(seg, c),
                             keep=keep, split=split, interpret=_interpret())
   kern = functools.partial(_dense_wu_kernel, cfg=cfg, hv=hv, t=t)
   return _call(kern, "kda_chunk_wu", (tp // c, bsz * hv),
