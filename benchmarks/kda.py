@@ -139,7 +139,7 @@ def check(decode=True, tag="pallas_gpu", similar=False):
        **{k_: round(v_, 5) for k_, v_ in errs.items()})
   bad = {k_: v_ for k_, v_ in errs.items() if not v_ < CHECK_TOL}
   if bad:
-    print("CHECK FAILED", tag, bad, flush=True)
+    _ROWS.fail(tag, bad)
   if decode:
     check_decode(h, kd, a_log, dt_bias)
   return errs
@@ -159,7 +159,11 @@ def check_decode(h, kd, a_log, dt_bias):
   od1, p1 = jax.jit(lambda *a: kda_decode(*a, implementation="pallas_gpu", **kw))(
       qd, kdd, vd, fd, bd, pool)
   od2, p2 = kda_decode(qd, kdd, vd, fd, bd, pool, implementation="naive", **kw)
-  emit(name="check decode vs naive (N8 Tn3)", o=round(rel(od1, od2), 5), pool=round(rel(p1, p2), 6))
+  errs = {"o": rel(od1, od2), "pool": rel(p1, p2)}
+  emit(name="check decode vs naive (N8 Tn3)", o=round(errs["o"], 5), pool=round(errs["pool"], 6))
+  bad = {k_: v_ for (k_, v_), tol in zip(errs.items(), DECODE_TOL) if not v_ < tol}
+  if bad:
+    _ROWS.fail("decode", bad)
 
 
 def fwd_bwd(loss, n):
@@ -803,6 +807,8 @@ def decode_fla():
 
 def table():
   by = {r["name"]: r for r in ROWS}
+  if _ROWS.failed:
+    print(f"\nCHECK FAILED ({', '.join(_ROWS.failed)}): the times below are not results")
   print("\n| shape | pass | ours ms | fla ms | jla ms | XLA chunked ms | fla/ours | jla/ours |"
         " chunked/ours |")
   print("|---|---|---|---|---|---|---|---|---|")

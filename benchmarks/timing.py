@@ -81,8 +81,17 @@ class Rows:
   def __init__(self, filename: str):
     self.filename = filename
     self.rows: list[dict] = []
+    self.failed: list[str] = []  # the checks that failed so far in this run
+
+  def fail(self, name: str, bad: dict) -> None:
+    """Records a failed check: prints CHECK FAILED, and every later row carries
+    ``check_failed`` (the times of a kernel that computes the wrong thing are not results)."""
+    print("CHECK FAILED", name, bad, flush=True)
+    self.failed.append(name)
 
   def emit(self, row: dict) -> None:
+    if self.failed and not row["name"].startswith("check"):
+      row = {**row, "check_failed": list(self.failed)}
     self.rows.append(row)
     print(json.dumps(row), flush=True)
     out = os.environ.get("OUT")
@@ -97,7 +106,7 @@ class Rows:
     self.emit({"name": name, **errs})
     bad = {k: v for k, v in errs.items() if not v < tol}
     if bad:
-      print("CHECK FAILED", name, bad, flush=True)
+      self.fail(name, bad)
     return errs
 
   def times(self, name: str, fns: dict, traffic: dict, reps: dict, **extra) -> dict:
