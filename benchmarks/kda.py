@@ -353,15 +353,17 @@ def sweep_loops(parts, tag, left):
 
 
 def sweep(parts, shape, tag, left):
-  """The variants of the kernels, most promising first: the sequential passes (Triton or Mosaic
-  GPU, the latter's V tile and ring slots), the WY factors (Triton or Mosaic GPU, the latter's
-  inverse in float16 or split bf16 products), the bf16 backward intermediates, programs walking
-  several chunks, the dense path's reference blocks of 16 rows instead of the default (chunk_a,
-  chunk_dqkg), chunk_dqkg at other warp counts and K slice widths, the gate
+  """The variants of the kernels, most promising first: chunk_dqkg's cumulative sum as products
+  (its check errors and time; the default's time is the parts' row), the sequential passes
+  (Triton or Mosaic GPU, the latter's V tile and ring slots), the WY factors (Triton or Mosaic
+  GPU, the latter's inverse in float16 or split bf16 products), the bf16 backward intermediates,
+  programs walking several chunks, the dense path's reference blocks of 16 rows instead of the
+  default (chunk_a, chunk_dqkg), chunk_dqkg at other warp counts and K slice widths, the gate
   gradient's matrix-unit algorithm (its check errors and the chunk_dqkg time), then the other
   kernels at other warp counts. Each kernel is timed alone; stops when ``left()`` is too small
   for the next step."""
   recur = ("recur_fwd", "recur_fwd_store", "recur_bwd")
+  sweep_checked(parts, tag, left, "CUMSUM_DOT", ("kda_chunk_dqkg",), "cumsum_dot")
   sweep_module(parts, tag, left, "RECURRENCE", ("triton", "mosaic"), recur)
   sweep_module(parts, tag, left, "MGPU_V_TILE", (32,), recur)
   sweep_module(parts, tag, left, "MGPU_STAGES", (2,), recur)
@@ -380,20 +382,26 @@ def sweep(parts, shape, tag, left):
     kda_gpu.DQKG_SLICE_K = bk
     sweep_warps(parts, "chunk_dqkg", f"slice {bk} {tag}", left, warps, with_default=False)
   kda_gpu.DQKG_SLICE_K = default
-  default = kda_gpu.GATE_DOT
   for name, dot in GATE_DOTS.items():
-    if left() < 25:
-      return
-    kda_gpu.GATE_DOT = dot
-    try:
-      errs = check(decode=False, tag=f"gate_dot={name}")
-      emit(name=f"sweep gate_dot={name} chunk_dqkg {tag}", ms=round(_time(parts, "chunk_dqkg"), 4),
-           **{k: round(errs[k], 5) for k in ("df", "dA_log", "ddt_bias", "dq", "dk")})
-    except Exception as e:  # noqa: BLE001
-      print(f"sweep gate_dot={name} FAILED", repr(e)[:800], flush=True)
-    kda_gpu.GATE_DOT = default
+    sweep_checked(parts, tag, left, "GATE_DOT", dot, f"gate_dot={name}")
   for name in ("chunk_a", "chunk_dwy"):
     sweep_warps(parts, name, tag, left)
+
+
+def sweep_checked(parts, tag, left, attr, value, label):
+  """``kda_gpu.<attr> = value`` for a change of chunk_dqkg's numerics: the check's gradient
+  errors on the card and chunk_dqkg's time."""
+  if left() < 25:
+    return
+  default = getattr(kda_gpu, attr)
+  setattr(kda_gpu, attr, value)
+  try:
+    errs = check(decode=False, tag=label)
+    emit(name=f"sweep {label} chunk_dqkg {tag}", ms=round(_time(parts, "chunk_dqkg"), 4),
+         **{k: round(errs[k], 5) for k in ("df", "dA_log", "ddt_bias", "dq", "dk")})
+  except Exception as e:  # noqa: BLE001
+    print(f"sweep {label} FAILED", repr(e)[:800], flush=True)
+  setattr(kda_gpu, attr, default)
 
 
 def sweep_warps(parts, name, tag, left, warps=None, with_default=True):

@@ -88,6 +88,35 @@ ORDER = ("q", "k", "v", "g", "beta", "s0", "A_log", "dt_bias")
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_kda_pallas_gpu(case):
+  _check_case(case)
+
+
+DOT_CUMSUM_CASES = [c for c in CASES if c[0] in ("bounded_chunk64_K128_T100",
+                                                  "bounded_saturated_chunk64")]
+
+
+@pytest.mark.parametrize("case", DOT_CUMSUM_CASES, ids=[c[0] for c in DOT_CUMSUM_CASES])
+def test_dot_cumsum_in_chunk_dqkg(monkeypatch, case):
+  """kda_chunk_dqkg with the gate's cumulative sum as matrix-unit products (``gpu.CUMSUM_DOT``)
+  passes the same checks, including the saturated gate whose dg sums terms e^80 apart."""
+  from pallas_kernels.kda import gpu
+  monkeypatch.setattr(gpu, "CUMSUM_DOT", ("kda_chunk_dqkg",))
+  _check_case(case)
+
+
+def test_dot_cumsum_matches_float64():
+  """``gpu._dot_cumsum`` (three bf16 parts) against a float64 cumulative sum: float32 accuracy
+  on gates in (-5, 0), where one bf16 part alone is off by ~1e-2."""
+  from pallas_kernels.kda import gpu
+  g = -5 * np.random.default_rng(4).random((64, 32)).astype(np.float32)
+  want = np.cumsum(g.astype(np.float64), axis=0)
+  got = np.asarray(gpu._dot_cumsum(jnp.asarray(g)), np.float64)
+  assert np.max(np.abs(got - want)) < 1e-4, np.max(np.abs(got - want))
+
+
+def _check_case(case):
+  """Outputs, final state and every gradient of ``pallas_gpu`` against the float64 loop, the
+  naive recurrence and central differences."""
   x, seg, opts, chunk, tol = _setup(case)
   args = tuple(jnp.asarray(x[n]) for n in ORDER)
   np_run = lambda y: np_kda(y["q"], y["k"], y["v"], y["g"], y["beta"], y["s0"], np.asarray(seg),
@@ -134,13 +163,16 @@ def test_bad_head_dim_is_rejected():
     kda(*(jnp.asarray(x[n]) for n in ORDER[:5]), implementation="pallas_gpu")
 
 
-@pytest.mark.parametrize("shape", [(1, 100, 2, 128), (1, 16384, 32, 128)],
-                         ids=["T100", "benchmark_T16384_H32"])
-def test_dense_path_lowers_for_cuda(monkeypatch, shape):
+@pytest.mark.parametrize("shape, cumsum_dot", [((1, 100, 2, 128), ()),
+                                               ((1, 16384, 32, 128), ()),
+                                               ((1, 100, 2, 128), ("kda_chunk_dqkg",))],
+                         ids=["T100", "benchmark_T16384_H32", "T100_cumsum_dot"])
+def test_dense_path_lowers_for_cuda(monkeypatch, shape, cumsum_dot):
   """The bounded-gate kernels (forward and backward, bf16, K=128, two K slices)
   lower through Pallas' Triton path for an H200 without a GPU (catches lowering errors on CPU),
-  also at the benchmark shape (inputs as shapes only)."""
+  also at the benchmark shape (inputs as shapes only) and with ``gpu.CUMSUM_DOT``."""
   from pallas_kernels.kda import gpu
+  monkeypatch.setattr(gpu, "CUMSUM_DOT", cumsum_dot)
   gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
   monkeypatch.setattr(gpu_info, "get_gpu_info",
                       lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))

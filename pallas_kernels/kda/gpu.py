@@ -440,11 +440,13 @@ class _Dense:
   that only need beta and the segment masks. ``norms`` (refs ``[B, Tp, HV]``), if given, hold
   the rows' inverse L2 norms of q and k (from ``kda_chunk_a``), else they are computed."""
 
-  def __init__(self, cfg, refs, b, h, hq, c0, t, kd, slice_k=SLICE_K, norms=None):
+  def __init__(self, cfg, refs, b, h, hq, c0, t, kd, slice_k=SLICE_K, norms=None,
+               dot_cumsum=False):
     q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref = refs
     f32 = jnp.float32
     c = cfg.chunk
     self.cfg, self.refs, self.b, self.h, self.hq, self.c0, self.t = cfg, refs, b, h, hq, c0, t
+    self.dot_cumsum = dot_cumsum
     self.bk = min(kd, slice_k)
     self.ns = kd // self.bk
     self.rows = pl.ds(c0, c)
@@ -493,7 +495,7 @@ class _Dense:
       g = (cfg.lower_bound * jax.nn.sigmoid(e * x) if cfg.gate == "bounded"
            else -e * jax.nn.softplus(x))
     g = jnp.where(self.valid[:, None], g, 0.0)
-    return q, k, jnp.cumsum(g, axis=0)
+    return q, k, _dot_cumsum(g) if self.dot_cumsum else jnp.cumsum(g, axis=0)
 
   def row(self, x, i):
     """Row i of a [C, BK] tile as [BK] (masked reduction)."""
@@ -517,6 +519,20 @@ class _Dense:
       return rows, col
 
     return [functools.partial(block, i) for i in range(len(refs))], jnp.exp(G - ref_rows)
+
+
+def _dot_cumsum(g):
+  """``cumsum(g, axis=0)`` of a [C, BK] float32 tile as matrix-unit products with the
+  lower-triangular ones, on three bf16 parts of g (``g = a + b + c`` exactly to float32): the
+  sum in float32 without the scan across the rows' threads and warps."""
+  rows = g.shape[0]
+  tril = (jnp.arange(rows)[:, None] >= jnp.arange(rows)[None, :]).astype(jnp.bfloat16)
+  total = None
+  for _ in range(3):
+    part = g.astype(jnp.bfloat16)
+    g = g - part.astype(jnp.float32)
+    total = _mm(tril, part) if total is None else total + _mm(tril, part)
+  return total
 
 
 def _lower_inverse(a, c, precision=None):
@@ -672,7 +688,7 @@ DQKG_SLICE_K = 32
 
 def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref, h_ref, dh_ref,
                        vn_ref, do_ref, dy_ref, dpkk_ref, rq_ref, rk_ref, dq_ref, dk_ref, dg_ref, *,
-                       cfg, hv, group, t, gate_dot, slice_k, pid):
+                       cfg, hv, group, t, gate_dot, slice_k, dot_cumsum, pid):
   """Grid (K slices, NC, B*HV): gradients wrt the pre-processed q, k (per value head) and g of
   one K slice of one chunk, from the state entering the chunk (h), the gradient of the state
   leaving it (dh), V', dO, dY, the pair-product gradient dpkk and the inverse norms.
@@ -690,7 +706,8 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
   f32 = jnp.float32
   mm = _mm
   ch = _Dense(cfg, (q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref), b, h,
-              h // group, ci * c, t, q_ref.shape[-1], slice_k, norms=(rq_ref, rk_ref))
+              h // group, ci * c, t, q_ref.shape[-1], slice_k, norms=(rq_ref, rk_ref),
+              dot_cumsum=dot_cumsum)
   rows, cols, beta = ch.rows, ch.cols(s), ch.beta[:, None]
   ld = lambda ref: ref[b, rows, h, :].astype(f32)
   q, k, G = ch.slice(s)
@@ -751,6 +768,14 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
   dg_ref[b, rows, h, cols] = (dgl[None, :] + jnp.sum(dG, axis=0)[None, :]
                               - jnp.cumsum(dG, axis=0) + dG).astype(dg_ref.dtype)
 
+
+# The chunk kernels (by pallas_call name) that form the gate's cumulative sum as products
+# (``_dot_cumsum``) instead of a scan. Not yet timed on a GPU (2026-12-03); compiled for the
+# H200 on the CPU (``tools/triton_report.py``, B1 T16384 H32 K128), kda_chunk_dqkg spills 152
+# instead of 440 bytes per thread and has 5480 instead of 5760 instructions (its reverse sum for
+# dg as products too: 5232, but 360 bytes of spills); kda_chunk_a 9688 instead of 6000, with
+# 900 bytes of spills (the products' layout against the tiles' around them).
+CUMSUM_DOT = ()
 
 # Warps per chunk-local kernel (by pallas_call name; `benchmarks/kda.py --sweep` times others).
 # H200, B1 T16384 H32 K128, 2026-12-02: kda_chunk_dqkg 4 warps 2.86 ms, 8 4.54; kda_chunk_dwy
@@ -878,7 +903,8 @@ def _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, 
   hv = v.shape[2]
   bk = min(kd, DQKG_SLICE_K)
   kern = functools.partial(_dense_dqkg_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
-                           gate_dot=GATE_DOT, slice_k=bk)
+                           gate_dot=GATE_DOT, slice_k=bk,
+                           dot_cumsum="kda_chunk_dqkg" in CUMSUM_DOT)
   return _call(kern, "kda_chunk_dqkg", (kd // bk, tp // cfg.chunk, bsz * hv),
                [_tok(v, kd, _store_dtype(cfg, n)) for n in ("dqk", "dqk", "dg")],
                q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, rq, rk,
