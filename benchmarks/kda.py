@@ -354,8 +354,9 @@ def sweep_loops(parts, tag, left):
 
 def sweep(parts, shape, tag, left):
   """The variants of the kernels, most promising first: chunk_dqkg's cumulative sum as products
-  (its check errors and time; the default's time is the parts' row), the sequential passes
-  (Triton or Mosaic GPU, the latter's V tile and ring slots), the WY factors (Triton or Mosaic
+  and the Mosaic passes' 128-wide V tile (single-buffered: one CTA per (batch, head)), each with
+  the check's errors and the kernels' times (the default's are the parts' row), the sequential
+  passes (Triton or Mosaic GPU, the latter's V tile and ring slots), the WY factors (Triton or Mosaic
   GPU, the latter's inverse in float16 or split bf16 products), the bf16 backward intermediates,
   programs walking several chunks, the dense path's reference blocks of 16 rows instead of the
   default (chunk_a, chunk_dqkg), chunk_dqkg at other warp counts and K slice widths, the gate
@@ -364,6 +365,7 @@ def sweep(parts, shape, tag, left):
   for the next step."""
   recur = ("recur_fwd", "recur_fwd_store", "recur_bwd")
   sweep_checked(parts, tag, left, "CUMSUM_DOT", ("kda_chunk_dqkg",), "cumsum_dot")
+  sweep_checked(parts, tag, left, "MGPU_V_TILE", 128, "mgpu_v_tile=128", recur)
   sweep_module(parts, tag, left, "RECURRENCE", ("triton", "mosaic"), recur)
   sweep_module(parts, tag, left, "MGPU_V_TILE", (32,), recur)
   sweep_module(parts, tag, left, "MGPU_STAGES", (2,), recur)
@@ -388,17 +390,17 @@ def sweep(parts, shape, tag, left):
     sweep_warps(parts, name, tag, left)
 
 
-def sweep_checked(parts, tag, left, attr, value, label):
-  """``kda_gpu.<attr> = value`` for a change of chunk_dqkg's numerics: the check's gradient
-  errors on the card and chunk_dqkg's time."""
+def sweep_checked(parts, tag, left, attr, value, label, names=("chunk_dqkg",)):
+  """``kda_gpu.<attr> = value`` for a change the card must check: the check's errors (outputs
+  and gradients against the float32 recurrence) and the kernels ``names`` timed alone."""
   if left() < 25:
     return
   default = getattr(kda_gpu, attr)
   setattr(kda_gpu, attr, value)
   try:
     errs = check(decode=False, tag=label)
-    emit(name=f"sweep {label} chunk_dqkg {tag}", ms=round(_time(parts, "chunk_dqkg"), 4),
-         **{k: round(errs[k], 5) for k in ("df", "dA_log", "ddt_bias", "dq", "dk")})
+    emit(name=f"sweep {label} {tag}", **{n: round(_time(parts, n), 4) for n in names},
+         **{k: round(v, 5) for k, v in errs.items()})
   except Exception as e:  # noqa: BLE001
     print(f"sweep {label} FAILED", repr(e)[:800], flush=True)
   setattr(kda_gpu, attr, default)

@@ -81,9 +81,11 @@ def _close(got, want, tol, name):
 
 
 # (batch, chunks, value heads, K, V, V tile, ring slots): one chunk (fewer chunks than the
-# prologue fetches), two and five (both S / V' buffers reused, the ring wrapping), two V tiles
+# prologue fetches), two and five (both S / V' buffers reused, the ring wrapping), two V tiles;
+# K = 128 with a 128-wide V tile: single-buffered S / V' / O, dS / dV' (three chunks reuse them)
 @pytest.mark.parametrize("b,nc,hv,kd,vd,bv,stages", [
-    (1, 1, 1, 64, 32, 32, 3), (2, 2, 2, 64, 16, 16, 2), (1, 5, 1, 128, 64, 32, 3)])
+    (1, 1, 1, 64, 32, 32, 3), (2, 2, 2, 64, 16, 16, 2), (1, 5, 1, 128, 64, 32, 3),
+    (1, 3, 1, 128, 128, 128, 3)])
 def test_forward_and_backward_match_float64_loops(b, nc, hv, kd, vd, bv, stages):
   w, u, qg, aqk, kdec, gc, s0 = _factors(nc + kd, b, nc, hv, kd, vd)
   o_want, st_want, h_want, vn_want = _forward_loop(w, u, qg, aqk, kdec, gc, s0)
@@ -143,10 +145,13 @@ def test_unsupported_factors_take_the_triton_passes():
   assert not recurrence_mgpu.supported(jax.ShapeDtypeStruct((1, 64, 1, 256), BF16), w, 64)
 
 
-@pytest.mark.parametrize("kd,bv", [(64, 16), (128, 32), (128, 64)])
+@pytest.mark.parametrize("kd,bv", [(64, 16), (128, 32), (128, 64), (128, 128)])
 def test_every_supported_tiling_fits_shared_memory(kd, bv):
   """Both passes at each supported K and V tile, at most ``ring_slots`` slots, lowered for an
-  H200 (Mosaic GPU refuses more than 227 KiB of SMEM per CTA)."""
+  H200 (Mosaic GPU refuses more than 227 KiB of SMEM per CTA); double-buffered up to a 64-wide
+  V tile at K = 128, single-buffered at 128."""
+  assert recurrence_mgpu.buffers(kd, bv, True) == recurrence_mgpu.buffers(kd, bv, False) == (
+      1 if kd * bv > 128 * 64 else 2)
   sds = jax.ShapeDtypeStruct
   tok = lambda d: sds((1, 256, 2, d), BF16)
   gc, state = sds((1, 4, 2, kd), jnp.float32), sds((1, 2, kd, 2 * bv), jnp.float32)
@@ -176,3 +181,31 @@ def test_auto_takes_the_mosaic_forward_within_one_wave(monkeypatch):
   for mode, want in (("triton", 0), ("mosaic", 64)):
     monkeypatch.setattr(gpu, "RECURRENCE", mode)
     assert gpu._mosaic(cfg, *two_waves, BF16, forward=True) == want
+
+
+def test_single_buffered_tile_gives_the_same_op_results(monkeypatch):
+  """The whole op (forward, final state, every gradient) at K = V = 128 with the 128-wide V tile
+  (single-buffered passes) equals the default 64-wide tiles bit for bit: the V columns of the
+  state are independent, so only the buffering differs."""
+  from pallas_kernels.kda import kda
+  rng = np.random.default_rng(5)
+  b, t, h, kd = 1, 130, 1, 128
+  x = [jnp.asarray(rng.normal(size=(b, t, h, kd)), BF16) for _ in range(4)]
+  beta = jnp.asarray(rng.normal(size=(b, t, h)), BF16)
+  seg = jnp.asarray((np.arange(t) >= 70)[None], jnp.int32)
+  wo = jnp.asarray(rng.normal(size=(b, t, h, kd)), jnp.float32)
+
+  def loss(*a):
+    o, s = kda(*a, use_qk_l2norm=True, A_log=jnp.full((h,), 0.3), dt_bias=jnp.zeros(h * kd),
+               gate="bounded", beta_is_logit=True, segment_ids=seg, output_final_state=True,
+               implementation="pallas_gpu")
+    return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(s)
+
+  results = []
+  for tile in (64, 128):
+    monkeypatch.setattr(gpu, "MGPU_V_TILE", tile)
+    results.append(jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5))))(*x, beta))
+  (l64, g64), (l128, g128) = results
+  assert float(l64) == float(l128)
+  for a, c in zip(g64, g128):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))

@@ -1086,7 +1086,10 @@ def _store_dtype(cfg, name):
 # 0.431-0.460 against 0.580-0.590, the backward 0.375-0.383 against 0.555-0.563; in the k3_1b
 # step (B16 T4096 HV8: 256 CTAs) the storing forward 5.13 ms per step against Triton's 4.81, the
 # backward 4.56 against 4.75. The Mosaic V tile and ring slots (B1 T16384 H32): the forward
-# 0.358 ms at 64 wide, 0.476 at 32, 1.22 at 16; storing 0.431 / 0.652 / 1.41.
+# 0.358 ms at 64 wide, 0.476 at 32, 1.22 at 16; storing 0.431 / 0.652 / 1.41. At B4 T4096 H32
+# (128 heads, 256 CTAs of 64 chunks) 0.344-0.367 against Triton's 0.334-0.340 (runs 35-36); a
+# 128-wide tile (MGPU_V_TILE = 128: one CTA per head, one wave of 128, its S / V' / O buffers
+# single; jla's layout, 0.202 ms) is not yet timed.
 RECURRENCE = "auto"
 MGPU_V_TILE = 64
 MGPU_STAGES = 3

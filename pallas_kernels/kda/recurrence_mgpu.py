@@ -21,8 +21,10 @@ QG^T dO - W^T dV'``, each as two wgmmas issued together (the one with dO first, 
 and awaited once, where Triton awaits each of the four products.
 
 Each warpgroup streams its own chunk tiles (W, KD, U, gC; QG, A_qk) through a ring of
-``stages`` SMEM slots, ``stages - 1`` chunks ahead; S and V' are double-buffered, so warpgroup 0
-waits for warpgroup 1 only two chunks later. Shapes: w, qg, kd ``[B, Tp, HV, K]``, u
+``stages`` SMEM slots, ``stages - 1`` chunks ahead. S and V' (and O, dS, dV') are double-buffered,
+so warpgroup 0 waits for warpgroup 1 only two chunks later, where two buffers and two ring slots
+fit the SMEM; else (K = 128 with a 128-wide V tile: one CTA per (batch, head), one wave for 128 of
+them) single-buffered, warpgroup 0 writing the next chunk's S once warpgroup 1 has read the last. Shapes: w, qg, kd ``[B, Tp, HV, K]``, u
 ``[B, Tp, HV, V]``, aqk ``[B, Tp, HV, C]`` (bf16), gc ``[B, NC, HV, K]`` and s0 ``[B, HV, K, V]``
 float32; outputs o ``[B, Tp, HV, V]``, the final state ``[B, HV, K, V]`` float32 and, with
 ``store``, h ``[B, NC, HV, K, V]`` and vn ``[B, Tp, HV, V]`` (bf16).
@@ -52,14 +54,31 @@ def supported(w, u, chunk: int, *stored) -> bool:
           and u.shape[-1] % 16 == 0 and all(jnp.dtype(d) == bf16 for d in stored))
 
 
+def _slot_bytes(kdim: int, bv: int) -> int:
+  """One ring slot: a chunk's tiles, the same in both passes (W, KD, QG, A_qk, gC and the
+  [C, BV] tile U or dO)."""
+  return 2 * (3 * CHUNK * kdim + CHUNK * bv + CHUNK * CHUNK) + 4 * kdim
+
+
+def _other_bytes(kdim: int, bv: int, forward: bool, nbuf: int) -> int:
+  """Besides the ring: the forward's ``nbuf`` buffers of S, V' and O, the backward's of dS and
+  dV' and its -dV'."""
+  if forward:
+    return 2 * nbuf * (kdim * bv + 2 * CHUNK * bv)
+  return 2 * (nbuf * (kdim * bv + CHUNK * bv) + CHUNK * bv)
+
+
+def buffers(kdim: int, bv: int, forward: bool) -> int:
+  """2 (double-buffered S, V', ...) where they fit beside two ring slots, else 1."""
+  fits = 2 * _slot_bytes(kdim, bv) + _other_bytes(kdim, bv, forward, 2) + 1024
+  return 2 if fits <= wgmma.SMEM_BYTES else 1
+
+
 def ring_slots(kdim: int, bv: int, want: int, forward: bool) -> int:
-  """Ring slots of a pass: ``want``, or as many as fit the SMEM (at least 2). A slot holds one
-  chunk's tiles, the same in both passes (W, KD, QG, A_qk, gC and the [C, BV] tile U or dO);
-  besides the ring, the forward double-buffers S, V' and O, the backward dS and dV' and holds
-  -dV'."""
-  per = 2 * (3 * CHUNK * kdim + CHUNK * bv + CHUNK * CHUNK) + 4 * kdim
-  other = 4 * (kdim * bv + 2 * CHUNK * bv) if forward else 2 * (2 * kdim * bv + 3 * CHUNK * bv)
-  return max(2, min(want, (wgmma.SMEM_BYTES - other - 1024) // per))
+  """Ring slots of a pass: ``want``, or as many as fit the SMEM beside its :func:`buffers`
+  (at least 2)."""
+  other = _other_bytes(kdim, bv, forward, buffers(kdim, bv, forward))
+  return max(2, min(want, (wgmma.SMEM_BYTES - other - 1024) // _slot_bytes(kdim, bv)))
 
 
 def _ring(bars, stages: int, nc: int, tiles):
@@ -77,7 +96,7 @@ def _ring(bars, stages: int, nc: int, tiles):
 
 
 def _kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, *rest, hv, nc,
-            bv, stages, store, interpret):
+            bv, stages, nbuf, store, interpret):
   outs, scratch = (rest[:2], rest[2:]) if store else ((), rest)
   (w_smem, kd_smem, u_smem, gc_smem, qg_smem, a_smem, s_smem, vn_smem, o_smem,
    in0, in1, ready, free) = scratch
@@ -94,12 +113,12 @@ def _kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, 
         (lambda i: u_ref.at[b, rows(i), h, vs], u_smem), (lambda i: gc_ref.at[b, i, h], gc_smem)))
 
     def step(i, s):
-      slot, p = lax.rem(i, stages), lax.rem(i, 2)
+      slot, p = lax.rem(i, stages), lax.rem(i, nbuf)
       pl.when(i + stages - 1 < nc)(lambda: fetch(i + stages - 1))
       plgpu.barrier_wait(in0.at[slot])
-      pl.when(i >= 2)(lambda: plgpu.barrier_wait(free.at[p]))  # warpgroup 1 is done with p
+      pl.when(i >= nbuf)(lambda: plgpu.barrier_wait(free.at[p]))  # warpgroup 1 is done with p
       if store:
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # chunk i - 2's copies read p
+        plgpu.wait_smem_to_gmem(nbuf - 1, wait_read_only=True)  # chunk i - nbuf's copies read p
       s_smem.at[p][...] = s.astype(s_smem.dtype)
       plgpu.commit_smem()
       vn = (plgpu.load(u_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
@@ -118,8 +137,8 @@ def _kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, 
 
     s0 = plgpu.load(s0_ref.at[b, h, :, vs], layout=plgpu.Layout.WGMMA, optimized=False)
     st_ref.at[b, h, :, vs][...] = lax.fori_loop(0, nc, step, s0)
-    for j in range(2):  # warpgroup 1's releases of the last two chunks (each phase waited once)
-      pl.when(nc > j)(lambda: plgpu.barrier_wait(free.at[lax.rem(nc - 1 - j, 2)]))
+    for j in range(nbuf):  # warpgroup 1's releases of the last chunks (each phase waited once)
+      pl.when(nc > j)(lambda: plgpu.barrier_wait(free.at[lax.rem(nc - 1 - j, nbuf)]))
     if store:
       plgpu.wait_smem_to_gmem(0)
 
@@ -129,13 +148,13 @@ def _kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, 
                                     (lambda i: a_ref.at[b, rows(i), h], a_smem)))
 
     def step(i, carry):
-      slot, p = lax.rem(i, stages), lax.rem(i, 2)
+      slot, p = lax.rem(i, stages), lax.rem(i, nbuf)
       pl.when(i + stages - 1 < nc)(lambda: fetch(i + stages - 1))
       plgpu.barrier_wait(in1.at[slot])
       plgpu.barrier_wait(ready.at[p])
       o = wgmma.product((c, bv), (qg_smem.at[slot], s_smem.at[p]), (a_smem.at[slot], vn_smem.at[p]))
       plgpu.barrier_arrive(free.at[p])
-      plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # chunk i - 2's store read o_smem[p]
+      plgpu.wait_smem_to_gmem(nbuf - 1, wait_read_only=True)  # chunk i - nbuf's store read it
       o_smem.at[p][...] = o.astype(o_smem.dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem.at[p], o_ref.at[b, rows(i), h, vs])
@@ -153,13 +172,14 @@ def recurrence_fwd(w, u, qg, aqk, kd, gc, s0, *, out_dtype, store: bool, block_v
   c, nc = CHUNK, tp // CHUNK
   bv = block_v
   stages = ring_slots(kdim, bv, stages, forward=True)
+  nbuf = buffers(kdim, bv, forward=True)
   bf16 = jnp.bfloat16
   out_type = [jax.ShapeDtypeStruct((bsz, tp, hv, vd), out_dtype),
               jax.ShapeDtypeStruct((bsz, hv, kdim, vd), jnp.float32)]
   if store:
     out_type += [jax.ShapeDtypeStruct((bsz, nc, hv, kdim, vd), bf16),
                  jax.ShapeDtypeStruct((bsz, tp, hv, vd), bf16)]
-  kern = functools.partial(_kernel, hv=hv, nc=nc, bv=bv, stages=stages, store=store,
+  kern = functools.partial(_kernel, hv=hv, nc=nc, bv=bv, stages=stages, nbuf=nbuf, store=store,
                            interpret=interpret)
   kern.__name__ = "kda_fwd_recurrence_mgpu"
   # the key-side tiles meet the BV-wide S and V' in their products: the swizzle of a BV row
@@ -171,13 +191,13 @@ def recurrence_fwd(w, u, qg, aqk, kd, gc, s0, *, out_dtype, store: bool, block_v
       plgpu.SMEM((stages, kdim), jnp.float32),  # gC
       key((stages, c, kdim)),  # QG
       key((stages, c, c)),  # A_qk
-      wgmma.swizzled((2, kdim, bv), bf16),  # S entering the chunk
-      wgmma.swizzled((2, c, bv), bf16),  # V'
-      wgmma.swizzled((2, c, bv), out_dtype),  # O
+      wgmma.swizzled((nbuf, kdim, bv), bf16),  # S entering the chunk
+      wgmma.swizzled((nbuf, c, bv), bf16),  # V'
+      wgmma.swizzled((nbuf, c, bv), out_dtype),  # O
       plgpu.Barrier(num_arrivals=4, num_barriers=stages),  # warpgroup 0's tiles landed
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # warpgroup 1's tiles landed
-      plgpu.Barrier(num_barriers=2),  # S, V' of a chunk written (warpgroup 0 -> 1)
-      plgpu.Barrier(num_barriers=2),  # ... and read (warpgroup 1 -> 0)
+      plgpu.Barrier(num_barriers=nbuf),  # S, V' of a chunk written (warpgroup 0 -> 1)
+      plgpu.Barrier(num_barriers=nbuf),  # ... and read (warpgroup 1 -> 0)
   )
   outs = plgpu.kernel(
       kern, out_type=tuple(out_type), scratch_types=scratch, grid=(vd // bv, bsz * hv),
@@ -188,7 +208,7 @@ def recurrence_fwd(w, u, qg, aqk, kd, gc, s0, *, out_dtype, store: bool, block_v
 
 def _bwd_kernel(do_ref, qg_ref, a_ref, kd_ref, w_ref, gc_ref, dst_ref, dvn_ref, dh_ref, ds0_ref,
                 do_smem, a_smem, kd_smem, qg_smem, w_smem, gc_smem, ds_smem, dvn_smem, ndvn_smem,
-                ready, *, hv, nc, bv, stages, interpret):
+                ready, *, hv, nc, bv, stages, nbuf, interpret):
   c = CHUNK
   bh = lax.axis_index("bh")
   b, h = lax.div(bh, hv), lax.rem(bh, hv)
@@ -202,10 +222,10 @@ def _bwd_kernel(do_ref, qg_ref, a_ref, kd_ref, w_ref, gc_ref, dst_ref, dvn_ref, 
       (lambda j: gc_ref.at[b, nc - 1 - j, h], gc_smem)))
 
   def step(j, ds):
-    slot, p, ci = lax.rem(j, stages), lax.rem(j, 2), nc - 1 - j
+    slot, p, ci = lax.rem(j, stages), lax.rem(j, nbuf), nc - 1 - j
     pl.when(j + stages - 1 < nc)(lambda: fetch(j + stages - 1))
     plgpu.barrier_wait(ready.at[slot])
-    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # chunk j - 2's copies read p
+    plgpu.wait_smem_to_gmem(nbuf - 1, wait_read_only=True)  # chunk j - nbuf's copies read p
     ds_smem.at[p][...] = ds.astype(ds_smem.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(ds_smem.at[p], dh_ref.at[b, ci, h, :, vs], commit_group=False)
@@ -235,9 +255,11 @@ def recurrence_bwd(do, qg, aqk, kd, w, gc, dst, *, block_v: int, stages: int, in
   vd = do.shape[-1]
   c, nc, bv = CHUNK, tp // CHUNK, block_v
   stages = ring_slots(kdim, bv, stages, forward=False)
+  nbuf = buffers(kdim, bv, forward=False)
   bf16 = jnp.bfloat16
   key = functools.partial(wgmma.swizzled, dtype=bf16, swizzle=min(2 * bv, 128))
-  kern = functools.partial(_bwd_kernel, hv=hv, nc=nc, bv=bv, stages=stages, interpret=interpret)
+  kern = functools.partial(_bwd_kernel, hv=hv, nc=nc, bv=bv, stages=stages, nbuf=nbuf,
+                           interpret=interpret)
   kern.__name__ = "kda_bwd_recurrence_mgpu"
   outs = plgpu.kernel(
       kern,
@@ -251,8 +273,8 @@ def recurrence_bwd(do, qg, aqk, kd, w, gc, dst, *, block_v: int, stages: int, in
           key((stages, c, kdim)),  # QG
           key((stages, c, kdim)),  # W
           plgpu.SMEM((stages, kdim), jnp.float32),  # gC
-          wgmma.swizzled((2, kdim, bv), bf16),  # dS leaving the chunk
-          wgmma.swizzled((2, c, bv), bf16),  # dV'
+          wgmma.swizzled((nbuf, kdim, bv), bf16),  # dS leaving the chunk
+          wgmma.swizzled((nbuf, c, bv), bf16),  # dV'
           wgmma.swizzled((c, bv), bf16),  # -dV'
           plgpu.Barrier(num_arrivals=6, num_barriers=stages)),  # a chunk's tiles landed
       grid=(vd // bv, bsz * hv), grid_names=("v", "bh"), **wgmma.kernel_params(interpret))(
