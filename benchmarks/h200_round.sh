@@ -137,13 +137,15 @@ kdasweep() {  # KDA variants and warp counts at B1 T16384 H32 (ours only)
   # KDA_BASE=DIR (a copy of an earlier commit, e.g. `git archive`) first times that code's
   # kernels one by one at the same shape: the before/after of a change in one run.
   # KDA_SWEEP_S: seconds for this code's run (200; below about 100 the sweep itself is skipped
-  # and only the whole op and its parts are timed).
-  local secs=${KDA_SWEEP_S:-200}
+  # and only the whole op and its parts are timed). KDA_SWEEP_SHAPE: another B x T x H x K
+  # (e.g. 4x4096x32x128).
+  local secs=${KDA_SWEEP_S:-200} shape=${KDA_SWEEP_SHAPE:-1x16384x32x128}
   if [ -n "${KDA_BASE:-}" ]; then
     (cd "$KDA_BASE" && export PYTHONPATH=/tmp/site:$PWD &&
-      bench kda_base 120 benchmarks/kda.py --ours-only --no-decode --budget 100)
+      bench kda_base 120 benchmarks/kda.py --ours-only --no-decode --shapes "$shape" --budget 100)
   fi
-  bench kda_sweep "$secs" benchmarks/kda.py --sweep --ours-only --no-decode --budget $(( secs - 30 ))
+  bench kda_sweep "$secs" benchmarks/kda.py --sweep --ours-only --no-decode --shapes "$shape" \
+    --budget $(( secs - 30 ))
 }
 
 # The step's glue kernels against XLA with their tile sweeps, the decode kernels' configurations
