@@ -364,7 +364,7 @@ def sweep(parts, shape, tag, left):
   kernels at other warp counts. Each kernel is timed alone; stops when ``left()`` is too small
   for the next step."""
   recur = ("recur_fwd", "recur_fwd_store", "recur_bwd")
-  sweep_checked(parts, tag, left, "CUMSUM_DOT", ("kda_chunk_dqkg",), "cumsum_dot")
+  sweep_checked(parts, tag, left, "DQKG_DOT_CUMSUM", True, "dqkg_dot_cumsum")
   sweep_checked(parts, tag, left, "MGPU_V_TILE", 128, "mgpu_v_tile=128", recur)
   sweep_module(parts, tag, left, "RECURRENCE", ("triton", "mosaic"), recur)
   sweep_module(parts, tag, left, "MGPU_V_TILE", (32,), recur)

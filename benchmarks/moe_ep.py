@@ -100,7 +100,7 @@ def main(argv=None):
         for _ in range(3):
           out = fn(xs, w1s, w2s)
         jax.block_until_ready(out)
-    _, _, by_device = kernel_times(trace)
+    by_device = kernel_times(trace)[2]
     comp = {dev: sum(v for kind, v in kinds.items() if kind != COLLECTIVES) / 3e3
             for dev, kinds in by_device.items()}
     coll = {dev: kinds.get(COLLECTIVES, 0.0) / 3e3 for dev, kinds in by_device.items()}

@@ -97,10 +97,10 @@ DOT_CUMSUM_CASES = [c for c in CASES if c[0] in ("bounded_chunk64_K128_T100",
 
 @pytest.mark.parametrize("case", DOT_CUMSUM_CASES, ids=[c[0] for c in DOT_CUMSUM_CASES])
 def test_dot_cumsum_in_chunk_dqkg(monkeypatch, case):
-  """kda_chunk_dqkg with the gate's cumulative sum as matrix-unit products (``gpu.CUMSUM_DOT``)
+  """kda_chunk_dqkg with the gate's cumulative sum as matrix-unit products (``DQKG_DOT_CUMSUM``)
   passes the same checks, including the saturated gate whose dg sums terms e^80 apart."""
   from pallas_kernels.kda import gpu
-  monkeypatch.setattr(gpu, "CUMSUM_DOT", ("kda_chunk_dqkg",))
+  monkeypatch.setattr(gpu, "DQKG_DOT_CUMSUM", True)
   _check_case(case)
 
 
@@ -163,16 +163,16 @@ def test_bad_head_dim_is_rejected():
     kda(*(jnp.asarray(x[n]) for n in ORDER[:5]), implementation="pallas_gpu")
 
 
-@pytest.mark.parametrize("shape, cumsum_dot", [((1, 100, 2, 128), ()),
-                                               ((1, 16384, 32, 128), ()),
-                                               ((1, 100, 2, 128), ("kda_chunk_dqkg",))],
+@pytest.mark.parametrize("shape, cumsum_dot", [((1, 100, 2, 128), False),
+                                               ((1, 16384, 32, 128), False),
+                                               ((1, 100, 2, 128), True)],
                          ids=["T100", "benchmark_T16384_H32", "T100_cumsum_dot"])
 def test_dense_path_lowers_for_cuda(monkeypatch, shape, cumsum_dot):
   """The bounded-gate kernels (forward and backward, bf16, K=128, two K slices)
   lower through Pallas' Triton path for an H200 without a GPU (catches lowering errors on CPU),
-  also at the benchmark shape (inputs as shapes only) and with ``gpu.CUMSUM_DOT``."""
+  also at the benchmark shape (inputs as shapes only) and with ``gpu.DQKG_DOT_CUMSUM``."""
   from pallas_kernels.kda import gpu
-  monkeypatch.setattr(gpu, "CUMSUM_DOT", cumsum_dot)
+  monkeypatch.setattr(gpu, "DQKG_DOT_CUMSUM", cumsum_dot)
   gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
   monkeypatch.setattr(gpu_info, "get_gpu_info",
                       lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))

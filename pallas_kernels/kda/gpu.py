@@ -769,13 +769,13 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
                               - jnp.cumsum(dG, axis=0) + dG).astype(dg_ref.dtype)
 
 
-# The chunk kernels (by pallas_call name) that form the gate's cumulative sum as products
-# (``_dot_cumsum``) instead of a scan. Not yet timed on a GPU (2026-12-03); compiled for the
-# H200 on the CPU (``tools/triton_report.py``, B1 T16384 H32 K128), kda_chunk_dqkg spills 152
-# instead of 440 bytes per thread and has 5480 instead of 5760 instructions (its reverse sum for
-# dg as products too: 5232, but 360 bytes of spills); kda_chunk_a 9688 instead of 6000, with
+# Whether kda_chunk_dqkg forms the gate's cumulative sum as products (``_dot_cumsum``) instead
+# of a scan. Not yet timed on a GPU (2026-12-03); compiled for the H200 on the CPU
+# (``tools/triton_report.py``, B1 T16384 H32 K128) it spills 152 instead of 440 bytes per thread
+# and has 5480 instead of 5760 instructions (its reverse sum for dg as products too: 5232, but
+# 360 bytes of spills); in kda_chunk_a the products took 9688 instead of 6000 instructions, with
 # 900 bytes of spills (the products' layout against the tiles' around them).
-CUMSUM_DOT = ()
+DQKG_DOT_CUMSUM = False
 
 # Warps per chunk-local kernel (by pallas_call name; `benchmarks/kda.py --sweep` times others).
 # H200, B1 T16384 H32 K128, 2026-12-02: kda_chunk_dqkg 4 warps 2.86 ms, 8 4.54; kda_chunk_dwy
@@ -904,7 +904,7 @@ def _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, 
   bk = min(kd, DQKG_SLICE_K)
   kern = functools.partial(_dense_dqkg_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
                            gate_dot=GATE_DOT, slice_k=bk,
-                           dot_cumsum="kda_chunk_dqkg" in CUMSUM_DOT)
+                           dot_cumsum=DQKG_DOT_CUMSUM)
   return _call(kern, "kda_chunk_dqkg", (kd // bk, tp // cfg.chunk, bsz * hv),
                [_tok(v, kd, _store_dtype(cfg, n)) for n in ("dqk", "dqk", "dg")],
                q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, rq, rk,

@@ -21,10 +21,11 @@ QG^T dO - W^T dV'``, each as two wgmmas issued together (the one with dO first, 
 and awaited once, where Triton awaits each of the four products.
 
 Each warpgroup streams its own chunk tiles (W, KD, U, gC; QG, A_qk) through a ring of
-``stages`` SMEM slots, ``stages - 1`` chunks ahead. S and V' (and O, dS, dV') are double-buffered,
-so warpgroup 0 waits for warpgroup 1 only two chunks later, where two buffers and two ring slots
-fit the SMEM; else (K = 128 with a 128-wide V tile: one CTA per (batch, head), one wave for 128 of
-them) single-buffered, warpgroup 0 writing the next chunk's S once warpgroup 1 has read the last. Shapes: w, qg, kd ``[B, Tp, HV, K]``, u
+``stages`` SMEM slots, ``stages - 1`` chunks ahead. S and V' (and O, dS, dV') are
+double-buffered, so warpgroup 0 waits for warpgroup 1 only two chunks later, where two buffers
+and two ring slots fit the SMEM; else (K = 128 with a 128-wide V tile: one CTA per (batch, head),
+one wave for 128 of them) single-buffered, warpgroup 0 writing the next chunk's S once warpgroup
+1 has read the last. Shapes: w, qg, kd ``[B, Tp, HV, K]``, u
 ``[B, Tp, HV, V]``, aqk ``[B, Tp, HV, C]`` (bf16), gc ``[B, NC, HV, K]`` and s0 ``[B, HV, K, V]``
 float32; outputs o ``[B, Tp, HV, V]``, the final state ``[B, HV, K, V]`` float32 and, with
 ``store``, h ``[B, NC, HV, K, V]`` and vn ``[B, Tp, HV, V]`` (bf16).
@@ -68,17 +69,21 @@ def _other_bytes(kdim: int, bv: int, forward: bool, nbuf: int) -> int:
   return 2 * (nbuf * (kdim * bv + CHUNK * bv) + CHUNK * bv)
 
 
+def _ring_bytes(kdim: int, bv: int, forward: bool, nbuf: int) -> int:
+  """The SMEM left for the ring beside ``nbuf`` buffers (and 1 KiB of barriers)."""
+  return wgmma.SMEM_BYTES - 1024 - _other_bytes(kdim, bv, forward, nbuf)
+
+
 def buffers(kdim: int, bv: int, forward: bool) -> int:
   """2 (double-buffered S, V', ...) where they fit beside two ring slots, else 1."""
-  fits = 2 * _slot_bytes(kdim, bv) + _other_bytes(kdim, bv, forward, 2) + 1024
-  return 2 if fits <= wgmma.SMEM_BYTES else 1
+  return 2 if _ring_bytes(kdim, bv, forward, 2) >= 2 * _slot_bytes(kdim, bv) else 1
 
 
 def ring_slots(kdim: int, bv: int, want: int, forward: bool) -> int:
   """Ring slots of a pass: ``want``, or as many as fit the SMEM beside its :func:`buffers`
   (at least 2)."""
-  other = _other_bytes(kdim, bv, forward, buffers(kdim, bv, forward))
-  return max(2, min(want, (wgmma.SMEM_BYTES - other - 1024) // _slot_bytes(kdim, bv)))
+  room = _ring_bytes(kdim, bv, forward, buffers(kdim, bv, forward))
+  return max(2, min(want, room // _slot_bytes(kdim, bv)))
 
 
 def _ring(bars, stages: int, nc: int, tiles):
