@@ -10,6 +10,8 @@
 - :mod:`pallas_kernels.attn_res`: Block Attention Residuals' softmax mixture over depth sources.
 """
 
+import os
+
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -32,6 +34,37 @@ def num_sms() -> int:
   """Streaming multiprocessors (cores) of the default device; 132 (an H100 / H200) where the
   device does not say."""
   return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+def cpu_client_threads() -> int:
+  """The threads of XLA's CPU client (as it sizes its pool): ``PJRT_NPROC`` (or ``NPROC``) where
+  set, else the CPUs this process may run on; at least the number of CPU devices."""
+  for var in ("PJRT_NPROC", "NPROC"):
+    try:
+      return max(int(os.environ[var]), len(jax.devices("cpu")))
+    except (KeyError, ValueError):
+      pass
+  cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return max(cpus or 1, len(jax.devices("cpu")))
+
+
+def gpu_interpret(threads: int = 1):
+  """GPU interpret mode's parameters for a Mosaic GPU kernel of ``threads`` warpgroups.
+
+  The interpreter runs each warpgroup as an XLA CPU computation of its own, which blocks at the
+  kernel's barriers until the others arrive, while the computation that calls the kernel may hold
+  one more thread of the CPU client's pool. With fewer than ``threads + 1`` threads a warpgroup
+  can wait forever for one that never starts (seen with 2 CPUs, in about one run of six), so that
+  is an error here, raised before the kernel runs."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  have = cpu_client_threads()
+  if threads > 1 and have < threads + 1:
+    raise RuntimeError(
+        f"GPU interpret mode runs this kernel's {threads} warpgroups as {threads} XLA CPU "
+        f"computations beside their caller and needs {threads + 1} threads in XLA's CPU client; "
+        f"this process has {have} (its CPUs): set PJRT_NPROC={max(8, threads + 1)} in the "
+        "environment before JAX starts")
+  return plgpu.InterpretGPUParams()
 
 
 def resolve_implementation(op: str, implementation: str | None, known: tuple[str, ...],

@@ -9,15 +9,19 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import gpu_interpret
+
 SMEM_BYTES = 227 * 1024  # shared memory of one CTA on Hopper
 ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout array
 COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
 
-def kernel_params(interpret: bool) -> dict:
-  """``plgpu.kernel``'s compiler parameters (fast exponentials) and interpret mode."""
-  return dict(compiler_params=plgpu.CompilerParams(approx_math=True),
-              interpret=plgpu.InterpretGPUParams() if interpret else None)
+def kernel_params(interpret: bool, threads: int = 1) -> dict:
+  """``plgpu.kernel``'s compiler parameters (fast exponentials), its ``threads`` warpgroups and
+  interpret mode."""
+  threads_kw = dict(num_threads=threads, thread_name="wg") if threads > 1 else {}
+  return dict(compiler_params=plgpu.CompilerParams(approx_math=True), **threads_kw,
+              interpret=gpu_interpret(threads) if interpret else None)
 
 
 class Regs(NamedTuple):

@@ -209,3 +209,29 @@ def test_single_buffered_tile_gives_the_same_op_results(monkeypatch):
   assert float(l64) == float(l128)
   for a, c in zip(g64, g128):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
+
+
+def test_interpret_mode_needs_a_cpu_thread_per_warpgroup_beside_the_caller(monkeypatch):
+  """With fewer XLA CPU client threads than warpgroups + 1, GPU interpret mode could hang (the
+  forward: two warpgroups; on 2 CPUs it did, one run in six): the op raises, naming PJRT_NPROC,
+  before it runs; the single-warpgroup backward needs no more than one thread."""
+  import pallas_kernels
+  w, u, qg, aqk, kdec, gc, s0 = _factors(5, 1, 1, 1, 64, 32)
+  fwd = lambda: recurrence_mgpu.recurrence_fwd(w, u, qg, aqk, kdec, gc, s0, out_dtype=BF16,
+                                               store=False, block_v=32, stages=2, interpret=True)
+  monkeypatch.setenv("PJRT_NPROC", "2")
+  with pytest.raises(RuntimeError, match="2 warpgroups .* needs 3 threads .* has 2 .* PJRT_NPROC=8"):
+    fwd()
+  monkeypatch.setenv("PJRT_NPROC", "1")
+  recurrence_mgpu.recurrence_bwd(u, qg, aqk, kdec, w, gc, s0, block_v=32, stages=2, interpret=True)
+  monkeypatch.setenv("PJRT_NPROC", "3")
+  _close(fwd()[1], _forward_loop(w, u, qg, aqk, kdec, gc, s0)[1], 1e-4, "final state")
+  # unset, XLA takes the CPUs this process may run on; NPROC is its second name
+  monkeypatch.delenv("PJRT_NPROC")
+  monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+  assert pallas_kernels.cpu_client_threads() == 2
+  monkeypatch.setenv("NPROC", "4")
+  assert pallas_kernels.cpu_client_threads() == 4
+  with pytest.raises(RuntimeError, match="3 warpgroups .* needs 4 threads .* has 3"):
+    monkeypatch.setenv("NPROC", "3")
+    pallas_kernels.gpu_interpret(3)

@@ -206,7 +206,7 @@ def recurrence_fwd(w, u, qg, aqk, kd, gc, s0, *, out_dtype, store: bool, block_v
   )
   outs = plgpu.kernel(
       kern, out_type=tuple(out_type), scratch_types=scratch, grid=(vd // bv, bsz * hv),
-      grid_names=("v", "bh"), num_threads=2, thread_name="wg", **wgmma.kernel_params(interpret))(
+      grid_names=("v", "bh"), **wgmma.kernel_params(interpret, threads=2))(
           w, u, qg, aqk, kd, gc, s0)
   return tuple(kernel_output(x) for x in outs)
 

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import default_backend, num_sms, wgmma
+from pallas_kernels import default_backend, gpu_interpret, num_sms, wgmma
 from pallas_kernels.mla.prefill import (LOG2E, _dot_nt, _finish, _gpu_params, _pow2_parts,
                                         _scores, _softmax_step)
 
@@ -133,6 +133,7 @@ MGPU_STEP = 64  # cache tokens per step
 # the row blocks go last: the programs sharing one request's cache tiles run side by side and
 # the second one reads them from L2. (With the row blocks first, each tile came from HBM once
 # per row block, about 6 waves apart.)
+MGPU_THREADS = 3  # warpgroups: 0 softmax and half the value columns, 1 the other half, 2 TMA
 MGPU_GRID = ("req", "split", "rb")  # run 3 on the H200 (1.90 TB/s) had ("rb", "split", "req")
 
 
@@ -333,9 +334,10 @@ def _mgpu_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, tn, head
           plgpu.Barrier(num_arrivals=2, num_barriers=stages),
           plgpu.Barrier(),
           plgpu.Barrier()),
-      grid=_mgpu_grid(n, ns, nr), grid_names=MGPU_GRID, num_threads=3, thread_name="wg",
+      grid=_mgpu_grid(n, ns, nr), grid_names=MGPU_GRID, num_threads=MGPU_THREADS,
+      thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-      interpret=plgpu.InterpretGPUParams() if interpret else None)(lengths, page_table, q, cache)
+      interpret=gpu_interpret(MGPU_THREADS) if interpret else None)(lengths, page_table, q, cache)
   return _merge(o_part, lse_part)
 
 

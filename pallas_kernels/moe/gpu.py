@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import default_backend, num_sms
+from pallas_kernels import default_backend, gpu_interpret, num_sms
 from pallas_kernels.wgmma import SMEM_BYTES
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -59,7 +59,7 @@ INTERPRET_SMS = 3  # simulated SMs in interpret mode (exercises several items pe
 
 
 def _interpret():
-  return plgpu.InterpretGPUParams() if default_backend() == "cpu" else None
+  return gpu_interpret() if default_backend() == "cpu" else None
 
 
 def _num_sms() -> int:
