@@ -23,8 +23,9 @@ def _run(name: str, *args: str) -> dict:
   env.pop("XLA_FLAGS", None)
   env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/k3jax-jax"))
   env["JAX_PLATFORMS"] = "cpu"
+  # killed before pytest-timeout's 900 s ends the worker, which would leave the child running
   proc = subprocess.run([sys.executable, str(ROOT / "tests" / "test_sharding_workers.py"), name, *args],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
   assert proc.returncode == 0, proc.stderr[-4000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
 

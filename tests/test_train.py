@@ -151,13 +151,16 @@ def test_sigterm_saves_a_loadable_checkpoint(tmp_path, root):
        *SMALL, "train.steps=100000", "checkpoint.every=100000"],
       cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   log = run_dir / "metrics.jsonl"
-  deadline = time.time() + 300
-  while time.time() < deadline and proc.poll() is None:
-    if log.exists() and any("loss" in r for r in metrics.read_jsonl(log)):
-      break
-    time.sleep(0.5)
-  proc.send_signal(signal.SIGTERM)
-  out = proc.communicate(timeout=120)[0]
+  try:
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+      if log.exists() and any("loss" in r for r in metrics.read_jsonl(log)):
+        break
+      time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+  finally:
+    proc.kill()  # a run that outlives the test would slow every later one (no-op once it ended)
   assert proc.returncode == 128 + signal.SIGTERM, out
   assert "SIGTERM: saved checkpoint at step" in out
   steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir())
