@@ -39,12 +39,13 @@ def num_sms() -> int:
 def cpu_client_threads() -> int:
   """The threads of XLA's CPU client (as it sizes its pool): ``PJRT_NPROC`` (or ``NPROC``) where
   set, else the CPUs this process may run on; at least the number of CPU devices."""
+  cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
   for var in ("PJRT_NPROC", "NPROC"):
     try:
-      return max(int(os.environ[var]), len(jax.devices("cpu")))
+      cpus = int(os.environ[var])
+      break
     except (KeyError, ValueError):
       pass
-  cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
   return max(cpus or 1, len(jax.devices("cpu")))
 
 

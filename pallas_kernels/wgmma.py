@@ -16,11 +16,11 @@ ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout array
 COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
 
-def kernel_params(interpret: bool, threads: int = 1) -> dict:
-  """``plgpu.kernel``'s compiler parameters (fast exponentials), its ``threads`` warpgroups and
-  interpret mode."""
+def kernel_params(interpret: bool, threads: int = 1, **compiler) -> dict:
+  """``plgpu.kernel``'s compiler parameters (fast exponentials and ``compiler``), its
+  ``threads`` warpgroups (axis ``"wg"``) and interpret mode."""
   threads_kw = dict(num_threads=threads, thread_name="wg") if threads > 1 else {}
-  return dict(compiler_params=plgpu.CompilerParams(approx_math=True), **threads_kw,
+  return dict(compiler_params=plgpu.CompilerParams(approx_math=True, **compiler), **threads_kw,
               interpret=gpu_interpret(threads) if interpret else None)
 
 

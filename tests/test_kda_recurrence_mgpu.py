@@ -201,10 +201,16 @@ def test_single_buffered_tile_gives_the_same_op_results(monkeypatch):
                implementation="pallas_gpu")
     return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(s)
 
+  tiles = []  # the V tile each pass was traced with: both runs must reach the Mosaic passes
+  for name in ("recurrence_fwd", "recurrence_bwd"):
+    run = getattr(recurrence_mgpu, name)
+    monkeypatch.setattr(recurrence_mgpu, name,
+                        lambda *a, _run=run, **kw: tiles.append(kw["block_v"]) or _run(*a, **kw))
   results = []
   for tile in (64, 128):
     monkeypatch.setattr(gpu, "MGPU_V_TILE", tile)
     results.append(jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5))))(*x, beta))
+  assert tiles == [64, 64, 128, 128]
   (l64, g64), (l128, g128) = results
   assert float(l64) == float(l128)
   for a, c in zip(g64, g128):
@@ -232,6 +238,6 @@ def test_interpret_mode_needs_a_cpu_thread_per_warpgroup_beside_the_caller(monke
   assert pallas_kernels.cpu_client_threads() == 2
   monkeypatch.setenv("NPROC", "4")
   assert pallas_kernels.cpu_client_threads() == 4
+  monkeypatch.setenv("NPROC", "3")
   with pytest.raises(RuntimeError, match="3 warpgroups .* needs 4 threads .* has 3"):
-    monkeypatch.setenv("NPROC", "3")
     pallas_kernels.gpu_interpret(3)

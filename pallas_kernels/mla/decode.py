@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import default_backend, gpu_interpret, num_sms, wgmma
+from pallas_kernels import default_backend, num_sms, wgmma
 from pallas_kernels.mla.prefill import (LOG2E, _dot_nt, _finish, _gpu_params, _pow2_parts,
                                         _scores, _softmax_step)
 
@@ -334,10 +334,9 @@ def _mgpu_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, tn, head
           plgpu.Barrier(num_arrivals=2, num_barriers=stages),
           plgpu.Barrier(),
           plgpu.Barrier()),
-      grid=_mgpu_grid(n, ns, nr), grid_names=MGPU_GRID, num_threads=MGPU_THREADS,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-      interpret=gpu_interpret(MGPU_THREADS) if interpret else None)(lengths, page_table, q, cache)
+      grid=_mgpu_grid(n, ns, nr), grid_names=MGPU_GRID,
+      **wgmma.kernel_params(interpret, MGPU_THREADS, reduction_scratch_bytes=0))(
+          lengths, page_table, q, cache)
   return _merge(o_part, lse_part)
 
 
