@@ -364,10 +364,10 @@ def sweep(parts, shape, tag, left):
   kernels at other warp counts. Each kernel is timed alone; stops when ``left()`` is too small
   for the next step."""
   recur = ("recur_fwd", "recur_fwd_store", "recur_bwd")
-  sweep_checked(parts, tag, left, "DQKG_DOT_CUMSUM", True, "dqkg_dot_cumsum")
+  sweep_checked(parts, tag, left, "DQKG_DOT_CUMSUM", False, "dqkg_scan_cumsum")
   sweep_checked(parts, tag, left, "MGPU_V_TILE", 128, "mgpu_v_tile=128", recur)
   sweep_module(parts, tag, left, "RECURRENCE", ("triton", "mosaic"), recur)
-  sweep_module(parts, tag, left, "MGPU_V_TILE", (32,), recur)
+  sweep_module(parts, tag, left, "MGPU_V_TILE", (32, 64, 128), recur)
   sweep_module(parts, tag, left, "MGPU_STAGES", (2,), recur)
   sweep_module(parts, tag, left, "CHUNK_WU", ("triton",), ("chunk_wu", "chunk_wu_keep"))
   sweep_module(parts, tag, left, "WU_SPLIT", (True,), ("chunk_wu", "chunk_wu_keep"))

@@ -91,16 +91,17 @@ def test_kda_pallas_gpu(case):
   _check_case(case)
 
 
-DOT_CUMSUM_CASES = [c for c in CASES if c[0] in ("bounded_chunk64_K128_T100",
+SCAN_CUMSUM_CASES = [c for c in CASES if c[0] in ("bounded_chunk64_K128_T100",
                                                   "bounded_saturated_chunk64")]
 
 
-@pytest.mark.parametrize("case", DOT_CUMSUM_CASES, ids=[c[0] for c in DOT_CUMSUM_CASES])
-def test_dot_cumsum_in_chunk_dqkg(monkeypatch, case):
-  """kda_chunk_dqkg with the gate's cumulative sum as matrix-unit products (``DQKG_DOT_CUMSUM``)
-  passes the same checks, including the saturated gate whose dg sums terms e^80 apart."""
+@pytest.mark.parametrize("case", SCAN_CUMSUM_CASES, ids=[c[0] for c in SCAN_CUMSUM_CASES])
+def test_scan_cumsum_in_chunk_dqkg(monkeypatch, case):
+  """kda_chunk_dqkg with the gate's cumulative sum as a scan (``DQKG_DOT_CUMSUM = False``; the
+  default forms it as matrix-unit products) passes the same checks, including the saturated gate
+  whose dg sums terms e^80 apart."""
   from pallas_kernels.kda import gpu
-  monkeypatch.setattr(gpu, "DQKG_DOT_CUMSUM", True)
+  monkeypatch.setattr(gpu, "DQKG_DOT_CUMSUM", False)
   _check_case(case)
 
 
@@ -163,14 +164,15 @@ def test_bad_head_dim_is_rejected():
     kda(*(jnp.asarray(x[n]) for n in ORDER[:5]), implementation="pallas_gpu")
 
 
-@pytest.mark.parametrize("shape, cumsum_dot", [((1, 100, 2, 128), False),
-                                               ((1, 16384, 32, 128), False),
-                                               ((1, 100, 2, 128), True)],
-                         ids=["T100", "benchmark_T16384_H32", "T100_cumsum_dot"])
+@pytest.mark.parametrize("shape, cumsum_dot", [((1, 100, 2, 128), True),
+                                               ((1, 16384, 32, 128), True),
+                                               ((1, 100, 2, 128), False)],
+                         ids=["T100", "benchmark_T16384_H32", "T100_cumsum_scan"])
 def test_dense_path_lowers_for_cuda(monkeypatch, shape, cumsum_dot):
   """The bounded-gate kernels (forward and backward, bf16, K=128, two K slices)
   lower through Pallas' Triton path for an H200 without a GPU (catches lowering errors on CPU),
-  also at the benchmark shape (inputs as shapes only) and with ``gpu.DQKG_DOT_CUMSUM``."""
+  also at the benchmark shape (inputs as shapes only) and with the scan's cumulative sum in
+  kda_chunk_dqkg (``gpu.DQKG_DOT_CUMSUM = False``)."""
   from pallas_kernels.kda import gpu
   monkeypatch.setattr(gpu, "DQKG_DOT_CUMSUM", cumsum_dot)
   gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")

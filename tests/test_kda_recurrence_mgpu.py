@@ -168,12 +168,18 @@ def test_every_supported_tiling_fits_shared_memory(kd, bv):
 
 def test_auto_takes_the_mosaic_forward_within_one_wave(monkeypatch):
   """``RECURRENCE="auto"`` on a Hopper GPU: the Mosaic backward always; the Mosaic forward only
-  while its CTAs (batch x value heads x V tiles) fit one per SM, else Triton's."""
+  while its CTAs (batch x value heads x V tiles) fit one per SM, else Triton's. With the
+  ``"auto"`` V tile, 128 heads of V = 128 fit one wave at 128 wide; 256 do not."""
   monkeypatch.setattr(gpu, "_interpret", lambda: False)
   monkeypatch.setattr(gpu, "_hopper", lambda: True)
+  monkeypatch.setattr(gpu, "num_sms", lambda: 132)
   cfg = gpu._Config(scale=1.0, chunk=64, use_qk_l2norm=True, gate="bounded", lower_bound=-5.0,
                     beta_is_logit=True, diag_rows=32, dtype="bfloat16")
   sds = lambda b, hv, d: jax.ShapeDtypeStruct((b, 4096, hv, d), BF16)
+  assert gpu._mosaic(cfg, sds(16, 8, 128), sds(16, 8, 128), BF16, forward=True) == 128
+  assert gpu._mosaic(cfg, sds(32, 8, 128), sds(32, 8, 128), BF16, forward=True) == 0
+  assert gpu._mosaic(cfg, sds(32, 8, 128), sds(32, 8, 128), BF16, BF16) == 128
+  monkeypatch.setattr(gpu, "MGPU_V_TILE", 64)
   one_wave, two_waves = (sds(1, 32, 128), sds(1, 32, 128)), (sds(16, 8, 128), sds(16, 8, 128))
   assert gpu._mosaic(cfg, *one_wave, BF16, forward=True) == 64  # 64 CTAs
   assert gpu._mosaic(cfg, *two_waves, BF16, forward=True) == 0  # 256 CTAs
@@ -241,3 +247,18 @@ def test_interpret_mode_needs_a_cpu_thread_per_warpgroup_beside_the_caller(monke
   monkeypatch.setenv("NPROC", "3")
   with pytest.raises(RuntimeError, match="3 warpgroups .* needs 4 threads .* has 3"):
     pallas_kernels.gpu_interpret(3)
+
+
+def test_auto_v_tile_widens_to_one_cta_per_head_only_past_one_wave(monkeypatch):
+  """``MGPU_V_TILE = "auto"``: 64-wide tiles while their CTAs fit the GPU's SMs, 128-wide (one
+  CTA per (batch, head)) past that, never wider than V; a number is taken as given."""
+  monkeypatch.setattr(gpu, "num_sms", lambda: 132)
+  monkeypatch.setattr(gpu, "MGPU_V_TILE", "auto")
+  assert gpu._mgpu_v_tile(32, 128) == 64    # B1 H32: 64 CTAs
+  assert gpu._mgpu_v_tile(66, 128) == 64    # 132 CTAs: one wave
+  assert gpu._mgpu_v_tile(67, 128) == 128   # 134 CTAs at 64 wide: two waves
+  assert gpu._mgpu_v_tile(128, 128) == 128  # B4 H32 and the k3_1b step (B16 HV8)
+  assert gpu._mgpu_v_tile(500, 64) == 64    # V = 64: nothing wider
+  assert gpu._mgpu_v_tile(500, 96) == 64
+  monkeypatch.setattr(gpu, "MGPU_V_TILE", 32)
+  assert gpu._mgpu_v_tile(500, 128) == 32

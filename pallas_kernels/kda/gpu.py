@@ -770,12 +770,13 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
 
 
 # Whether kda_chunk_dqkg forms the gate's cumulative sum as products (``_dot_cumsum``) instead
-# of a scan. Not yet timed on a GPU (2026-12-03); compiled for the H200 on the CPU
-# (``tools/triton_report.py``, B1 T16384 H32 K128) it spills 152 instead of 440 bytes per thread
-# and has 5480 instead of 5760 instructions (its reverse sum for dg as products too: 5232, but
-# 360 bytes of spills); in kda_chunk_a the products took 9688 instead of 6000 instructions, with
-# 900 bytes of spills (the products' layout against the tiles' around them).
-DQKG_DOT_CUMSUM = False
+# of a scan. H200, B4 T4096 H32 K128 (KDA run 39, 2026-12-03): kda_chunk_dqkg 2.324 ms against
+# the scan's 2.615, same errors. Compiled for the H200 on the CPU (``tools/triton_report.py``,
+# B1 T16384 H32 K128) it spills 152 instead of 440 bytes per thread and has 5480 instead of
+# 5760 instructions (its reverse sum for dg as products too: 5232, but 360 bytes of spills); in
+# kda_chunk_a the products took 9688 instead of 6000 instructions, with 900 bytes of spills (the
+# products' layout against the tiles' around them).
+DQKG_DOT_CUMSUM = True
 
 # Warps per chunk-local kernel (by pallas_call name; `benchmarks/kda.py --sweep` times others).
 # H200, B1 T16384 H32 K128, 2026-12-02: kda_chunk_dqkg 4 warps 2.86 ms, 8 4.54; kda_chunk_dwy
@@ -1087,17 +1088,28 @@ def _store_dtype(cfg, name):
 # step (B16 T4096 HV8: 256 CTAs) the storing forward 5.13 ms per step against Triton's 4.81, the
 # backward 4.56 against 4.75. The Mosaic V tile and ring slots (B1 T16384 H32): the forward
 # 0.358 ms at 64 wide, 0.476 at 32, 1.22 at 16; storing 0.431 / 0.652 / 1.41. At B4 T4096 H32
-# (128 heads, 256 CTAs of 64 chunks) 0.344-0.367 against Triton's 0.334-0.340 (runs 35-36); a
-# 128-wide tile (MGPU_V_TILE = 128: one CTA per head, one wave of 128, its S / V' / O buffers
-# single; jla's layout, 0.202 ms) is not yet timed.
+# (128 heads, 256 CTAs of 64 chunks) 0.344-0.367 against Triton's 0.334-0.340 (runs 35-36).
+# MGPU_V_TILE: the V tile's width, or "auto": 64 where its CTAs fit one wave on the GPU, else 128
+# (one CTA per (batch, head), its S / V' / O buffers single: jla's layout, whose pass takes
+# 0.202 ms at B4 T4096 H32). At 128 wide (KDA run 39, B4 T4096 H32) the forward 0.233-0.238 ms,
+# storing 0.371-0.386, the backward 0.318-0.340; the k3_1b step's KDA kernels 64.1 ms per step
+# against 66.0 at 64 wide (Training run 35, same run).
 RECURRENCE = "auto"
-MGPU_V_TILE = 64
+MGPU_V_TILE = "auto"
 MGPU_STAGES = 3
+
+
+def _mgpu_v_tile(heads: int, vd: int) -> int:
+  """The Mosaic passes' V tile (``MGPU_V_TILE``) for ``heads`` (batch x value heads)."""
+  if MGPU_V_TILE != "auto":
+    return min(MGPU_V_TILE, vd)
+  bv = min(64, vd)
+  return 128 if heads * (vd // bv) > num_sms() and vd % 128 == 0 else bv
 
 
 def _mosaic(cfg, w, tile, *stored, forward=False) -> int:
   """The V tile of the Mosaic GPU pass for these operands, or 0 for Triton's."""
-  bv = min(MGPU_V_TILE, tile.shape[-1])
+  bv = _mgpu_v_tile(w.shape[0] * w.shape[2], tile.shape[-1])
   ctas = w.shape[0] * w.shape[2] * (tile.shape[-1] // bv)
   wanted = (RECURRENCE == "mosaic" or RECURRENCE == "auto" and (
       not forward or _interpret() or ctas <= num_sms()))
