@@ -353,8 +353,9 @@ def sweep_loops(parts, tag, left):
 
 
 def sweep(parts, shape, tag, left):
-  """The variants of the kernels, most promising first: chunk_dqkg's cumulative sum as products
-  and the Mosaic passes' 128-wide V tile (single-buffered: one CTA per (batch, head)), each with
+  """The variants of the kernels, most promising first: the gate's cumulative sum the other way
+  (chunk_a's as products, chunk_dqkg's as a scan) and the Mosaic passes' 128-wide V tile
+  (single-buffered: one CTA per (batch, head)), each with
   the check's errors and the kernels' times (the default's are the parts' row), the sequential
   passes (Triton or Mosaic GPU, the latter's V tile and ring slots), the WY factors (Triton or Mosaic
   GPU, the latter's inverse in float16 or split bf16 products), the bf16 backward intermediates,
@@ -364,6 +365,7 @@ def sweep(parts, shape, tag, left):
   kernels at other warp counts. Each kernel is timed alone; stops when ``left()`` is too small
   for the next step."""
   recur = ("recur_fwd", "recur_fwd_store", "recur_bwd")
+  sweep_checked(parts, tag, left, "CHUNK_A_DOT_CUMSUM", True, "chunk_a_dot_cumsum", ("chunk_a",))
   sweep_checked(parts, tag, left, "DQKG_DOT_CUMSUM", False, "dqkg_scan_cumsum")
   sweep_checked(parts, tag, left, "MGPU_V_TILE", 128, "mgpu_v_tile=128", recur)
   sweep_module(parts, tag, left, "RECURRENCE", ("triton", "mosaic"), recur)
@@ -448,13 +450,15 @@ def time_jla(shape):
   return {"fwd": jtime(jax.jit(op), *args), "fwdbwd": jtime(fb, *args, reps=7)}
 
 
-def profile_kernels(shape, reps=5):
-  """GPU time per call of each kernel of ours and of jla at ``shape``, forward and
+def profile_kernels(shape, peers=True, reps=5):
+  """GPU time per call of each kernel of ours and (``peers``) of jla at ``shape``, forward and
   forward+backward (the profiler's trace, ``reps`` calls after a warm-up): where the two differ."""
   import tempfile
   b, t, h, kd = shape
   total = lambda fn: lambda *a: jnp.sum(fn(*a).astype(jnp.float32))
-  runs = {"ours": (lambda *a: ours(*a)[0], inputs(b, t, h, kd)), "jla": jla_op(shape)}
+  runs = {"ours": (lambda *a: ours(*a)[0], inputs(b, t, h, kd))}
+  if peers:
+    runs["jla"] = jla_op(shape)
   for name, (fn, args) in runs.items():
     for mode, jf in (("fwd", jax.jit(fn)), ("fwdbwd", fwd_bwd(total(fn), len(args)))):
       jax.block_until_ready(jf(*args))
@@ -654,7 +658,7 @@ def main():
         print(f"ours parts {tag} FAILED", repr(e)[:1500], flush=True)
   if "--profile" in sys.argv:
     try:
-      profile_kernels(shapes[0])
+      profile_kernels(shapes[0], peers)
     except Exception as e:  # noqa: BLE001
       print("profile FAILED", repr(e)[:1500], flush=True)
   if "--no-decode" not in sys.argv:

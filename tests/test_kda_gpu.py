@@ -91,17 +91,19 @@ def test_kda_pallas_gpu(case):
   _check_case(case)
 
 
-SCAN_CUMSUM_CASES = [c for c in CASES if c[0] in ("bounded_chunk64_K128_T100",
+CUMSUM_CASES = [c for c in CASES if c[0] in ("bounded_chunk64_K128_T100",
                                                   "bounded_saturated_chunk64")]
 
 
-@pytest.mark.parametrize("case", SCAN_CUMSUM_CASES, ids=[c[0] for c in SCAN_CUMSUM_CASES])
-def test_scan_cumsum_in_chunk_dqkg(monkeypatch, case):
-  """kda_chunk_dqkg with the gate's cumulative sum as a scan (``DQKG_DOT_CUMSUM = False``; the
-  default forms it as matrix-unit products) passes the same checks, including the saturated gate
-  whose dg sums terms e^80 apart."""
+@pytest.mark.parametrize("option", [("DQKG_DOT_CUMSUM", False), ("CHUNK_A_DOT_CUMSUM", True)],
+                         ids=["dqkg_scan", "chunk_a_products"])
+@pytest.mark.parametrize("case", CUMSUM_CASES, ids=[c[0] for c in CUMSUM_CASES])
+def test_cumsum_options(monkeypatch, case, option):
+  """The gate's cumulative sum the other way in one kernel (kda_chunk_dqkg as a scan; the
+  default forms it as matrix-unit products; kda_chunk_a as products, its default a scan)
+  passes the same checks, including the saturated gate whose dg sums terms e^80 apart."""
   from pallas_kernels.kda import gpu
-  monkeypatch.setattr(gpu, "DQKG_DOT_CUMSUM", False)
+  monkeypatch.setattr(gpu, *option)
   _check_case(case)
 
 

@@ -565,7 +565,7 @@ def _ids(hv, pid, axis=0):
 
 def _dense_a_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
                     pkk_ref, a_ref, qg_ref, kd_ref, kg_ref, gc_ref, rq_ref, rk_ref, *, cfg, hv,
-                    group, t, pid):
+                    group, t, dot_cumsum, pid):
   """Grid (NC, B*HV): writes pkk ``[B, Tp, HV, C]`` float32 (strict, same segment, no beta),
   A_qk ``[B, Tp, HV, C]``, QG, KD, KG ``[B, Tp, HV, K]`` (``cfg.dtype``), gC
   ``[B, NC, HV, K]`` float32 and the rows' inverse L2 norms of q and k ``[B, Tp, HV]`` (1 if
@@ -576,7 +576,7 @@ def _dense_a_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
   c = cfg.chunk
   dt = jnp.dtype(cfg.dtype)
   ch = _Dense(cfg, (q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref), b, h,
-              h // group, ci * c, t, q_ref.shape[-1])
+              h // group, ci * c, t, q_ref.shape[-1], dot_cumsum=dot_cumsum)
   mm = functools.partial(_mm, dt=dt)
   rows = ch.rows
   akk = aqk = jnp.zeros((c, c), jnp.float32)
@@ -769,14 +769,15 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
                               - jnp.cumsum(dG, axis=0) + dG).astype(dg_ref.dtype)
 
 
-# Whether kda_chunk_dqkg forms the gate's cumulative sum as products (``_dot_cumsum``) instead
-# of a scan. H200, B4 T4096 H32 K128 (KDA run 39, 2026-12-03): kda_chunk_dqkg 2.324 ms against
-# the scan's 2.615, same errors. Compiled for the H200 on the CPU (``tools/triton_report.py``,
-# B1 T16384 H32 K128) it spills 152 instead of 440 bytes per thread and has 5480 instead of
-# 5760 instructions (its reverse sum for dg as products too: 5232, but 360 bytes of spills); in
-# kda_chunk_a the products took 9688 instead of 6000 instructions, with 900 bytes of spills (the
-# products' layout against the tiles' around them).
+# Whether kda_chunk_dqkg and kda_chunk_a form the gate's cumulative sum as products
+# (``_dot_cumsum``) instead of a scan. H200, B4 T4096 H32 K128 (KDA run 39, 2026-12-03):
+# kda_chunk_dqkg 2.324 ms against the scan's 2.615, same errors. Compiled for the H200 on the
+# CPU (``tools/triton_report.py``, B1 T16384 H32 K128) its products spill 152 instead of 440
+# bytes per thread, 5480 instead of 5760 instructions; kda_chunk_a's 9688 instead of 6000 with
+# 900 bytes of spills (the products' layout against the tiles' around them), not yet timed on
+# the card (`benchmarks/kda.py --sweep` times it first).
 DQKG_DOT_CUMSUM = True
+CHUNK_A_DOT_CUMSUM = False
 
 # Warps per chunk-local kernel (by pallas_call name; `benchmarks/kda.py --sweep` times others).
 # H200, B1 T16384 H32 K128, 2026-12-02: kda_chunk_dqkg 4 warps 2.86 ms, 8 4.54; kda_chunk_dwy
@@ -843,7 +844,8 @@ def _chunk_a(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t):
   bsz, tp, h, kd = q.shape
   hv, c = v.shape[2], cfg.chunk
   dt, f32 = jnp.dtype(cfg.dtype), jnp.float32
-  kern = functools.partial(_dense_a_kernel, cfg=cfg, hv=hv, group=hv // h, t=t)
+  kern = functools.partial(_dense_a_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
+                           dot_cumsum=CHUNK_A_DOT_CUMSUM)
   return _call(kern, "kda_chunk_a", (tp // c, bsz * hv),
                [_tok(v, c, f32), _tok(v, c, dt), _tok(v, kd, dt), _tok(v, kd, dt),
                 _tok(v, kd, dt), jax.ShapeDtypeStruct((bsz, tp // c, hv, kd), f32)]
