@@ -30,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels.conv import causal_conv_silu, gpu  # noqa: E402
-from timing import Rows, config_diff, kernel_bench_args, print_ratios  # noqa: E402
+from timing import Rows, config_diff, kernel_bench_args, xla_against_pallas  # noqa: E402
 
 ROWS = Rows("conv_bench.json")
 CHECK_TOL = 1e-2  # relative error of the kernels vs the reference (both float32 inside, bf16 out)
@@ -106,14 +106,7 @@ def main():
   def timed(name, fwd, fb):
     return ROWS.times(name, {"fwd": (fwd, args[:3]), "fwdbwd": (fb, args)}, traffic, reps)
 
-  res = {}
-  for impl in ("xla", "pallas_gpu"):
-    try:
-      res[impl] = timed(impl, *ops(impl))
-    except Exception as e:  # noqa: BLE001
-      print(impl, "FAILED", repr(e)[:1500], flush=True)
-  if len(res) == 2:
-    print_ratios([(k, res["xla"][k], res["pallas_gpu"][k], traffic[k]) for k in ("fwd", "fwdbwd")])
+  xla_against_pallas(lambda impl: timed(impl, *ops(impl)), traffic, ("fwd", "fwdbwd"))
   for cfg in [] if a.no_sweep else SWEEP:
     if left() < 6:
       print(f"budget: sweep stopped before {cfg}", flush=True)

@@ -34,7 +34,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels import moe  # noqa: E402
 from pallas_kernels.moe import permute_gpu, reference  # noqa: E402
-from timing import Rows, config_diff, kernel_bench_args, print_ratios  # noqa: E402
+from timing import (Rows, config_diff, kernel_bench_args, print_ratios,  # noqa: E402
+                    xla_against_pallas)
 
 ROWS = Rows("permute_bench.json")
 CHECK_TOL = 1e-5  # dy is the same rounded product (equal); out is the same XLA forward
@@ -125,15 +126,7 @@ def main():
     fns = {"fwd": (fwd, args[:3]), "fwdbwd": (fb, args), "bwd": (bwd, args)}
     return ROWS.times(name, {p: fns[p] for p in parts}, traffic, reps)
 
-  res = {}
-  for impl in ("xla", "pallas_gpu"):
-    try:
-      res[impl] = timed(impl, *ops(impl))
-    except Exception as e:  # noqa: BLE001
-      print(impl, "FAILED", repr(e)[:1500], flush=True)
-  if len(res) == 2:
-    print_ratios([(p, res["xla"][p], res["pallas_gpu"][p], traffic[p])
-                  for p in ("fwd", "fwdbwd", "bwd")])
+  res = xla_against_pallas(lambda impl: timed(impl, *ops(impl)), traffic, ("fwd", "fwdbwd", "bwd"))
   best = (res.get("pallas_gpu", {}).get("bwd", float("inf")), permute_gpu.Config())
   for cfg in [] if a.no_sweep else SWEEP:
     if left() < 4:

@@ -136,6 +136,20 @@ def print_ratios(lines) -> None:
           f"{nbytes / p_ms / 1e6:12.0f}{x_ms / p_ms:11.2f}", flush=True)
 
 
+def xla_against_pallas(timed, traffic: dict, parts) -> dict:
+  """``timed(impl)`` (a dict of ms by part) for "xla" then "pallas_gpu", a failure printed and
+  skipped, and the ratio table of ``parts`` when both ran: {impl: times}."""
+  res = {}
+  for impl in ("xla", "pallas_gpu"):
+    try:
+      res[impl] = timed(impl)
+    except Exception as e:  # noqa: BLE001 - the other implementation is still worth timing
+      print(impl, "FAILED", repr(e)[:1500], flush=True)
+  if len(res) == 2:
+    print_ratios([(p, res["xla"][p], res["pallas_gpu"][p], traffic[p]) for p in parts])
+  return res
+
+
 COLLECTIVES = "collectives (NCCL)"
 KINDS = (  # (kind, substrings of a kernel name), first match wins
     (COLLECTIVES, ("nccl", "all-gather", "all_gather", "all-to-all", "all_to_all",
