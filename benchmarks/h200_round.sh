@@ -128,9 +128,11 @@ peers() {  # KDA vs jla and fla at the PERF.md shapes, fwd and fwd+bwd; fla last
     --shapes 1x16384x32x128,4x4096x32x128,1x65536x16x128 --profile --budget $(( ${PEERS_S:-300} - 20 ))
 }
 
-flapeers() {  # fla's autotuning outlasts the budget when it comes last: fla beside ours first
+flapeers() {  # fla's autotuning outlasts the budget when it comes last: fla beside ours first.
+  # Its autotuning takes minutes per shape: the three shapes outlast one device call (KDA run 41
+  # reached two in 570 s), so FLA_SHAPES picks some (run 42: 1x65536x16x128 alone, 360 s).
   bench kda_fla_peers 540 benchmarks/kda.py --fla-first --no-parts --no-decode \
-    --shapes 1x16384x32x128,4x4096x32x128,1x65536x16x128 --budget 520
+    --shapes "${FLA_SHAPES:-1x16384x32x128,4x4096x32x128,1x65536x16x128}" --budget 520
 }
 
 kdasweep() {  # KDA variants and warp counts at B1 T16384 H32 (ours only)
