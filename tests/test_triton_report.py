@@ -28,3 +28,19 @@ def test_dump_rejects_an_unknown_option(root, tmp_path):
                         "pallas_kernels.glu.gpu:BLOCKM=16"], capture_output=True, text=True,
                        timeout=300)
   assert res.returncode != 0 and "has no option 'BLOCKM'" in res.stderr
+
+
+def test_programs_per_sm_takes_the_tightest_sm90_limit(root):
+  """Registers (256 per warp granule), shared memory (with 1 KiB reserved per program), threads
+  and programs, each made the binding limit once."""
+  sys.path.insert(0, str(root / "tools"))
+  try:
+    from triton_report import programs_per_sm
+  finally:
+    sys.path.pop(0)
+  assert programs_per_sm(255, 148504, 8) == 1  # kda_chunk_a: 255 x 32 -> 8192 per warp, x 8
+  assert programs_per_sm(255, 32768, 4) == 2   # kda_chunk_dqkg: registers, not its 32 KiB
+  assert programs_per_sm(96, 2048, 4) == 5     # 96 x 32 x 4 = 12288 registers
+  assert programs_per_sm(32, 120000, 4) == 1   # shared memory: two need 242,048 bytes
+  assert programs_per_sm(32, 0, 32) == 2       # threads: 1024 per program
+  assert programs_per_sm(8, 0, 1) == 32        # the program limit

@@ -1,7 +1,8 @@
 """Registers, spills and instruction mix of our Pallas Triton kernels, without a GPU.
 
 The numbers a kernel change moves before it is timed on a card: ptxas's registers and spill
-bytes per thread and the SASS instruction classes (matrix-unit, MUFU, float, integer, shared and
+bytes per thread, the shared memory Triton allocates, how many programs those let share an SM,
+and the SASS instruction classes (matrix-unit, MUFU, float, integer, shared and
 local memory) of each ``pallas_call``, compiled for the H200 (sm_90a) on the CPU. Two steps, in
 two environments:
 
@@ -155,8 +156,25 @@ def _sass_classes(sass):
   return counts
 
 
+# The H200's (sm_90) per-SM limits that bound how many programs share an SM: registers (allocated
+# per warp in units of 256), shared memory (228 KiB per SM, 1 KiB of it reserved per program),
+# threads and programs.
+SM_REGS, SM_SMEM, SM_THREADS, SM_PROGRAMS = 65536, 233472, 2048, 32
+
+
+def programs_per_sm(regs: int, smem: int, warps: int) -> int:
+  """How many programs of ``warps`` warps, ``regs`` registers per thread and ``smem`` bytes of
+  shared memory fit on one sm_90 SM at once."""
+  per_warp = -(-regs * 32 // 256) * 256
+  bounds = [SM_REGS // (per_warp * warps), SM_THREADS // (32 * warps), SM_PROGRAMS]
+  if smem:
+    bounds.append(SM_SMEM // (smem + 1024))
+  return min(bounds)
+
+
 def _compile_one(path, meta, bin_dir):
-  """(registers, spill stores, spill loads, SASS classes) of one kernel's IR for sm_90a."""
+  """(registers, spill stores, spill loads, shared memory bytes, SASS classes) of one kernel's
+  IR for sm_90a."""
   import triton
   from triton.backends.compiler import GPUTarget
   k = triton.compile(path, target=GPUTarget("cuda", 90, 32),
@@ -172,7 +190,7 @@ def _compile_one(path, meta, bin_dir):
                            os.path.join(tmp, "k.cubin")], capture_output=True, text=True).stdout
   num = lambda pat: int(m.group(1)) if (m := re.search(pat, log)) else 0
   return (num(r"Used (\d+) registers"), num(r"(\d+) bytes spill stores"),
-          num(r"(\d+) bytes spill loads"), _sass_classes(sass))
+          num(r"(\d+) bytes spill loads"), k.metadata.shared, _sass_classes(sass))
 
 
 def report(folders):
@@ -186,21 +204,22 @@ def report(folders):
   names = list(dict.fromkeys(n for m in metas for n in m["kernels"]))
   classes = [c for c, _ in _CLASSES] + ["other", "total"]
   print(f"Triton {triton.__version__}, sm_90a; folders: " + ", ".join(folders))
-  print("| kernel | folder | warps x stages | registers | spill st / ld B | "
-        + " | ".join(classes) + " |")
-  print("|---" * (5 + len(classes)) + "|")
+  print("| kernel | folder | warps x stages | registers | spill st / ld B | shared B | "
+        "programs / SM | " + " | ".join(classes) + " |")
+  print("|---" * (7 + len(classes)) + "|")
   for name in names:
     for d, meta in zip(folders, metas):
       if name not in meta["kernels"]:
         continue
       km = meta["kernels"][name]
       try:
-        regs, st, ld, counts = _compile_one(os.path.join(d, name + ".ttir"), km, bin_dir)
+        regs, st, ld, smem, counts = _compile_one(os.path.join(d, name + ".ttir"), km, bin_dir)
       except Exception as e:  # noqa: BLE001 - the other kernels are still worth reporting
         print(f"| {name} | {d} | compile failed: {repr(e)[:300]} |")
         continue
       print(f"| {name} | {os.path.basename(os.path.normpath(d))} | {km['num_warps']} x "
-            f"{km['num_stages']} | {regs} | {st} / {ld} | "
+            f"{km['num_stages']} | {regs} | {st} / {ld} | {smem} | "
+            f"{programs_per_sm(regs, smem, km['num_warps'])} | "
             + " | ".join(str(counts.get(c, 0)) for c in classes) + " |", flush=True)
 
 
