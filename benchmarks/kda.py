@@ -17,7 +17,7 @@ when importable, in the same run, within a time budget (the H200 run takes about
   python3 benchmarks/kda.py --shapes 4x4096x32x128,1x65536x16x128 --no-parts --no-decode
   python3 benchmarks/kda.py --fla-first    # fla right after ours at each shape (its autotuning
                                            # outlasts the budget when it comes last), then jla
-  python3 benchmarks/kda.py --check-only   # only the checks (random and similar keys)
+  python3 benchmarks/kda.py --check-only   # only the checks (random, similar keys, V tile 128)
   python3 benchmarks/kda.py --set "RECURRENCE='mosaic'"  # a ``pallas_kernels.kda.gpu`` option
                                            # (a Python literal) for the whole run (repeatable)
   python3 benchmarks/kda.py --emulate      # CPU: the check with the GPU's matrix-unit roundings
@@ -42,6 +42,7 @@ JAX times: median over repeats of 5 back-to-back calls; fla times: triton's do_b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -365,11 +366,14 @@ def sweep(parts, shape, tag, left):
   kernels at other warp counts. Each kernel is timed alone; stops when ``left()`` is too small
   for the next step."""
   recur = ("recur_fwd", "recur_fwd_store", "recur_bwd")
-  sweep_checked(parts, tag, left, "CHUNK_A_DOT_CUMSUM", True, "chunk_a_dot_cumsum", ("chunk_a",))
-  sweep_checked(parts, tag, left, "DQKG_DOT_CUMSUM", False, "dqkg_scan_cumsum")
+  for name in ("chunk_a", "chunk_dqkg"):  # the gate's cumulative sum the other way
+    key = "kda_" + name
+    flipped = {**kda_gpu.DOT_CUMSUM, key: not kda_gpu.DOT_CUMSUM[key]}
+    sweep_checked(parts, tag, left, "DOT_CUMSUM", flipped,
+                  f"{name} dot_cumsum={flipped[key]}", (name,))
   sweep_checked(parts, tag, left, "MGPU_V_TILE", 128, "mgpu_v_tile=128", recur)
   sweep_module(parts, tag, left, "RECURRENCE", ("triton", "mosaic"), recur)
-  sweep_module(parts, tag, left, "MGPU_V_TILE", (32, 64, 128), recur)
+  sweep_module(parts, tag, left, "MGPU_V_TILE", (32, 64), recur)
   sweep_module(parts, tag, left, "MGPU_STAGES", (2,), recur)
   sweep_module(parts, tag, left, "CHUNK_WU", ("triton",), ("chunk_wu", "chunk_wu_keep"))
   sweep_module(parts, tag, left, "WU_SPLIT", (True,), ("chunk_wu", "chunk_wu_keep"))
@@ -392,20 +396,29 @@ def sweep(parts, shape, tag, left):
     sweep_warps(parts, name, tag, left)
 
 
+@contextlib.contextmanager
+def option(attr, value):
+  """``kda_gpu.<attr> = value`` inside the block, its default after."""
+  default = getattr(kda_gpu, attr)
+  setattr(kda_gpu, attr, value)
+  try:
+    yield
+  finally:
+    setattr(kda_gpu, attr, default)
+
+
 def sweep_checked(parts, tag, left, attr, value, label, names=("chunk_dqkg",)):
   """``kda_gpu.<attr> = value`` for a change the card must check: the check's errors (outputs
   and gradients against the float32 recurrence) and the kernels ``names`` timed alone."""
   if left() < 25:
     return
-  default = getattr(kda_gpu, attr)
-  setattr(kda_gpu, attr, value)
-  try:
-    errs = check(decode=False, tag=label)
-    emit(name=f"sweep {label} {tag}", **{n: round(_time(parts, n), 4) for n in names},
-         **{k: round(v, 5) for k, v in errs.items()})
-  except Exception as e:  # noqa: BLE001
-    print(f"sweep {label} FAILED", repr(e)[:800], flush=True)
-  setattr(kda_gpu, attr, default)
+  with option(attr, value):
+    try:
+      errs = check(decode=False, tag=label)
+      emit(name=f"sweep {label} {tag}", **{n: round(_time(parts, n), 4) for n in names},
+           **{k: round(v, 5) for k, v in errs.items()})
+    except Exception as e:  # noqa: BLE001
+      print(f"sweep {label} FAILED", repr(e)[:800], flush=True)
 
 
 def sweep_warps(parts, name, tag, left, warps=None, with_default=True):
@@ -631,6 +644,8 @@ def main():
   try:
     check()
     check(decode=False, similar=True)
+    with option("MGPU_V_TILE", 128):  # "auto" takes it past one wave (B4 H32, the k3_1b step)
+      check(decode=False, tag="pallas_gpu V tile 128")
   except Exception as e:  # noqa: BLE001 - the timings below are still worth having
     print("CHECK ERROR", repr(e)[:2000], flush=True)
   if "--check-only" in sys.argv:

@@ -769,15 +769,14 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
                               - jnp.cumsum(dG, axis=0) + dG).astype(dg_ref.dtype)
 
 
-# Whether kda_chunk_dqkg and kda_chunk_a form the gate's cumulative sum as products
+# Whether a kernel (by pallas_call name) forms the gate's cumulative sum as products
 # (``_dot_cumsum``) instead of a scan. H200, B4 T4096 H32 K128 (KDA run 39, 2026-12-03):
 # kda_chunk_dqkg 2.324 ms against the scan's 2.615, same errors. Compiled for the H200 on the
 # CPU (``tools/triton_report.py``, B1 T16384 H32 K128) its products spill 152 instead of 440
 # bytes per thread, 5480 instead of 5760 instructions; kda_chunk_a's 9688 instead of 6000 with
 # 900 bytes of spills (the products' layout against the tiles' around them), not yet timed on
 # the card (`benchmarks/kda.py --sweep` times it first).
-DQKG_DOT_CUMSUM = True
-CHUNK_A_DOT_CUMSUM = False
+DOT_CUMSUM = {"kda_chunk_a": False, "kda_chunk_dqkg": True}
 
 # Warps per chunk-local kernel (by pallas_call name; `benchmarks/kda.py --sweep` times others).
 # H200, B1 T16384 H32 K128, 2026-12-02: kda_chunk_dqkg 4 warps 2.86 ms, 8 4.54; kda_chunk_dwy
@@ -845,7 +844,7 @@ def _chunk_a(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t):
   hv, c = v.shape[2], cfg.chunk
   dt, f32 = jnp.dtype(cfg.dtype), jnp.float32
   kern = functools.partial(_dense_a_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
-                           dot_cumsum=CHUNK_A_DOT_CUMSUM)
+                           dot_cumsum=DOT_CUMSUM["kda_chunk_a"])
   return _call(kern, "kda_chunk_a", (tp // c, bsz * hv),
                [_tok(v, c, f32), _tok(v, c, dt), _tok(v, kd, dt), _tok(v, kd, dt),
                 _tok(v, kd, dt), jax.ShapeDtypeStruct((bsz, tp // c, hv, kd), f32)]
@@ -907,7 +906,7 @@ def _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, 
   bk = min(kd, DQKG_SLICE_K)
   kern = functools.partial(_dense_dqkg_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
                            gate_dot=GATE_DOT, slice_k=bk,
-                           dot_cumsum=DQKG_DOT_CUMSUM)
+                           dot_cumsum=DOT_CUMSUM["kda_chunk_dqkg"])
   return _call(kern, "kda_chunk_dqkg", (kd // bk, tp // cfg.chunk, bsz * hv),
                [_tok(v, kd, _store_dtype(cfg, n)) for n in ("dqk", "dqk", "dg")],
                q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, rq, rk,
