@@ -289,6 +289,17 @@ STORES = {"f32": (), "+dg": ("h", "dh", "dvn", "dy", "dqk", "dg")}  # BF16_STORE
 _STORE_USERS = ("chunk_dwy", "chunk_dqkg", "prep_vjp")
 
 
+@contextlib.contextmanager
+def option(attr, value):
+  """``kda_gpu.<attr> = value`` inside the block, its default after."""
+  default = getattr(kda_gpu, attr)
+  setattr(kda_gpu, attr, value)
+  try:
+    yield
+  finally:
+    setattr(kda_gpu, attr, default)
+
+
 def sweep_stores(parts, tag, left):
   """The backward residuals stored in bf16 (``kda_gpu.BF16_STORES``) at each variant of
   ``STORES`` and the default: the check's gradient errors and the kernels that write or read
@@ -319,13 +330,12 @@ def sweep_module(parts, tag, left, attr, values, names):
   for val in list(values) + [default]:
     if left() < 15:
       break
-    setattr(kda_gpu, attr, val)
-    try:
-      for n in names:
-        row[f"{n} {val}{' (default)' if val == default else ''}"] = round(_time(parts, n), 4)
-    except Exception as e:  # noqa: BLE001
-      print(f"sweep {attr}={val} FAILED", repr(e)[:800], flush=True)
-    setattr(kda_gpu, attr, default)
+    with option(attr, val):
+      try:
+        for n in names:
+          row[f"{n} {val}{' (default)' if val == default else ''}"] = round(_time(parts, n), 4)
+      except Exception as e:  # noqa: BLE001
+        print(f"sweep {attr}={val} FAILED", repr(e)[:800], flush=True)
   if row:
     emit(name=f"sweep {attr} {tag}", **row)
 
@@ -394,17 +404,6 @@ def sweep(parts, shape, tag, left):
     sweep_checked(parts, tag, left, "GATE_DOT", dot, f"gate_dot={name}")
   for name in ("chunk_a", "chunk_dwy"):
     sweep_warps(parts, name, tag, left)
-
-
-@contextlib.contextmanager
-def option(attr, value):
-  """``kda_gpu.<attr> = value`` inside the block, its default after."""
-  default = getattr(kda_gpu, attr)
-  setattr(kda_gpu, attr, value)
-  try:
-    yield
-  finally:
-    setattr(kda_gpu, attr, default)
 
 
 def sweep_checked(parts, tag, left, attr, value, label, names=("chunk_dqkg",)):
