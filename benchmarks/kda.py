@@ -340,14 +340,14 @@ def sweep_module(parts, tag, left, attr, values, names):
     emit(name=f"sweep {attr} {tag}", **row)
 
 
-LOOPS = ((1, 1), (4, 2), (8, 3))  # CHUNK_LOOP variants: (chunks per program, stages)
+LOOPS = ((1, 1), (4, 3), (16, 3), (32, 3), (16, 2))  # CHUNK_LOOP's (chunks per program, stages)
 
 
-def sweep_loops(parts, tag, left):
-  """Each dense chunk kernel alone with its programs walking several chunks (``LOOPS``), and at
-  its default."""
+def sweep_loops(parts, tag, left, names):
+  """Each dense chunk kernel of ``names`` alone with its programs walking several chunks
+  (``LOOPS``), and at its default."""
   default = kda_gpu.CHUNK_LOOP
-  for name in ("chunk_a", "chunk_dwy", "chunk_dqkg"):
+  for name in names:
     row = {}
     for per, stages in LOOPS:
       if left() < 15:
@@ -364,23 +364,22 @@ def sweep_loops(parts, tag, left):
 
 
 def sweep(parts, shape, tag, left):
-  """The variants of the kernels, most promising first: the gate's cumulative sum the other way
-  (chunk_a's as products, chunk_dqkg's as a scan) and the Mosaic passes' 128-wide V tile
-  (single-buffered: one CTA per (batch, head)), each with
-  the check's errors and the kernels' times (the default's are the parts' row), the sequential
-  passes (Triton or Mosaic GPU, the latter's V tile and ring slots), the WY factors (Triton or Mosaic
-  GPU, the latter's inverse in float16 or split bf16 products), the bf16 backward intermediates,
-  programs walking several chunks, the dense path's reference blocks of 16 rows instead of the
-  default (chunk_a, chunk_dqkg), chunk_dqkg at other warp counts and K slice widths, the gate
-  gradient's matrix-unit algorithm (its check errors and the chunk_dqkg time), then the other
-  kernels at other warp counts. Each kernel is timed alone; stops when ``left()`` is too small
-  for the next step."""
+  """The variants of the kernels, most promising first: chunk_a's programs walking more chunks
+  (``CHUNK_LOOP``), chunk_dqkg's cumulative sum of the gate as a scan and the Mosaic passes'
+  128-wide V tile (single-buffered: one CTA per (batch, head)), each with the check's errors and
+  the kernels' times (the default's are the parts' row), the sequential passes (Triton or Mosaic
+  GPU, the latter's V tile and ring slots), the WY factors (Triton or Mosaic GPU, the latter's
+  inverse in float16 or split bf16 products), the bf16 backward intermediates, chunk_dwy's and
+  chunk_dqkg's programs walking several chunks, the dense path's reference blocks of 16 rows
+  instead of the default (chunk_a, chunk_dqkg), chunk_dqkg at other warp counts and K slice
+  widths, the gate gradient's matrix-unit algorithm (its check errors and the chunk_dqkg time),
+  then the other kernels at other warp counts. Each kernel is timed alone; stops when
+  ``left()`` is too small for the next step."""
   recur = ("recur_fwd", "recur_fwd_store", "recur_bwd")
-  for name in ("chunk_a", "chunk_dqkg"):  # the gate's cumulative sum the other way
-    key = "kda_" + name
-    flipped = {**kda_gpu.DOT_CUMSUM, key: not kda_gpu.DOT_CUMSUM[key]}
-    sweep_checked(parts, tag, left, "DOT_CUMSUM", flipped,
-                  f"{name} dot_cumsum={flipped[key]}", (name,))
+  sweep_loops(parts, tag, left, ("chunk_a",))
+  flipped = {**kda_gpu.DOT_CUMSUM, "kda_chunk_dqkg": not kda_gpu.DOT_CUMSUM["kda_chunk_dqkg"]}
+  sweep_checked(parts, tag, left, "DOT_CUMSUM", flipped,  # the gate's cumulative sum as a scan
+                f"chunk_dqkg dot_cumsum={flipped['kda_chunk_dqkg']}")
   sweep_checked(parts, tag, left, "MGPU_V_TILE", 128, "mgpu_v_tile=128", recur)
   sweep_module(parts, tag, left, "RECURRENCE", ("triton", "mosaic"), recur)
   sweep_module(parts, tag, left, "MGPU_V_TILE", (32, 64), recur)
@@ -388,7 +387,7 @@ def sweep(parts, shape, tag, left):
   sweep_module(parts, tag, left, "CHUNK_WU", ("triton",), ("chunk_wu", "chunk_wu_keep"))
   sweep_module(parts, tag, left, "WU_SPLIT", (True,), ("chunk_wu", "chunk_wu_keep"))
   sweep_stores(parts, tag, left)
-  sweep_loops(parts, tag, left)
+  sweep_loops(parts, tag, left, ("chunk_dwy", "chunk_dqkg"))
   cfg = parts.cfg
   parts.cfg = dataclasses.replace(cfg, diag_rows=16)
   emit(name=f"sweep diag_rows=16 (default {cfg.diag_rows}) {tag}",

@@ -102,7 +102,7 @@ def test_cumsum_options(monkeypatch, case, kernel):
   kernel (kda_chunk_dqkg: a scan; kda_chunk_a: matrix-unit products) passes the same checks,
   including the saturated gate whose dg sums terms e^80 apart."""
   from pallas_kernels.kda import gpu
-  monkeypatch.setitem(gpu.DOT_CUMSUM, kernel, not gpu.DOT_CUMSUM[kernel])
+  monkeypatch.setitem(gpu.DOT_CUMSUM, kernel, not gpu.DOT_CUMSUM.get(kernel, False))
   _check_case(case)
 
 
@@ -230,11 +230,12 @@ def test_saved_residuals_give_the_same_gradients(case):
 
 def test_bf16_dense_path_matches_the_float32_recurrence():
   """bf16 inputs on the dense path, as trained: the kernels' bf16 residuals (the chunk states,
-  their gradients and dV', ``gpu.BF16_STORES``) and kda_chunk_a's programs walking 4 chunks
-  (``gpu.CHUNK_LOOP``) keep outputs and every gradient within bf16 accuracy of the float32
-  recurrence on the same (bf16-rounded) inputs (relative error of the whole array)."""
+  their gradients and dV', ``gpu.BF16_STORES``) and kda_chunk_a's programs walking several
+  chunks (``gpu.CHUNK_LOOP``: at least 4 per program, here all 4) keep outputs and every
+  gradient within bf16 accuracy of the float32 recurrence on the same (bf16-rounded) inputs
+  (relative error of the whole array)."""
   from pallas_kernels.kda import gpu
-  assert gpu.CHUNK_LOOP.get("kda_chunk_a", (1, 1))[0] == 4 and "h" in gpu.BF16_STORES
+  assert gpu.CHUNK_LOOP.get("kda_chunk_a", (1, 1))[0] >= 4 and "h" in gpu.BF16_STORES
   case = ("bf16", 256, 1, 1, 64, 32, 64, "bounded", True, (90, 91))
   x, seg, opts, chunk, _ = _setup(case)
   args = tuple(jnp.asarray(x[n]) for n in ORDER)

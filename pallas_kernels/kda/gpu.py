@@ -452,11 +452,12 @@ class _Dense:
     self.rows = pl.ds(c0, c)
     self.rid = jnp.arange(c)[:, None]
     cid = jnp.arange(c)[None, :]
-    self.valid = (c0 + jnp.arange(c)) < t  # padded tokens leave the state alone
+    # padded tokens leave the state alone (None: t a multiple of the chunk, none padded)
+    self.valid = None if t % c == 0 else (c0 + jnp.arange(c)) < t
     beta = beta_ref[b, self.rows, h].astype(f32)
     if cfg.beta_is_logit:
       beta = jax.nn.sigmoid(beta)
-    self.beta = jnp.where(self.valid, beta, 0.0)
+    self.beta = beta if self.valid is None else jnp.where(self.valid, beta, 0.0)
     seg = seg_ref[b, self.rows]
     prev = seg_ref[b, jnp.maximum(c0 - 1, 0)]
     last = seg_ref[b, c0 + c - 1]
@@ -494,7 +495,8 @@ class _Dense:
       e = jnp.exp(alog_ref[self.h])
       g = (cfg.lower_bound * jax.nn.sigmoid(e * x) if cfg.gate == "bounded"
            else -e * jax.nn.softplus(x))
-    g = jnp.where(self.valid[:, None], g, 0.0)
+    if self.valid is not None:
+      g = jnp.where(self.valid[:, None], g, 0.0)
     return q, k, _dot_cumsum(g) if self.dot_cumsum else jnp.cumsum(g, axis=0)
 
   def row(self, x, i):
@@ -503,9 +505,11 @@ class _Dense:
 
   def blocks(self, G):
     """e^{G - r} [C, BK] with each row's own block reference (G at the middle row of its block
-    of ``diag_rows`` rows), and per block I a function returning (row mask [C, 1], column
-    factor e^{r_I - G} [C, BK] zeroed after block I); the column factors are formed one at a
-    time, where they are used."""
+    of ``diag_rows`` rows), per block I a function returning (row mask [C, 1], column
+    factor e^{r_I - G} [C, BK] zeroed after block I), and the references r_I [BK]; the column
+    factors are formed one at a time, where they are used. No exponent of a row in or before
+    its block exceeds ``diag_rows / 2`` gates (G falls with the row; see ``diag_rows``), so
+    none overflows (those after it are zeroed)."""
     n = self.cfg.diag_rows
     refs = [self.row(G, i * n + n // 2 - 1) for i in range(self.cfg.chunk // n)]
     ref_rows = jnp.broadcast_to(refs[0][None, :], G.shape)
@@ -514,11 +518,9 @@ class _Dense:
 
     def block(i):
       rows = (self.rid >= i * n) & (self.rid < (i + 1) * n)
-      col = jnp.where(self.rid < (i + 1) * n,
-                      jnp.exp(jnp.minimum(refs[i][None, :] - G, _MAX_EXP)), 0.0)
-      return rows, col
+      return rows, jnp.where(self.rid < (i + 1) * n, jnp.exp(refs[i][None, :] - G), 0.0)
 
-    return [functools.partial(block, i) for i in range(len(refs))], jnp.exp(G - ref_rows)
+    return [functools.partial(block, i) for i in range(len(refs))], jnp.exp(G - ref_rows), refs
 
 
 def _dot_cumsum(g):
@@ -583,7 +585,7 @@ def _dense_a_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
   for s in range(ch.ns):
     cols = ch.cols(s)
     q, k, G = ch.slice(s)
-    blocks, e_row = ch.blocks(G)
+    blocks, e_row, _ = ch.blocks(G)
     lk, lq = k * e_row, q * e_row
     for block in blocks:
       rws, col = block()
@@ -712,12 +714,12 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
   ld = lambda ref: ref[b, rows, h, :].astype(f32)
   q, k, G = ch.slice(s)
   state = lambda ref: ref[b, ci, h, cols, :]  # [BK, V], loaded where used
-  blocks, e_row = ch.blocks(G)
+  blocks, e_row, refs = ch.blocks(G)
 
   def pairs(a_side, dp, dots):
     """Gradients of the pair product P_ij = sum_d a_id k_jd e^{G_id - G_jd} (i >= j) given
     dP (``dp()``: [C, C] float32), products by the algorithms ``dots`` (for d a, for d k):
-    (d a, d k) [C, BK]."""
+    (d a, d k) [C, BK] and the last block's column factor."""
     mma, mmb = (functools.partial(_mm, precision=d) for d in dots)
     la = a_side * e_row
     da = db = jnp.zeros_like(k)
@@ -726,7 +728,7 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
       p = jnp.where(rws, dp(), 0.0)
       da = da + mma(p, k * col)
       db = db + col * mmb(p, la, ta=True)
-    return da * e_row, db
+    return da * e_row, db, col
 
   # The products with the states (dO S^T, V' dS^T) take operands of the kernels' dtype, like
   # the forward's QG S: bf16 halves their registers (chunk_dqkg 4.87 instead of 6.76 ms on the
@@ -739,7 +741,7 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
     dq = cfg.scale * ch.cont[:, None] * jnp.exp(G) * mm(do, state(h_ref), tb=True, dt=sdt)
     dpqk = lambda: jnp.where(ch.incl, cfg.scale * mm(do_ref[b, rows, h, :], vn_ref[b, rows, h, :],
                                                      tb=True, dt=sdt), 0.0)
-    daq, dk = pairs(q, dpqk, gate_dot[0])
+    daq, dk, _ = pairs(q, dpqk, gate_dot[0])
     dq = dq + daq
     dq_ref[b, rows, h, cols] = dq.astype(dq_ref.dtype)
     return dk, q * dq - k * dk
@@ -747,14 +749,21 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
   def k_side(dk, dG):
     """P_kk's part, W's factor k e^G (gradient dY) and KD = k e^{G_C - G} (from the state
     gradient), added to dk, dG; and the gradient of G at the chunk end."""
-    dak, dbk = pairs(k, lambda: ld(dpkk_ref), gate_dot[1])
+    dak, dbk, col = pairs(k, lambda: ld(dpkk_ref), gate_dot[1])
     dk = dk + dak + dbk
     dG = dG + k * (dak - dbk)
     gl = ch.row(G, c - 1)
     dky = beta * jnp.exp(G) * dy_ref[b, rows, h, cols].astype(f32)
     dst = state(dh_ref)
-    dkd = ch.last[:, None] * jnp.exp(gl[None, :] - G) * mm(vn_ref[b, rows, h, :], dst, tb=True,
-                                                           dt=sdt)
+    # KD's decay e^{G_C - G} = e^{G_C - r} e^{r - G} with r the last block's reference: its
+    # column factor (every row: none lies after the last block) times one factor per channel,
+    # an exponential per element fewer (where e^{r - G} underflows, e^{G_C - G} <= e^{r - G}
+    # does too). H200, B4 T4096 H32 (KDA runs 43-44, 2026-12-04): kda_chunk_dqkg 2.354 / 2.321
+    # ms against 2.372 / 2.336 with its own exponential; the same in kda_chunk_a was slower,
+    # 0.997 / 0.980 against 0.987 / 0.962 (on the CPU its SASS 5,856 instructions against
+    # 5,960; kda_chunk_dqkg's 5,448 against 5,464, spilling 216 bytes against 152).
+    decay = col * jnp.exp(gl - refs[-1])[None, :]
+    dkd = ch.last[:, None] * decay * mm(vn_ref[b, rows, h, :], dst, tb=True, dt=sdt)
     dk = dk + dky + dkd
     dG = dG + k * (dky - dkd)
     hdh = state(h_ref).astype(f32) * dst.astype(f32)  # float32 sums of the stored values
@@ -769,14 +778,14 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
                               - jnp.cumsum(dG, axis=0) + dG).astype(dg_ref.dtype)
 
 
-# Whether a kernel (by pallas_call name) forms the gate's cumulative sum as products
-# (``_dot_cumsum``) instead of a scan. H200, B4 T4096 H32 K128 (KDA run 39, 2026-12-03):
-# kda_chunk_dqkg 2.324 ms against the scan's 2.615, same errors. Compiled for the H200 on the
-# CPU (``tools/triton_report.py``, B1 T16384 H32 K128) its products spill 152 instead of 440
-# bytes per thread, 5480 instead of 5760 instructions; kda_chunk_a's 9688 instead of 6000 with
-# 900 bytes of spills (the products' layout against the tiles' around them), not yet timed on
-# the card (`benchmarks/kda.py --sweep` times it first).
-DOT_CUMSUM = {"kda_chunk_a": False, "kda_chunk_dqkg": True}
+# Whether a kernel (by pallas_call name; absent: False) forms the gate's cumulative sum as
+# products (``_dot_cumsum``) instead of a scan. H200, B4 T4096 H32 K128 (KDA run 39,
+# 2026-12-03): kda_chunk_dqkg 2.324 ms against the scan's 2.615, same errors. Compiled for the
+# H200 on the CPU (``tools/triton_report.py``, B1 T16384 H32 K128) its products spill 152
+# instead of 440 bytes per thread, 5480 instead of 5760 instructions. kda_chunk_a's take 9688
+# instead of 6000 instructions with 900 bytes of spills (the products' layout against the
+# tiles' around them) and on the card 4.97 ms instead of 1.00 (KDA run 43, 2026-12-04).
+DOT_CUMSUM = {"kda_chunk_dqkg": True}
 
 # Warps per chunk-local kernel (by pallas_call name; `benchmarks/kda.py --sweep` times others).
 # H200, B1 T16384 H32 K128, 2026-12-02: kda_chunk_dqkg 4 warps 2.86 ms, 8 4.54; kda_chunk_dwy
@@ -792,8 +801,12 @@ WARPS = {"kda_chunk_prep": 4, "kda_chunk_prep_bwd": 4, "kda_chunk_a": 8, "kda_ch
 # products run. H200, B1 T16384 H32 K128, 2026-12-02 (`benchmarks/kda.py --sweep`):
 # kda_chunk_a 4 x 3 0.986 ms, 2 x 3 0.995, 4 x 2 1.040, one chunk 1.121; kda_chunk_wu no faster
 # (4 x 2 0.549 against 0.551); kda_chunk_dqkg 2 x 2 4.97 against 2.66 (3 stages exceed shared
-# memory); kda_chunk_dwy exceeds shared memory at every setting.
-CHUNK_LOOP = {"kda_chunk_a": (4, 3)}
+# memory); kda_chunk_dwy exceeds shared memory at every setting. B4 T4096 H32 (KDA run 43,
+# 2026-12-04): kda_chunk_a 8 x 3 0.968 ms, 4 x 3 0.998 (run 36: 0.978 / 0.989), 4 x 2 0.999,
+# 1 x 1 1.183; run 44: 8 x 3 0.953, 16 x 3 0.959, 32 x 3 0.954, 4 x 3 0.968, 16 x 2 0.999;
+# kda_chunk_dwy and kda_chunk_dqkg slower at every setting (run 44: 0.84-0.86 against 0.76-0.79,
+# 3.10-3.17 against 2.34-2.39).
+CHUNK_LOOP = {"kda_chunk_a": (8, 3)}
 
 
 def _call(kern, name, grid, out_shape, *args, chunk_axis=None):
@@ -844,7 +857,7 @@ def _chunk_a(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t):
   hv, c = v.shape[2], cfg.chunk
   dt, f32 = jnp.dtype(cfg.dtype), jnp.float32
   kern = functools.partial(_dense_a_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
-                           dot_cumsum=DOT_CUMSUM["kda_chunk_a"])
+                           dot_cumsum=DOT_CUMSUM.get("kda_chunk_a", False))
   return _call(kern, "kda_chunk_a", (tp // c, bsz * hv),
                [_tok(v, c, f32), _tok(v, c, dt), _tok(v, kd, dt), _tok(v, kd, dt),
                 _tok(v, kd, dt), jax.ShapeDtypeStruct((bsz, tp // c, hv, kd), f32)]
@@ -906,7 +919,7 @@ def _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, 
   bk = min(kd, DQKG_SLICE_K)
   kern = functools.partial(_dense_dqkg_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
                            gate_dot=GATE_DOT, slice_k=bk,
-                           dot_cumsum=DOT_CUMSUM["kda_chunk_dqkg"])
+                           dot_cumsum=DOT_CUMSUM.get("kda_chunk_dqkg", False))
   return _call(kern, "kda_chunk_dqkg", (kd // bk, tp // cfg.chunk, bsz * hv),
                [_tok(v, kd, _store_dtype(cfg, n)) for n in ("dqk", "dqk", "dg")],
                q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, rq, rk,
@@ -1095,6 +1108,9 @@ def _store_dtype(cfg, name):
 # 0.202 ms at B4 T4096 H32). At 128 wide (KDA run 39, B4 T4096 H32) the forward 0.233-0.238 ms,
 # storing 0.371-0.386, the backward 0.318-0.340; the k3_1b step's KDA kernels 64.1 ms per step
 # against 66.0 at 64 wide (Training run 35, same run).
+# MGPU_STAGES: the ring slots asked for; the 128-wide tile's SMEM holds two whatever is asked
+# (``recurrence_mgpu.ring_slots``), so sweeps of 2 against 3 there time one kernel twice: 3-8%
+# apart in KDA runs 43-44, the spread of these timings (the later of two runs the slower).
 RECURRENCE = "auto"
 MGPU_V_TILE = "auto"
 MGPU_STAGES = 3
