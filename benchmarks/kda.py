@@ -352,12 +352,11 @@ def sweep_loops(parts, tag, left, names):
     for per, stages in LOOPS:
       if left() < 15:
         return
-      kda_gpu.CHUNK_LOOP = {**default, "kda_" + name: (per, stages)}
-      try:
-        row[f"{per}x{stages}"] = round(_time(parts, name), 4)
-      except Exception as e:  # noqa: BLE001
-        print(f"sweep loop {name} {per}x{stages} FAILED", repr(e)[:800], flush=True)
-      kda_gpu.CHUNK_LOOP = default
+      with option("CHUNK_LOOP", {**default, "kda_" + name: (per, stages)}):
+        try:
+          row[f"{per}x{stages}"] = round(_time(parts, name), 4)
+        except Exception as e:  # noqa: BLE001
+          print(f"sweep loop {name} {per}x{stages} FAILED", repr(e)[:800], flush=True)
     per, stages = default.get("kda_" + name, (1, 1))
     row[f"{per}x{stages} (default)"] = round(_time(parts, name), 4)
     emit(name=f"sweep chunks x stages {name} {tag}", **row)
@@ -377,9 +376,8 @@ def sweep(parts, shape, tag, left):
   ``left()`` is too small for the next step."""
   recur = ("recur_fwd", "recur_fwd_store", "recur_bwd")
   sweep_loops(parts, tag, left, ("chunk_a",))
-  flipped = {**kda_gpu.DOT_CUMSUM, "kda_chunk_dqkg": not kda_gpu.DOT_CUMSUM["kda_chunk_dqkg"]}
-  sweep_checked(parts, tag, left, "DOT_CUMSUM", flipped,  # the gate's cumulative sum as a scan
-                f"chunk_dqkg dot_cumsum={flipped['kda_chunk_dqkg']}")
+  flipped = not kda_gpu.DQKG_DOT_CUMSUM  # the gate's cumulative sum the other way (a scan)
+  sweep_checked(parts, tag, left, "DQKG_DOT_CUMSUM", flipped, f"dqkg_dot_cumsum={flipped}")
   sweep_checked(parts, tag, left, "MGPU_V_TILE", 128, "mgpu_v_tile=128", recur)
   sweep_module(parts, tag, left, "RECURRENCE", ("triton", "mosaic"), recur)
   sweep_module(parts, tag, left, "MGPU_V_TILE", (32, 64), recur)

@@ -95,14 +95,13 @@ CUMSUM_CASES = [c for c in CASES if c[0] in ("bounded_chunk64_K128_T100",
                                               "bounded_saturated_chunk64")]
 
 
-@pytest.mark.parametrize("kernel", ["kda_chunk_dqkg", "kda_chunk_a"])
 @pytest.mark.parametrize("case", CUMSUM_CASES, ids=[c[0] for c in CUMSUM_CASES])
-def test_cumsum_options(monkeypatch, case, kernel):
-  """The gate's cumulative sum the other way from its default (``gpu.DOT_CUMSUM``) in one
-  kernel (kda_chunk_dqkg: a scan; kda_chunk_a: matrix-unit products) passes the same checks,
+def test_cumsum_option(monkeypatch, case):
+  """kda_chunk_dqkg with the gate's cumulative sum the other way from its default
+  (``gpu.DQKG_DOT_CUMSUM``: a scan instead of matrix-unit products) passes the same checks,
   including the saturated gate whose dg sums terms e^80 apart."""
   from pallas_kernels.kda import gpu
-  monkeypatch.setitem(gpu.DOT_CUMSUM, kernel, not gpu.DOT_CUMSUM.get(kernel, False))
+  monkeypatch.setattr(gpu, "DQKG_DOT_CUMSUM", not gpu.DQKG_DOT_CUMSUM)
   _check_case(case)
 
 
@@ -173,9 +172,9 @@ def test_dense_path_lowers_for_cuda(monkeypatch, shape, cumsum_dot):
   """The bounded-gate kernels (forward and backward, bf16, K=128, two K slices)
   lower through Pallas' Triton path for an H200 without a GPU (catches lowering errors on CPU),
   also at the benchmark shape (inputs as shapes only) and with the scan's cumulative sum in
-  kda_chunk_dqkg (``gpu.DOT_CUMSUM``)."""
+  kda_chunk_dqkg (``gpu.DQKG_DOT_CUMSUM``)."""
   from pallas_kernels.kda import gpu
-  monkeypatch.setitem(gpu.DOT_CUMSUM, "kda_chunk_dqkg", cumsum_dot)
+  monkeypatch.setattr(gpu, "DQKG_DOT_CUMSUM", cumsum_dot)
   gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
   monkeypatch.setattr(gpu_info, "get_gpu_info",
                       lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))

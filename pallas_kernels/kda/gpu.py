@@ -567,7 +567,7 @@ def _ids(hv, pid, axis=0):
 
 def _dense_a_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
                     pkk_ref, a_ref, qg_ref, kd_ref, kg_ref, gc_ref, rq_ref, rk_ref, *, cfg, hv,
-                    group, t, dot_cumsum, pid):
+                    group, t, pid):
   """Grid (NC, B*HV): writes pkk ``[B, Tp, HV, C]`` float32 (strict, same segment, no beta),
   A_qk ``[B, Tp, HV, C]``, QG, KD, KG ``[B, Tp, HV, K]`` (``cfg.dtype``), gC
   ``[B, NC, HV, K]`` float32 and the rows' inverse L2 norms of q and k ``[B, Tp, HV]`` (1 if
@@ -578,7 +578,7 @@ def _dense_a_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
   c = cfg.chunk
   dt = jnp.dtype(cfg.dtype)
   ch = _Dense(cfg, (q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref), b, h,
-              h // group, ci * c, t, q_ref.shape[-1], dot_cumsum=dot_cumsum)
+              h // group, ci * c, t, q_ref.shape[-1])
   mm = functools.partial(_mm, dt=dt)
   rows = ch.rows
   akk = aqk = jnp.zeros((c, c), jnp.float32)
@@ -778,14 +778,14 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
                               - jnp.cumsum(dG, axis=0) + dG).astype(dg_ref.dtype)
 
 
-# Whether a kernel (by pallas_call name; absent: False) forms the gate's cumulative sum as
-# products (``_dot_cumsum``) instead of a scan. H200, B4 T4096 H32 K128 (KDA run 39,
-# 2026-12-03): kda_chunk_dqkg 2.324 ms against the scan's 2.615, same errors. Compiled for the
-# H200 on the CPU (``tools/triton_report.py``, B1 T16384 H32 K128) its products spill 152
-# instead of 440 bytes per thread, 5480 instead of 5760 instructions. kda_chunk_a's take 9688
-# instead of 6000 instructions with 900 bytes of spills (the products' layout against the
-# tiles' around them) and on the card 4.97 ms instead of 1.00 (KDA run 43, 2026-12-04).
-DOT_CUMSUM = {"kda_chunk_dqkg": True}
+# Whether kda_chunk_dqkg forms the gate's cumulative sum as products (``_dot_cumsum``) instead
+# of a scan. H200, B4 T4096 H32 K128 (KDA run 39, 2026-12-03): 2.324 ms against the scan's
+# 2.615, same errors. Compiled for the H200 on the CPU (``tools/triton_report.py``, B1 T16384
+# H32 K128) its products spill 152 instead of 440 bytes per thread, 5480 instead of 5760
+# instructions. kda_chunk_a scans: with the products it took 9688 instead of 6000 instructions
+# with 900 bytes of spills (the products' layout against the tiles' around them) and on the
+# card 4.97 ms instead of 1.00 (KDA run 43, 2026-12-04).
+DQKG_DOT_CUMSUM = True
 
 # Warps per chunk-local kernel (by pallas_call name; `benchmarks/kda.py --sweep` times others).
 # H200, B1 T16384 H32 K128, 2026-12-02: kda_chunk_dqkg 4 warps 2.86 ms, 8 4.54; kda_chunk_dwy
@@ -856,8 +856,7 @@ def _chunk_a(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t):
   bsz, tp, h, kd = q.shape
   hv, c = v.shape[2], cfg.chunk
   dt, f32 = jnp.dtype(cfg.dtype), jnp.float32
-  kern = functools.partial(_dense_a_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
-                           dot_cumsum=DOT_CUMSUM.get("kda_chunk_a", False))
+  kern = functools.partial(_dense_a_kernel, cfg=cfg, hv=hv, group=hv // h, t=t)
   return _call(kern, "kda_chunk_a", (tp // c, bsz * hv),
                [_tok(v, c, f32), _tok(v, c, dt), _tok(v, kd, dt), _tok(v, kd, dt),
                 _tok(v, kd, dt), jax.ShapeDtypeStruct((bsz, tp // c, hv, kd), f32)]
@@ -919,7 +918,7 @@ def _chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, 
   bk = min(kd, DQKG_SLICE_K)
   kern = functools.partial(_dense_dqkg_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
                            gate_dot=GATE_DOT, slice_k=bk,
-                           dot_cumsum=DOT_CUMSUM.get("kda_chunk_dqkg", False))
+                           dot_cumsum=DQKG_DOT_CUMSUM)
   return _call(kern, "kda_chunk_dqkg", (kd // bk, tp // cfg.chunk, bsz * hv),
                [_tok(v, kd, _store_dtype(cfg, n)) for n in ("dqk", "dqk", "dg")],
                q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, rq, rk,
