@@ -101,7 +101,7 @@ def main(argv=None):
   p.add_argument("--set", action="append", default=[], metavar="MODULE:NAME=VALUE",
                  help="set a module option (a Python literal) before tracing; repeatable")
   p.add_argument("overrides", nargs="*")
-  args = p.parse_args(argv)
+  args = p.parse_intermixed_args(argv)  # overrides may follow options
   for opt in args.set:
     try:
       set_module_option(opt)
@@ -174,7 +174,7 @@ def main(argv=None):
 
     data = data_lib.Data(cfg)
     it = iter(data.dataset("train", t))
-    times, losses, contexts = [], [], []
+    times, losses, loads, contexts = [], [], [], []
     with exclusive(args.lock):
       for i in range(args.steps):
         host_batch = next(it)
@@ -186,6 +186,8 @@ def main(argv=None):
         if i >= 2:
           times.append(time.perf_counter() - s0)
         losses.append(float(m["loss"]))
+        if "moe_load_max_mean" in m:
+          loads.append(float(jnp.max(m["moe_load_max_mean"])))
       step_s = statistics.median(times)
       tps = b * t / step_s
       context = sum(contexts) / len(contexts)  # keys per query: documents are packed
@@ -193,6 +195,8 @@ def main(argv=None):
       peak, note = flops.device_peak_flops(cfg.train.peak_tflops)
       mfu = fpt * tps / peak if peak else None
       print(f"losses {' '.join(f'{x:.4f}' for x in losses)}")
+      if loads:
+        print(f"max/mean expert load, worst MoE layer {' '.join(f'{x:.3f}' for x in loads)}")
       print(f"step {step_s * 1e3:.1f} ms (median of {len(times)}; min {min(times) * 1e3:.1f}), "
             f"{tps:,.0f} tokens/s, {fpt / 1e9:.2f} GFLOP/token -> {fpt * tps / 1e12:.1f} TFLOP/s, "
             f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'} ({note})", flush=True)
@@ -200,7 +204,7 @@ def main(argv=None):
       print(f"mean attention context {context:,.0f} keys per query (packed documents); "
             "model FLOPs per token (forward): " + ", ".join(
           f"{k} {v / breakdown['total']:.0%}" for k, v in breakdown.items() if k != "total"))
-      result.update(losses=losses, step_ms=step_s * 1e3, step_ms_min=min(times) * 1e3,
+      result.update(losses=losses, worst_expert_load=loads, step_ms=step_s * 1e3, step_ms_min=min(times) * 1e3,
                     tokens_per_s=tps, gflop_per_token=fpt / 1e9, mfu=mfu, peak_note=note,
                     mean_attention_context=context)
       mem = peak_memory()

@@ -15,7 +15,7 @@
 #                                           # KDA_SWEEP_S=95: this code's whole op and parts only
 #   bash benchmarks/h200_round.sh ncu       # Nsight Compute: our KDA kernels, fwd+bwd
 #   bash benchmarks/h200_round.sh glu       # packed SiTU-GLU kernels vs XLA, tile sweep
-#   bash benchmarks/h200_round.sh lse       # LM-head log-sum-exp kernel vs XLA, tile sweep
+#   bash benchmarks/h200_round.sh lse       # LM-head log-sum-exp vs XLA, tile sweep (LSE_DTYPE)
 #   bash benchmarks/h200_round.sh mladecode # MLA decode kernels (mosaic, seesaw) at N 1-256
 #   bash benchmarks/h200_round.sh qbselect  # exact QB's radix select kernel vs XLA
 #   bash benchmarks/h200_round.sh kdadecode # KDA decode configurations and copy ceilings
@@ -94,8 +94,9 @@ long() {
 step() {
   # The one-GPU k3_1b step at 16 x 4096, profiled, under each remat policy (REMATS) and each
   # option (STEP_SETS, ';'-separated: '-' for the defaults, MODULE:NAME=VALUE for a kernel
-  # option, else a config override such as train.loss_chunk=4096), one per GPU in turn
-  # (XLA's autotuning while another process compiles would otherwise disturb the timed steps).
+  # option, else config overrides separated by spaces such as train.loss_chunk=4096), one per
+  # GPU in turn (XLA's autotuning while another process compiles would otherwise disturb the
+  # timed steps).
   # STEP_BASE=DIR (a copy of an earlier commit, e.g. `git archive`) also times that code's
   # defaults in the same run: the before/after of a change side by side. STEP_HLO=1 also writes
   # each compiled step's HLO text (gzip) beside its log.
@@ -112,7 +113,7 @@ step() {
     IFS=';' read -ra sets <<< "${STEP_SETS:--}"
     for set in "${sets[@]}"; do
       gpu=$(( i % NGPU )); i=$(( i + 1 ))
-      tag=$remat; [ "$set" = "-" ] || tag="${remat}_${set##*:}"; tag=${tag//=/_}
+      tag=$remat; [ "$set" = "-" ] || tag="${remat}_${set##*:}"; tag=${tag//=/_}; tag=${tag// /+}
       CUDA_VISIBLE_DEVICES=$gpu XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout $LIMIT \
         python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 12 --lock "$LOCK" \
         --profile "$R/trace_$tag" --json "$R/1b_remat_$tag.json" model.remat=$remat \
@@ -153,7 +154,8 @@ kdasweep() {  # KDA variants and warp counts at B1 T16384 H32 (ours only)
 # The step's glue kernels against XLA with their tile sweeps, the decode kernels' configurations
 # (KDA: with the pool's in-place copy ceilings; MLA: each kernel in a child process).
 glu() { bench glu 60 benchmarks/glu.py --sweep; }
-lse() { bench logsumexp 60 benchmarks/logsumexp.py --sweep; }
+lse() {  # LSE_DTYPE=bfloat16: train.bf16_logits's chunk
+  bench logsumexp 60 benchmarks/logsumexp.py --sweep --dtype "${LSE_DTYPE:-float32}"; }
 qbselect() { bench radix_select 58 benchmarks/radix_select.py --budget 42; }
 kdadecode() { bench kda_decode 200 benchmarks/kda.py --decode-sweep --budget 120 --peers; }
 mladecode() { bench mla_decode 150 benchmarks/mla.py --decode-only; }

@@ -3,6 +3,7 @@ float64 on the card, then time it beside XLA's one-pass reduction and XLA's two-
 ``jax.nn.logsumexp``, then (with --sweep) other tilings. Finishes in ~30 s on an H200.
 
   python3 benchmarks/logsumexp.py                 # one loss chunk: [4096, 163840] float32
+  python3 benchmarks/logsumexp.py --dtype bfloat16 --sweep   # train.bf16_logits's chunk
   python3 benchmarks/logsumexp.py --shape 37x3001 --interpret   # CPU: the check path
 
 GB/s counts one read of the input. Rows go to ``$OUT/logsumexp_bench.json``.
@@ -25,8 +26,9 @@ from pallas_kernels.logsumexp import gpu, logsumexp  # noqa: E402
 from timing import Rows, median_ms  # noqa: E402
 
 ROWS = Rows("logsumexp_bench.json")
-SWEEP = [dict(ROWS=4), dict(ROWS=16), dict(COLS=1024), dict(COLS=4096), dict(SPLITS=4),
-         dict(SPLITS=16), dict(STAGES=2), dict(STAGES=4), dict(WARPS=8)]
+SWEEP = [dict(ROWS=4, ROWS_BF16=8), dict(ROWS=16, ROWS_BF16=16), dict(COLS=1024),
+         dict(COLS=4096), dict(SPLITS=4), dict(SPLITS=16), dict(STAGES=2), dict(STAGES=4),
+         dict(WARPS=8)]
 
 
 def main():
@@ -34,15 +36,16 @@ def main():
   ap.add_argument("--shape", default="4096x163840", help="N x V")
   ap.add_argument("--interpret", action="store_true", help="one sample each (CPU check path)")
   ap.add_argument("--sweep", action="store_true")
+  ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   args = ap.parse_args()
   n, v = (int(s) for s in args.shape.split("x"))
-  x = jax.random.normal(jax.random.key(0), (n, v), jnp.float32) * 4.0
+  x = (jax.random.normal(jax.random.key(0), (n, v), jnp.float32) * 4.0).astype(args.dtype)
   reps = dict(reps=1, inner=1) if args.interpret else {}
   rows = np.random.default_rng(0).choice(n, size=min(n, 64), replace=False)
   x64 = np.asarray(x[rows], np.float64)
   m = x64.max(-1, keepdims=True)
   want = (m + np.log(np.exp(x64 - m).sum(-1, keepdims=True)))[:, 0]
-  gbps = lambda ms: round(x.size * 4 / ms / 1e6)
+  gbps = lambda ms: round(x.size * x.dtype.itemsize / ms / 1e6)
 
   def run(name, fn):
     got = np.asarray(fn(x))[rows]
@@ -55,9 +58,11 @@ def main():
       row.update(ms=round(ms, 4), gbps=gbps(ms))
     ROWS.emit(row)
 
-  run(f"xla one-pass N{n} V{v}", jax.jit(lambda a: logsumexp(a, implementation="xla")))
-  run("xla jax.nn.logsumexp (two passes)", jax.jit(lambda a: jax.nn.logsumexp(a, axis=-1)))
-  tiles = lambda: f"{gpu.ROWS}x{gpu.COLS} splits {gpu.SPLITS} w{gpu.WARPS} s{gpu.STAGES}"
+  run(f"xla one-pass N{n} V{v} {args.dtype}", jax.jit(lambda a: logsumexp(a, implementation="xla")))
+  run("xla jax.nn.logsumexp (two passes)",
+      jax.jit(lambda a: jax.nn.logsumexp(a.astype(jnp.float32), axis=-1)))
+  row_tile = lambda: gpu.ROWS_BF16 if x.dtype == jnp.bfloat16 else gpu.ROWS
+  tiles = lambda: f"{row_tile()}x{gpu.COLS} splits {gpu.SPLITS} w{gpu.WARPS} s{gpu.STAGES}"
   run(f"pallas {tiles()} (default)", jax.jit(lambda a: logsumexp(a, implementation="pallas_gpu")))
   if args.sweep:
     for change in SWEEP:

@@ -7,9 +7,17 @@ of the hidden states and of the head, so the backward pass only scales them: thr
 chunk (logits, ``dh``, ``dW``) instead of four (with a recomputed forward), all with
 compute-dtype operands and float32 accumulation. Without differentiation (eval) only the losses
 are computed.
+
+``logits_dtype`` is the type the logits are stored in between the head's matmul and the softmax
+(float32 by default). ``bfloat16`` halves the traffic of the largest tensors of a training step
+(``[chunk, V]`` written by the matmul, read by the log-sum-exp and by the logit gradient) at the
+price of rounding each logit to 8 bits of mantissa before the softmax, as Megatron-LM's and
+MaxText's bf16 heads do; the loss and its gradient are then exact for the rounded logits.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +26,9 @@ from pallas_kernels.logsumexp import logsumexp
 
 
 def cross_entropy(h: jax.Array, w_head: jax.Array, targets: jax.Array, weights: jax.Array, *,
-                  chunk_size: int = 1024) -> tuple[jax.Array, jax.Array]:
-  """h ``[B, T, d]``, w_head ``[d, V]``, targets ``[B, T]`` int, weights ``[B, T]``.
+                  chunk_size: int = 1024, logits_dtype=None) -> tuple[jax.Array, jax.Array]:
+  """h ``[B, T, d]``, w_head ``[d, V]``, targets ``[B, T]`` int, weights ``[B, T]``;
+  ``logits_dtype`` None: float32 (float64 for float64 inputs).
 
   Returns (sum of weighted token losses, sum of weights), both float32 (or float64 in x64
   parameter dtype). The head is used in h's dtype; its gradient comes back in w_head's dtype.
@@ -32,42 +41,47 @@ def cross_entropy(h: jax.Array, w_head: jax.Array, targets: jax.Array, weights: 
   hf = jnp.pad(h.reshape(n, d), ((0, pad), (0, 0))).reshape(-1, chunk, d)
   tf = jnp.pad(targets.reshape(n), (0, pad)).reshape(-1, chunk)
   wf = jnp.pad(weights.reshape(n).astype(acc), (0, pad)).reshape(-1, chunk)
-  total = _chunked_loss(hf, w_head, tf, wf)
+  stored = jnp.dtype(acc if logits_dtype is None else logits_dtype)
+  total = _chunked_loss(hf, w_head, tf, wf, stored)
   return total, jnp.sum(wf)
 
 
-def _chunk_logits(hc, wh, tc):
-  """One chunk: (logits ``[c, V]`` float32, logsumexp ``[c]``, per-token loss ``[c]``); ``wh``
-  is the head already in hc's dtype (cast once, outside the loop over chunks)."""
-  acc = jnp.promote_types(hc.dtype, jnp.float32)
-  logits = jnp.dot(hc, wh, preferred_element_type=acc)
+def _chunk_logits(hc, wh, stored):
+  """One chunk's logits ``[c, V]`` in ``stored`` (accumulated in float32 at least); ``wh`` is
+  the head already in hc's dtype (cast once, outside the loop over chunks)."""
+  return jnp.dot(hc, wh, preferred_element_type=stored)
+
+
+def _token_losses(logits, tc):
+  """(log-sum-exp ``[c]``, token losses ``lse - logits[target]`` ``[c]``), float32 at least."""
   lse = logsumexp(logits)
-  tgt = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
-  return logits, lse, lse - tgt
+  return lse, lse - jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0].astype(lse.dtype)
 
 
-@jax.custom_vjp
-def _chunked_loss(hf, w, tf, wf):
-  """hf ``[C, c, d]``, w ``[d, V]``, tf ``[C, c]`` int, wf ``[C, c]`` -> sum of weighted losses."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _chunked_loss(hf, w, tf, wf, stored):
+  """hf ``[C, c, d]``, w ``[d, V]``, tf ``[C, c]`` int, wf ``[C, c]`` -> sum of weighted losses;
+  ``stored``: the logits' dtype."""
   wh = w.astype(hf.dtype)
 
   def body(total, xs):
     hc, tc, wc = xs
-    return total + jnp.sum(_chunk_logits(hc, wh, tc)[2] * wc), None
+    return total + jnp.sum(_token_losses(_chunk_logits(hc, wh, stored), tc)[1] * wc), None
 
   total, _ = jax.lax.scan(body, jnp.zeros((), wf.dtype), (hf, tf, wf))
   return total
 
 
-def _chunked_loss_fwd(hf, w, tf, wf):
+def _chunked_loss_fwd(hf, w, tf, wf, stored):
   acc = wf.dtype
   wh = w.astype(hf.dtype)
 
   def body(carry, xs):
     total, dw = carry
     hc, tc, wc = xs
-    logits, lse, tok = _chunk_logits(hc, wh, tc)
-    p = jnp.exp(logits - lse[:, None]) * wc[:, None]
+    logits = _chunk_logits(hc, wh, stored)
+    lse, tok = _token_losses(logits, tc)
+    p = jnp.exp(logits.astype(acc) - lse[:, None]) * wc[:, None]
     hit = jnp.arange(logits.shape[-1], dtype=tc.dtype)[None, :] == tc[:, None]
     dl = jnp.where(hit, p - wc[:, None], p).astype(hf.dtype)  # d loss / d logits, [c, V]
     dh = jnp.dot(dl, wh.T, preferred_element_type=acc).astype(hf.dtype)
@@ -79,7 +93,8 @@ def _chunked_loss_fwd(hf, w, tf, wf):
   return total, (dh, dw.astype(w.dtype), tok)
 
 
-def _chunked_loss_bwd(res, g):
+def _chunked_loss_bwd(stored, res, g):
+  del stored
   dh, dw, tok = res
   return (dh * g.astype(dh.dtype), dw * g.astype(dw.dtype), None, tok * g)
 

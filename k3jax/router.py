@@ -66,10 +66,11 @@ def kth_smallest(x: jax.Array, k, implementation: str | None = None) -> jax.Arra
 def quantile_bias(scores, bias, cfg: MoEConfig, valid=None, implementation=None) -> jax.Array:
   """Exact Quantile Balancing: the next bias ``[E]`` from one batch.
 
-  One QB step takes the cutoffs ``alpha_i`` at the current bias; the selection then shifts
-  every token's cutoff, so the step is repeated ``cfg.balancing_iters`` times on the same batch
-  (each time from the bias the previous one produced). One step takes a strongly skewed batch
-  from max/mean load 2.4 to about 1.15, four to about 1.03.
+  One QB step takes the cutoffs ``alpha_i`` at the current bias (SPEC: one step per batch,
+  installed for the next). The selection then shifts every token's cutoff, so
+  ``cfg.balancing_iters > 1`` repeats the step on the same batch, each time from the bias the
+  previous one produced: one step takes a strongly skewed batch from max/mean load 2.4 to about
+  1.15, four to about 1.03. In training the bias carries over, so successive batches refine it.
   """
   n_valid = scores.shape[0] if valid is None else jnp.sum(valid)
   q = _target(n_valid, cfg)

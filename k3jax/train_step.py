@@ -36,14 +36,16 @@ def moe_layers(cfg: Config) -> list[int]:
   return [i for i in range(cfg.model.num_layers) if cfg.model.is_moe(i)]
 
 
-def _loss(graphdef, params, biases, batch: Batch, loss_chunk: int = TrainConfig.loss_chunk):
+def _loss(graphdef, params, biases, batch: Batch, loss_chunk: int = TrainConfig.loss_chunk,
+          bf16_logits: bool = TrainConfig.bf16_logits):
   """(summed token loss, (summed weights, per-layer router stats)) of one micro-batch; the head's
-  logits are formed ``loss_chunk`` tokens at a time."""
+  logits are formed ``loss_chunk`` tokens at a time (stored in bf16 when ``bf16_logits``)."""
   model = nnx.merge(graphdef, params, biases)
   h, aux = model.hidden(batch["input_ids"], segment_ids=batch["segment_ids"])
   with jax.named_scope("lm_head_loss"):
     loss_sum, weight_sum = losses.cross_entropy(h, model.lm_head.kernel[...], batch["targets"],
-                                                batch["weights"], chunk_size=loss_chunk)
+                                                batch["weights"], chunk_size=loss_chunk,
+                                                logits_dtype=jnp.bfloat16 if bf16_logits else None)
   return loss_sum, (weight_sum, aux["moe"])
 
 
@@ -64,7 +66,8 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation,
   """The (unjitted) step ``(params, opt_state, biases, step, rng, batch) -> (params, opt_state,
   biases, metrics)``."""
   accum = cfg.train.grad_accum
-  grad_fn = jax.value_and_grad(functools.partial(_loss, loss_chunk=cfg.train.loss_chunk),
+  grad_fn = jax.value_and_grad(functools.partial(_loss, loss_chunk=cfg.train.loss_chunk,
+                                                 bf16_logits=cfg.train.bf16_logits),
                                argnums=1, has_aux=True)
   layers = moe_layers(cfg)
 
@@ -118,10 +121,11 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation,
   return train_step
 
 
-def make_eval_step(graphdef, loss_chunk: int = TrainConfig.loss_chunk) -> Callable:
+def make_eval_step(graphdef, loss_chunk: int = TrainConfig.loss_chunk,
+                   bf16_logits: bool = TrainConfig.bf16_logits) -> Callable:
   """``(params, biases, batch) -> (summed token loss, summed weights)``."""
   def eval_step(params, biases, batch: Batch):
-    loss_sum, (weight_sum, _) = _loss(graphdef, params, biases, batch, loss_chunk)
+    loss_sum, (weight_sum, _) = _loss(graphdef, params, biases, batch, loss_chunk, bf16_logits)
     return loss_sum, weight_sum
   return eval_step
 

@@ -9,12 +9,14 @@ import pytest
 from pallas_kernels.logsumexp import gpu, logsumexp
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
 @pytest.mark.parametrize("shape", [(11, 3001), (1, 5), (2, 3, 40)])
-def test_matches_float64(impl, shape, monkeypatch):
+def test_matches_float64(impl, shape, dtype, monkeypatch):
   """Rows of very different scales, one huge logit, a constant row, a -inf entry; V not a
   multiple of the column tile, rows not a multiple of the row tile, one row; the kernel with
-  small tiles so a row spans several tiles and splits (and a split past the last tile)."""
+  small tiles so a row spans several tiles and splits (and a split past the last tile). bf16
+  input (the head's bf16 logits) is summed in float32: the float64 sum of the rounded values."""
   monkeypatch.setattr(gpu, "COLS", 256)
   monkeypatch.setattr(gpu, "SPLITS", 5)
   rng = np.random.default_rng(sum(shape))
@@ -24,8 +26,10 @@ def test_matches_float64(impl, shape, monkeypatch):
   if x.shape[0] > 5:
     x[4, 17] = 1e4
     x[5] = 2.5
-  xj = jnp.asarray(x.reshape(shape), jnp.float32)
-  got = np.asarray(jax.jit(lambda a: logsumexp(a, implementation=impl))(xj), np.float64)
+  xj = jnp.asarray(x.reshape(shape), dtype)
+  out = jax.jit(lambda a: logsumexp(a, implementation=impl))(xj)
+  assert out.dtype == jnp.float32
+  got = np.asarray(out, np.float64)
   x32 = np.asarray(xj, np.float64)
   m = x32.max(-1, keepdims=True)
   want = (m + np.log(np.exp(x32 - m).sum(-1, keepdims=True)))[..., 0]
@@ -33,9 +37,9 @@ def test_matches_float64(impl, shape, monkeypatch):
   np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
 
 
-def test_kernel_rejects_bf16_and_lowers_for_cuda(monkeypatch):
-  with pytest.raises(ValueError, match="takes float32"):
-    logsumexp(jnp.ones((2, 8), jnp.bfloat16), implementation="pallas_gpu")
+def test_kernel_rejects_float16_and_lowers_for_cuda(monkeypatch):
+  with pytest.raises(ValueError, match="takes float32 or bfloat16, got float16"):
+    logsumexp(jnp.ones((2, 8), jnp.float16), implementation="pallas_gpu")
   gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
   monkeypatch.setattr(gpu_info, "get_gpu_info",
                       lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))

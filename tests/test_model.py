@@ -120,6 +120,35 @@ def test_cross_entropy_matches_direct(n_tok, chunk):
   assert rel(gh_b, dl @ w.T) < 3e-2 and rel(gw_b, np.einsum("btd,btv->dv", h, dl)) < 3e-2
 
 
+@pytest.mark.parametrize("n_tok,chunk", [(9, 4), (1, 4)])
+def test_cross_entropy_bf16_logits(n_tok, chunk):
+  """Logits stored in bf16: the loss and the gradients are those of the rounded logits (float64
+  NumPy on the bf16-rounded float32 products), and differ from the float32 path's by about the
+  rounding."""
+  rng = np.random.default_rng(10 + n_tok)
+  h = rng.normal(size=(2, n_tok, 16)).astype(np.float32)
+  w = (3 * rng.normal(size=(16, 37))).astype(np.float32)  # logits up to ~40: bf16 steps of 0.25
+  tgt = rng.integers(0, 37, size=(2, n_tok))
+  wts = rng.uniform(0.5, 2, (2, n_tok)).astype(np.float32)
+  f = lambda hh, ww, dt: cross_entropy(hh, ww, jnp.asarray(tgt), jnp.asarray(wts), chunk_size=chunk,
+                                       logits_dtype=dt)[0]
+  loss, (gh, gw) = jax.value_and_grad(f, argnums=(0, 1))(jnp.asarray(h), jnp.asarray(w), jnp.bfloat16)
+  assert loss.dtype == jnp.float32 and gh.dtype == jnp.float32
+  exact = h.astype(np.float64) @ w
+  logits = np.asarray(jnp.asarray(exact.astype(np.float32), jnp.bfloat16), np.float64)
+  assert np.abs(logits - exact).max() > 1e-2  # the rounding is visible at this scale
+  lse = np.log(np.exp(logits).sum(-1))
+  tok = lse - np.take_along_axis(logits, tgt[..., None], -1)[..., 0]
+  np.testing.assert_allclose(float(loss), (tok * wts).sum(), rtol=1e-5)
+  p = np.exp(logits - lse[..., None])
+  p[np.arange(2)[:, None], np.arange(n_tok)[None], tgt] -= 1
+  dl = p * wts[..., None]
+  np.testing.assert_allclose(np.asarray(gh), dl @ w.T, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(gw), np.einsum("btd,btv->dv", h, dl), rtol=1e-4, atol=1e-4)
+  loss32 = f(jnp.asarray(h), jnp.asarray(w), None)
+  assert 0 < abs(float(loss32) - float(loss)) < 0.05 * float(loss32)
+
+
 def test_float64_model_chunked_equals_naive():
   """In float64 the chunked KDA path and the token recurrence agree to 1e-10 through the whole
   model, so parity checks against other implementations can be made at that precision."""

@@ -263,6 +263,21 @@ def test_grad_accumulation_matches_one_batch():
   assert m1["moe_load_max_mean"].shape == (1,)
 
 
+def test_bf16_logits_reach_the_loss_and_the_eval():
+  """``train.bf16_logits`` stores the head's logits in bf16 in the train and eval steps: the loss
+  moves by about the rounding (the toy head's logits are ~1, steps of 2^-8), the float32 path's
+  does not."""
+  batch = toy_batch(2)
+  rng = jax.random.key_data(jax.random.key(0))
+  f32, p, o, b = toy_step("train.batch_size=4")
+  f16, *_ = toy_step("train.batch_size=4", "train.bf16_logits=true")
+  l32, l16 = (float(f(p, o, b, 0, rng, batch)[3]["loss"]) for f in (f32, f16))
+  assert 1e-6 < abs(l16 - l32) < 1e-2 * l32
+  graphdef = nnx.graphdef(ToyModel(nnx.Rngs(0)))
+  e32, e16 = (train_step.make_eval_step(graphdef, 4096, bf)(p, b, batch)[0] for bf in (False, True))
+  assert 1e-6 < abs(float(e16) - float(e32)) < 1e-2 * float(e32)
+
+
 def test_nonfinite_step_is_skipped():
   f, p, o, b = toy_step("train.batch_size=4")
   batch = toy_batch(1)

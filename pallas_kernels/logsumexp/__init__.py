@@ -1,4 +1,5 @@
-"""Row log-sum-exp of large float32 matrices (the LM-head loss's logits), one read of the input.
+"""Row log-sum-exp of large float32 or bf16 matrices (the LM-head loss's logits), one read of
+the input.
 
 ``implementation``: ``"xla"`` (:mod:`pallas_kernels.logsumexp.reference`, a one-pass variadic
 reduction), ``"pallas_gpu"`` (a Triton kernel, :mod:`pallas_kernels.logsumexp.gpu`; interpret
@@ -23,12 +24,14 @@ def resolve(implementation: str | None) -> str:
 
 
 def logsumexp(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
-  """``log(sum(exp(x), -1))`` of ``x [..., V]`` -> ``[...]``; the Pallas kernel takes float32."""
+  """``log(sum(exp(x), -1))`` of ``x [..., V]`` -> ``[...]`` (float32 for bf16 input); the
+  Pallas kernel takes float32 and bf16 (float64 goes to XLA unless the kernel is asked for)."""
   impl = resolve(implementation)
-  if impl == "xla" or (implementation is None and x.dtype != jnp.float32):
+  kernel_types = (jnp.float32, jnp.bfloat16)
+  if impl == "xla" or (implementation is None and x.dtype not in kernel_types):
     return reference.logsumexp(x)
-  if x.dtype != jnp.float32:
-    raise ValueError(f"logsumexp: the Pallas kernel takes float32, got {x.dtype}")
+  if x.dtype not in kernel_types:
+    raise ValueError(f"logsumexp: the Pallas kernel takes float32 or bfloat16, got {x.dtype}")
   from pallas_kernels.logsumexp import gpu
   return gpu.logsumexp(x)
 

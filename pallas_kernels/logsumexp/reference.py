@@ -9,7 +9,8 @@ import jax.numpy as jnp
 def logsumexp(x: jax.Array) -> jax.Array:
   """``log(sum(exp(x), -1))`` of ``x [..., V]`` in ONE pass over x: a variadic reduction of
   (running max, sum of exponentials relative to it), one exponential per element. The usual
-  form reads x twice (max, then the sum)."""
+  form reads x twice (max, then the sum). bf16 input is summed in float32."""
+  x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
   def combine(a, b):
     (m1, s1), (m2, s2) = a, b
     m = jnp.maximum(m1, m2)
