@@ -27,8 +27,10 @@ import contextlib
 import fcntl
 import gzip
 import json
+import os
 import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -176,6 +178,8 @@ def main(argv=None):
     it = iter(data.dataset("train", t))
     times, losses, loads, contexts = [], [], [], []
     with exclusive(args.lock):
+      if args.lock and mem is not None:
+        wait_for_device_memory(mem.temp_size_in_bytes + 2**30)
       for i in range(args.steps):
         host_batch = next(it)
         contexts.append(flops.mean_causal_context(host_batch["segment_ids"]))
@@ -240,6 +244,30 @@ def main(argv=None):
             kinds.get(COLLECTIVES, 0.0) / 2e3 for kinds in by_device.values()]
   if args.json:
     Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def wait_for_device_memory(need: int, timeout_s: float = 180.0) -> None:
+  """Waits until the (first visible) GPU has ``need`` bytes free, at most ``timeout_s``: the
+  process that held the lock before may still be giving back its memory after it let go of the
+  lock (its allocator's pool is freed at exit), and starting the step beside it runs out of
+  memory. Asks nvidia-smi; returns at once without it."""
+  dev = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+  t0 = time.perf_counter()
+  while True:
+    try:
+      out = subprocess.run(["nvidia-smi", "-i", dev, "--query-gpu=memory.used,memory.total",
+                            "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                           timeout=30, check=True).stdout
+      used, total = (float(x) * 2**20 for x in out.strip().split(","))
+    except (OSError, ValueError, subprocess.SubprocessError):
+      return
+    waited = time.perf_counter() - t0
+    if total - used >= need or waited > timeout_s:
+      if waited > 1:
+        print(f"waited {waited:.0f} s for {need / 2**30:.1f} GiB of GPU memory "
+              f"({(total - used) / 2**30:.1f} GiB free)", flush=True)
+      return
+    time.sleep(2)
 
 
 def report_kernels(by_kind: dict, by_name: dict, by_device: dict, steps: int) -> None:
