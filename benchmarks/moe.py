@@ -146,10 +146,11 @@ def gmm_table(quick: bool, no_xla: bool):
       emit(gmm=shape, impl="ours tgmm (d_rhs)", mode="bwd part", ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1))
 
 
-def sweep(budget: float):
-  """Grouped-matmul checks, then at :data:`SHAPES`: ours vs jla forward (with the row-tile table
-  and the kernel timed apart), the tiling variants forward, ours vs jla forward+backward. Starts
-  no new work after ``budget`` seconds; prints the winning tiling per shape."""
+def sweep(budget: float, shapes=SHAPES, fwd_bwd_too: bool = True):
+  """Grouped-matmul checks, then at ``shapes``: ours vs jla forward (with the row-tile table
+  and the kernel timed apart), the tiling variants forward, ours vs jla forward+backward (unless
+  not ``fwd_bwd_too``). Starts no new work after ``budget`` seconds; prints the winning tiling
+  per shape."""
   t0 = time.perf_counter()
   jla_rd = jla_ragged_dot()
   over = lambda: time.perf_counter() - t0 > budget  # noqa: E731
@@ -163,7 +164,7 @@ def sweep(budget: float):
   if jla_rd is not None:
     impls["jla"] = lambda x, w, gs: jla_rd(x, w, gs)
   data, jla_ms, results = {}, {}, {}
-  for e, m, k, n in SHAPES:  # phase 1: the heuristic vs jla, forward
+  for e, m, k, n in shapes:  # phase 1: the heuristic vs jla, forward
     shape = f"E{e} M{m} K{k} N{n}"
     if over():
       emit(gmm=shape, skipped="budget")
@@ -206,8 +207,8 @@ def sweep(budget: float):
     m, k, n = x.shape[0], x.shape[1], w.shape[2]
     dy = jax.random.normal(jax.random.key(2), (m, n), jnp.float32)
     for name, f in impls.items():
-      if over():
-        emit(gmm=shape, impl=name, mode="fwd+bwd", skipped="budget")
+      if over() or not fwd_bwd_too:
+        emit(gmm=shape, impl=name, mode="fwd+bwd", skipped="budget" if over() else "--no-bwd")
         continue
       try:
         ms = bench(fwd_bwd(f), x, w, gs, dy, n=10, inner=5)
@@ -352,10 +353,16 @@ def main():
   parser.add_argument("--sweep", action="store_true", help="grouped-matmul checks and tiling sweep only")
   parser.add_argument("--budget", type=float, default=100.0,
                       help="seconds after which the sweep starts no new work")
+  parser.add_argument("--shapes", default=None,
+                      help="the sweep's shapes, E x M x K x N, comma-separated (default: PERF.md's; "
+                           "k3_1b's experts: 48x524288x512x1024,48x524288x512x512)")
+  parser.add_argument("--no-bwd", action="store_true", help="the sweep times no forward+backward")
   args = parser.parse_args()
   print(jax.devices()[0].device_kind, jax.__version__, flush=True)
   if args.sweep:
-    sweep(args.budget)
+    shapes = SHAPES if args.shapes is None else [
+        tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    sweep(args.budget, shapes, not args.no_bwd)
     return
   skip = set(args.skip.split(","))
   if "checks" not in skip:
