@@ -217,7 +217,7 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
   shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state, biases))
   step_fn = step_lib.jit_train_step(step_lib.make_train_step(cfg, graphdef, tx, schedule),
                                     donate=donate, state_shardings=shardings)
-  eval_fn = jax.jit(step_lib.make_eval_step(graphdef, cfg.train.loss_chunk, cfg.train.bf16_logits))
+  eval_fn = jax.jit(step_lib.make_eval_step(graphdef, cfg.train))
   peak, peak_note = flops_lib.device_peak_flops(cfg.train.peak_tflops)
   is_main = jax.process_index() == 0
   metrics = metrics_lib.Metrics(run_dir, total_steps=total, start_step=step, enabled=is_main,

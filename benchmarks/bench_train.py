@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 import train  # noqa: E402
 from k3jax import config as config_lib, data as data_lib, flops, optim  # noqa: E402
@@ -191,7 +192,7 @@ def main(argv=None):
           times.append(time.perf_counter() - s0)
         losses.append(float(m["loss"]))
         if "moe_load_max_mean" in m:
-          loads.append(float(jnp.max(m["moe_load_max_mean"])))
+          loads.append(float(np.max(m["moe_load_max_mean"])))  # on the host: no device op
       step_s = statistics.median(times)
       tps = b * t / step_s
       context = sum(contexts) / len(contexts)  # keys per query: documents are packed
@@ -208,8 +209,8 @@ def main(argv=None):
       print(f"mean attention context {context:,.0f} keys per query (packed documents); "
             "model FLOPs per token (forward): " + ", ".join(
           f"{k} {v / breakdown['total']:.0%}" for k, v in breakdown.items() if k != "total"))
-      result.update(losses=losses, worst_expert_load=loads, step_ms=step_s * 1e3, step_ms_min=min(times) * 1e3,
-                    tokens_per_s=tps, gflop_per_token=fpt / 1e9, mfu=mfu, peak_note=note,
+      result.update(losses=losses, worst_expert_load=loads, step_ms=step_s * 1e3,
+                    step_ms_min=min(times) * 1e3, tokens_per_s=tps, gflop_per_token=fpt / 1e9, mfu=mfu, peak_note=note,
                     mean_attention_context=context)
       mem = peak_memory()
       if mem:

@@ -36,16 +36,17 @@ def moe_layers(cfg: Config) -> list[int]:
   return [i for i in range(cfg.model.num_layers) if cfg.model.is_moe(i)]
 
 
-def _loss(graphdef, params, biases, batch: Batch, loss_chunk: int = TrainConfig.loss_chunk,
-          bf16_logits: bool = TrainConfig.bf16_logits):
+def _loss(graphdef, params, biases, batch: Batch, train: TrainConfig = TrainConfig()):
   """(summed token loss, (summed weights, per-layer router stats)) of one micro-batch; the head's
-  logits are formed ``loss_chunk`` tokens at a time (stored in bf16 when ``bf16_logits``)."""
+  logits are formed ``train.loss_chunk`` tokens at a time (stored in bf16 when
+  ``train.bf16_logits``)."""
   model = nnx.merge(graphdef, params, biases)
   h, aux = model.hidden(batch["input_ids"], segment_ids=batch["segment_ids"])
   with jax.named_scope("lm_head_loss"):
     loss_sum, weight_sum = losses.cross_entropy(h, model.lm_head.kernel[...], batch["targets"],
-                                                batch["weights"], chunk_size=loss_chunk,
-                                                logits_dtype=jnp.bfloat16 if bf16_logits else None)
+                                                batch["weights"], chunk_size=train.loss_chunk,
+                                                logits_dtype=jnp.bfloat16 if train.bf16_logits
+                                                else None)
   return loss_sum, (weight_sum, aux["moe"])
 
 
@@ -66,9 +67,8 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation,
   """The (unjitted) step ``(params, opt_state, biases, step, rng, batch) -> (params, opt_state,
   biases, metrics)``."""
   accum = cfg.train.grad_accum
-  grad_fn = jax.value_and_grad(functools.partial(_loss, loss_chunk=cfg.train.loss_chunk,
-                                                 bf16_logits=cfg.train.bf16_logits),
-                               argnums=1, has_aux=True)
+  grad_fn = jax.value_and_grad(functools.partial(_loss, train=cfg.train), argnums=1,
+                               has_aux=True)
   layers = moe_layers(cfg)
 
   def train_step(params, opt_state, biases, step, rng, batch: Batch):
@@ -121,11 +121,11 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation,
   return train_step
 
 
-def make_eval_step(graphdef, loss_chunk: int = TrainConfig.loss_chunk,
-                   bf16_logits: bool = TrainConfig.bf16_logits) -> Callable:
-  """``(params, biases, batch) -> (summed token loss, summed weights)``."""
+def make_eval_step(graphdef, train: TrainConfig = TrainConfig()) -> Callable:
+  """``(params, biases, batch) -> (summed token loss, summed weights)``, the loss as ``train``
+  forms it (chunk, logits dtype)."""
   def eval_step(params, biases, batch: Batch):
-    loss_sum, (weight_sum, _) = _loss(graphdef, params, biases, batch, loss_chunk, bf16_logits)
+    loss_sum, (weight_sum, _) = _loss(graphdef, params, biases, batch, train)
     return loss_sum, weight_sum
   return eval_step
 

@@ -274,7 +274,9 @@ def test_bf16_logits_reach_the_loss_and_the_eval():
   l32, l16 = (float(f(p, o, b, 0, rng, batch)[3]["loss"]) for f in (f32, f16))
   assert 1e-6 < abs(l16 - l32) < 1e-2 * l32
   graphdef = nnx.graphdef(ToyModel(nnx.Rngs(0)))
-  e32, e16 = (train_step.make_eval_step(graphdef, 4096, bf)(p, b, batch)[0] for bf in (False, True))
+  evals = (train_step.make_eval_step(graphdef, config.TrainConfig(bf16_logits=bf))
+           for bf in (False, True))
+  e32, e16 = (f(p, b, batch)[0] for f in evals)
   assert 1e-6 < abs(float(e16) - float(e32)) < 1e-2 * float(e32)
 
 
