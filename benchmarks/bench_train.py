@@ -16,7 +16,8 @@ and by model scope (the ``jax.named_scope`` of each kernel's HLO instruction: ``
 ``--set pallas_kernels.kda.gpu:DQKG_SLICE_K=16``) to time a kernel variant inside the step.
 ``--json PATH`` writes every figure to PATH. ``--lock PATH`` holds an exclusive ``flock`` on PATH
 from the first step to the end, so several layouts can compile side by side (CPU work) while
-their timed steps run one at a time.
+their timed steps run one at a time; it is taken once the card has the step's memory free
+(processes that cannot start let the others go first).
 """
 
 from __future__ import annotations
@@ -69,13 +70,29 @@ def hlo_scopes(hlo_text: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def exclusive(path: str | None):
-  """Holds an exclusive ``flock`` on ``path`` (nothing when None)."""
+def exclusive(path: str | None, need: int = 0, timeout_s: float = 420.0, pause_s: float = 15.0):
+  """Holds an exclusive ``flock`` on ``path`` (nothing when None) once the GPU has ``need`` bytes
+  for this process: free on the card (nvidia-smi) plus what its own allocator's pool holds
+  unused. Other processes of a one-GPU run keep their pools (their compiles' autotuning grows
+  them) until they exit, so while the memory is not there the lock is let go for ``pause_s``
+  (another process runs its steps and exits), at most ``timeout_s`` in all; then the steps run
+  anyway."""
   if path is None:
     yield
     return
+  t0 = time.perf_counter()
   with open(path, "a") as fh:
-    fcntl.flock(fh, fcntl.LOCK_EX)
+    while True:
+      fcntl.flock(fh, fcntl.LOCK_EX)
+      free = device_memory_free()
+      waited = time.perf_counter() - t0
+      if free is None or free >= need or waited > timeout_s:
+        break
+      fcntl.flock(fh, fcntl.LOCK_UN)
+      time.sleep(pause_s)
+    if waited > 1 and free is not None:
+      print(f"waited {waited:.0f} s for {need / 2**30:.1f} GiB of GPU memory "
+            f"({free / 2**30:.1f} GiB free)", flush=True)
     try:
       yield
     finally:
@@ -178,9 +195,7 @@ def main(argv=None):
     data = data_lib.Data(cfg)
     it = iter(data.dataset("train", t))
     times, losses, loads, contexts = [], [], [], []
-    with exclusive(args.lock):
-      if args.lock and mem is not None:
-        wait_for_device_memory(mem.temp_size_in_bytes + 2**30)
+    with exclusive(args.lock, 0 if mem is None else mem.temp_size_in_bytes + 2**30):
       for i in range(args.steps):
         host_batch = next(it)
         contexts.append(flops.mean_causal_context(host_batch["segment_ids"]))
@@ -247,28 +262,19 @@ def main(argv=None):
     Path(args.json).write_text(json.dumps(result, indent=1))
 
 
-def wait_for_device_memory(need: int, timeout_s: float = 180.0) -> None:
-  """Waits until the (first visible) GPU has ``need`` bytes free, at most ``timeout_s``: the
-  process that held the lock before may still be giving back its memory after it let go of the
-  lock (its allocator's pool is freed at exit), and starting the step beside it runs out of
-  memory. Asks nvidia-smi; returns at once without it."""
+def device_memory_free() -> int | None:
+  """Bytes this process can still get on its (first visible) GPU: free on the card (nvidia-smi)
+  plus its own allocator's pool not in use; None without nvidia-smi."""
   dev = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-  t0 = time.perf_counter()
-  while True:
-    try:
-      out = subprocess.run(["nvidia-smi", "-i", dev, "--query-gpu=memory.used,memory.total",
-                            "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                           timeout=30, check=True).stdout
-      used, total = (float(x) * 2**20 for x in out.strip().split(","))
-    except (OSError, ValueError, subprocess.SubprocessError):
-      return
-    waited = time.perf_counter() - t0
-    if total - used >= need or waited > timeout_s:
-      if waited > 1:
-        print(f"waited {waited:.0f} s for {need / 2**30:.1f} GiB of GPU memory "
-              f"({(total - used) / 2**30:.1f} GiB free)", flush=True)
-      return
-    time.sleep(2)
+  try:
+    out = subprocess.run(["nvidia-smi", "-i", dev, "--query-gpu=memory.used,memory.total",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    used, total = (int(float(x)) * 2**20 for x in out.strip().split(","))
+  except (OSError, ValueError, subprocess.SubprocessError):
+    return None
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return total - used + max(stats.get("pool_bytes", 0) - stats.get("bytes_in_use", 0), 0)
 
 
 def report_kernels(by_kind: dict, by_name: dict, by_device: dict, steps: int) -> None:

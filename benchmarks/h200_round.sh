@@ -23,6 +23,8 @@
 #   bash benchmarks/h200_round.sh attnres   # AttnRes mixture kernels vs XLA, tile sweep
 #   bash benchmarks/h200_round.sh permute   # MoE permutation kernels (expansion, unpermute) vs XLA
 #   bash benchmarks/h200_round.sh optim     # k3_1b's optimizer update alone (ms, bytes vs floor)
+#   bash benchmarks/h200_round.sh moesweep  # grouped-matmul tilings, forward, at k3_1b's expert
+#                                           # shapes (MOE_SHAPES) beside jla
 #   bash benchmarks/h200_round.sh long step peers   # several at once (one lock for timed GPU work)
 #
 # The k3_1b runs compile without XLA's Triton GEMM fusions (85 s instead of 111 s, same step time).
@@ -79,7 +81,8 @@ multi() {
 long() {
   # Long context, "tokens:layouts" pairs (LONG), each with the overrides in LONG_SET. Measured on
   # 2026-12-01: one H200 holds 512K tokens with LONG_SET="model.remat=full
-  # model.kda.save_residuals=false" (99.1 GiB); the 128K context split fits in 54 GiB per GPU.
+  # model.kda.save_residuals=false" (99.1 GiB; since k3_1b's preset keeps its last layers out of
+  # the remat, add model.remat_skip=0); the 128K context split fits in 54 GiB per GPU.
   # JAX's allocator stops at 75% of the card unless XLA_PYTHON_CLIENT_MEM_FRACTION says more.
   local spec t
   for spec in ${LONG:-131072:context 262144:one,context}; do
@@ -163,6 +166,11 @@ conv() { bench conv 100 benchmarks/conv.py; }
 attnres() { bench attn_res 120 benchmarks/attn_res.py --budget 100; }
 permute() { bench moe_permute 80 benchmarks/moe_permute.py --budget 60; }
 optim() { bench optim 240 benchmarks/optim.py configs/k3_1b.yaml; }
+moesweep() {  # k3_1b: 48 experts, 8 of them per token at 16 x 4096 (M rounded down to equal
+  # groups), latent and expert width 512; the third shape is the gate/up product's d_lhs
+  bench moe_sweep "${MOE_S:-200}" benchmarks/moe.py --sweep --no-bwd --budget $(( ${MOE_S:-200} - 60 )) \
+    --shapes "${MOE_SHAPES:-48x524160x512x1024,48x524160x512x512,48x524160x1024x512}"
+}
 
 ncu() {
   # Hardware counters of our KDA kernels, one forward+backward at B1 T16384 H32 (jla's Mosaic
@@ -178,7 +186,7 @@ ncu() {
 [ $# -gt 0 ] || set -- both
 for what in "$@"; do  # several modes run side by side; timed GPU work takes the lock in turn
   case "$what" in
-    kernels|multi|peers|flapeers|kdasweep|ncu|glu|lse|kdadecode|mladecode|qbselect|conv|attnres|permute|optim) $what & ;;  # blocking
+    kernels|multi|peers|flapeers|kdasweep|ncu|glu|lse|kdadecode|mladecode|qbselect|conv|attnres|permute|optim|moesweep) $what & ;;  # blocking
     train|long|step) $what ;;        # these start background jobs of this shell
     both) train; sleep 5; kernels & ;;
     *) echo "usage: $0 MODE... (the modes are listed at the top of this script)"

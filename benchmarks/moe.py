@@ -354,14 +354,18 @@ def main():
   parser.add_argument("--budget", type=float, default=100.0,
                       help="seconds after which the sweep starts no new work")
   parser.add_argument("--shapes", default=None,
-                      help="the sweep's shapes, E x M x K x N, comma-separated (default: PERF.md's; "
-                           "k3_1b's experts: 48x524288x512x1024,48x524288x512x512)")
+                      help="the sweep's shapes, E x M x K x N, comma-separated, M a multiple of E "
+                           "(equal groups; default: PERF.md's; k3_1b's experts: "
+                           "48x524160x512x1024,48x524160x512x512)")
   parser.add_argument("--no-bwd", action="store_true", help="the sweep times no forward+backward")
   args = parser.parse_args()
   print(jax.devices()[0].device_kind, jax.__version__, flush=True)
   if args.sweep:
     shapes = SHAPES if args.shapes is None else [
         tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    for e, m, *_ in shapes:
+      if m % e:
+        parser.error(f"--shapes: M={m} is not a multiple of E={e} (the sweep's groups are equal)")
     sweep(args.budget, shapes, not args.no_bwd)
     return
   skip = set(args.skip.split(","))

@@ -122,6 +122,9 @@ class ModelConfig:
   # Rematerialisation per decoder layer: "none", "full", "dots" (keep matmul outputs), or
   # "dots_kernels" (also keep the outputs of the Pallas kernels: KDA, MLA, grouped matmuls).
   remat: str = "none"
+  # The last remat_skip decoder layers keep every activation (no remat): spends memory left over
+  # under a remat policy on less recompute.
+  remat_skip: int = 0
   kda: KDAConfig = KDAConfig()
   mla: MLAConfig = MLAConfig()
   moe: MoEConfig = MoEConfig()
@@ -142,6 +145,14 @@ class ModelConfig:
 
   def is_moe(self, i: int) -> bool:
     return i not in self.dense_layers
+
+  @property
+  def remat_layers(self) -> int:
+    """Decoder layers run under the remat policy (the first ones)."""
+    return 0 if self.remat == "none" else self.num_layers - self.remat_skip
+
+  def is_remat(self, i: int) -> bool:
+    return i < self.remat_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,6 +385,8 @@ def validate(cfg: Config) -> None:
   _one_of(m.param_dtype, ("float32", "bfloat16", "float64"), "model.param_dtype")
   _one_of(m.compute_dtype, ("float32", "bfloat16", "float64"), "model.compute_dtype")
   _one_of(m.remat, ("none", "full", "dots", "dots_kernels"), "model.remat")
+  _check(0 <= m.remat_skip <= m.num_layers, "model.remat_skip",
+         f"must be in [0, num_layers={m.num_layers}], got {m.remat_skip}")
   for name in ("vocab_size", "hidden_size", "num_layers", "dense_intermediate"):
     _check(getattr(m, name) > 0, f"model.{name}", "must be positive")
   for name in ("mla_layers", "dense_layers"):

@@ -132,7 +132,7 @@ class K3Model(nnx.Module):
     moe_stats, caches = {}, []
     for i, layer in enumerate(self.layers):
       fn = _apply_layer
-      if cfg.remat != "none" and cache is None:
+      if cfg.is_remat(i) and cache is None:
         fn = nnx.remat(fn, policy=_REMAT_POLICIES[cfg.remat], static_argnums=(6,))
       x, blocks, c, stats = fn(layer, x, blocks, segment_ids, valid,
                                None if cache is None else cache[i], decode, lengths)

@@ -6,7 +6,7 @@
 - ``params`` / ``grads`` / ``optimizer``: per-device bytes, exact: every leaf of the abstract
   parameter tree (``nnx.eval_shape``) and of the optimizer state (``jax.eval_shape`` of
   ``tx.init``) divided by the mesh axes its logical names shard it over (:mod:`sharding.rules`);
-- ``activations``: per-device peak estimate for ``model.remat`` (analytical, formulas in
+- ``activations``: per-device peak estimate for ``model.remat`` and ``model.remat_skip`` (analytical, formulas in
   ``activations.terms``; assumes flash-style attention kernels, i.e. no ``[T, T]`` scores);
 - ``collectives``: bytes each device sends per step for every collective (analytical): FSDP
   all-gathers and reduce-scatters, data-parallel gradient all-reduces, the expert all-to-alls
@@ -127,7 +127,8 @@ def collectives(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, st
   """Bytes sent per device per training step, by collective (analytical)."""
   m = cfg.model
   cb = jnp.dtype(m.cdtype).itemsize
-  passes = 3 if m.remat != "none" else 2  # forward, (recomputed forward), backward
+  # forward, backward and the recomputed forward of the remat layers (their share of the layers)
+  passes = 2 + m.remat_layers / m.num_layers
   tok_split = math.prod(sizes[a] for a in TOKEN_AXES)
   n = batch * seq_len / tok_split  # tokens per device
   out: dict[str, float] = {}
@@ -190,12 +191,11 @@ def activations(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int) ->
   tp = sizes["tensor"]
   blocks = -(-m.num_layers // m.attn_res.block_size) + 1 if m.attn_res.enabled else 0
   terms = {}
-  if m.remat != "none":
-    terms["saved_layer_inputs"] = m.num_layers * n * d * cb
+  live_layers = m.num_layers - m.remat_layers  # layers that keep their forward tensors
+  if m.remat_layers:
+    terms["saved_layer_inputs"] = m.remat_layers * n * d * cb
     terms["attn_res_blocks"] = blocks * n * d * cb
-    live_layers = 1
-  else:
-    live_layers = m.num_layers
+    live_layers += 1  # the one recomputed in the backward
   kd = m.kda
   kda_proj = n * (2 * kd.num_heads * kd.head_dim + 2 * kd.value_heads * kd.v_head_dim
                   + kd.value_heads * kd.head_dim) / tp

@@ -38,6 +38,7 @@ def test_overrides_apply_and_validate():
     ("model.num_layers=3", "model.mla_layers"),
     ("model.kda.head_dim=96", "model.kda.head_dim"),
     ("model.kda.gate=relu", "model.kda.gate"),
+    ("model.remat_skip=6", "model.remat_skip"),
     ("model.attn_res.enabled=maybe", "model.attn_res.enabled"),
     ("train.batch_size=0", "train.batch_size"),
     ("mesh.data=-1", None),

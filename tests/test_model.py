@@ -234,7 +234,9 @@ def _grad_kernel_counts(cfg):
   params, biases = nnx.to_pure_dict(params), nnx.to_pure_dict(biases)
   batch = {k: jax.ShapeDtypeStruct((1, 64), jnp.float32 if k == "weights" else jnp.int32)
            for k in ("input_ids", "targets", "segment_ids", "positions", "weights")}
-  jaxpr = jax.make_jaxpr(jax.grad(lambda p, b: _loss(graphdef, p, biases, b)[0]))(params, batch)
+  grad = lambda p, bias, b: jax.grad(lambda p: _loss(graphdef, p, bias, b)[0])(p)
+  jaxpr = jax.make_jaxpr(grad)(params, biases, batch)  # the biases traced: a layer outside a
+  # remat reads them directly
   return _kernel_counts(jaxpr.jaxpr)
 
 
@@ -254,6 +256,25 @@ def test_remat_dots_kernels_keeps_kernel_outputs(monkeypatch, remat, save, runs)
   n_kda = sum(cfg.model.layer_kind(i) == "kda" for i in range(cfg.model.num_layers))
   assert counts["kda_chunk_a"] == runs * n_kda and counts["kda_fwd_recurrence"] == runs * n_kda
   assert counts["kda_chunk_dqkg"] == n_kda  # one backward per layer either way
+
+
+def test_remat_skip_runs_the_last_layers_without_remat(monkeypatch):
+  """``model.remat_skip``: the last layers keep their activations, so the gradient runs their
+  KDA forward kernels twice (forward, the kernel's backward recompute) where the remat layers
+  run them three times (and a layer recompute). Traced for the GPU kernels (no lowering)."""
+  from pallas_kernels.kda import gpu
+  monkeypatch.setattr(gpu, "_interpret", lambda: False)
+  base = ("model.kda.implementation=pallas_gpu", "model.remat=dots", "model.kda.save_residuals=false")
+  cfg = tiny_config(*base, "model.remat_skip=3")
+  m = cfg.model
+  kda = [i for i in range(m.num_layers) if m.layer_kind(i) == "kda"]
+  assert [m.is_remat(i) for i in range(m.num_layers)] == [True, True, False, False, False]
+  runs = sum(3 if m.is_remat(i) else 2 for i in kda)
+  assert 2 * len(kda) < runs < 3 * len(kda)  # both kinds among the KDA layers
+  assert _grad_kernel_counts(cfg)["kda_chunk_a"] == runs
+  for skip in (0, m.num_layers):
+    every = _grad_kernel_counts(tiny_config(*base, f"model.remat_skip={skip}"))
+    assert every["kda_chunk_a"] == (2 if skip else 3) * len(kda)
 
 
 @pytest.mark.parametrize("remat,runs", [("dots", 8), ("dots_kernels", 6)])

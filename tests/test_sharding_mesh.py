@@ -70,6 +70,22 @@ def test_plan_report_tiny():
     plan.parse_mesh("pipeline=2")
 
 
+def test_plan_remat_skip_between_remat_and_none():
+  """Layers taken out of the remat (``model.remat_skip``) raise the activation estimate from the
+  remat policy's towards no remat, and their recompute's all-gathers leave the collectives."""
+  from k3jax import plan
+  sizes = plan.parse_mesh("fsdp=2")
+  rep = lambda *o: plan.plan(config_lib.load("configs/k3_tiny.yaml", ["mesh.fsdp=2", *o]), sizes,
+                             64, 8)
+  act = lambda r: r["per_device_bytes"]["activations_peak"]
+  gather = lambda r: r["collectives_bytes_per_step"]["fsdp_all_gather_params"]
+  dots, skip2, none = rep("model.remat=dots"), rep("model.remat=dots", "model.remat_skip=2"), rep()
+  assert act(dots) < act(skip2) < act(none)
+  assert gather(dots) > gather(skip2) > gather(none) > 0
+  everything = rep("model.remat=dots", "model.remat_skip=5")  # all five layers skipped
+  assert act(everything) == act(none) and gather(everything) == gather(none)
+
+
 def test_prefix_compose_equals_associative_scan():
   """The context-parallel KDA prefix of affine maps (log-depth scan with static shifts) equals
   ``jax.lax.associative_scan`` and the sequential composition."""

@@ -141,7 +141,8 @@ def test_out_of_memory_gives_a_clear_error(tmp_path, monkeypatch, capsys):
   err = capsys.readouterr().err
   assert "ran out of device memory at step 1 (2 x 64 tokens" in err
   assert "Out of memory while trying to allocate 110.64GiB." in err and "more detail" not in err
-  assert "model.remat=full" in err and "XLA_PYTHON_CLIENT_MEM_FRACTION" in err
+  assert "model.remat=full" in err and "model.remat_skip=0," in err
+  assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in err
 
 
 def test_sigterm_saves_a_loadable_checkpoint(tmp_path, root):
@@ -240,3 +241,15 @@ def test_stages_switch_packing_length(root):
   assert got == [(0, 3, 32), (3, 10, 64)]
   assert train.stage_at(train.stages(cfg), 2).seq_len == 32
   assert train.stage_at(train.stages(cfg), 3).seq_len == 64
+
+
+@pytest.mark.parametrize("env, want", [(None, "0.92"), ("0.5", "0.5")])
+def test_train_lets_jax_use_most_of_the_gpu(root, env, want):
+  """Importing train.py sets JAX's GPU memory fraction to 0.92 unless the environment sets it."""
+  environ = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
+  if env is not None:
+    environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = env
+  out = subprocess.run([sys.executable, "-c", "import os, train; "
+                        "print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])"],
+                       cwd=root, env=environ, capture_output=True, text=True, check=True).stdout
+  assert out.split() == [want]
