@@ -225,8 +225,8 @@ def main(argv=None):
             "model FLOPs per token (forward): " + ", ".join(
           f"{k} {v / breakdown['total']:.0%}" for k, v in breakdown.items() if k != "total"))
       result.update(losses=losses, worst_expert_load=loads, step_ms=step_s * 1e3,
-                    step_ms_min=min(times) * 1e3, tokens_per_s=tps, gflop_per_token=fpt / 1e9, mfu=mfu, peak_note=note,
-                    mean_attention_context=context)
+                    step_ms_min=min(times) * 1e3, tokens_per_s=tps, gflop_per_token=fpt / 1e9,
+                    mfu=mfu, peak_note=note, mean_attention_context=context)
       mem = peak_memory()
       if mem:
         result["peak_gib_per_device"] = mem

@@ -205,7 +205,7 @@ class TrainConfig:
   max_nonfinite: int = 5
   stages: tuple[StageConfig, ...] = ()
   peak_tflops: float = 0.0  # 0: look the device up
-  # Tokens per chunk of the LM-head loss (float32 logits [chunk, vocab] at a time). 4096: k3_1b
+  # Tokens per chunk of the LM-head loss (logits [chunk, vocab] at a time). 4096: k3_1b
   # step 759.6 ms against 768.4 at 1024 on an H200 (2026-12-01; fewer accumulations of dW).
   loss_chunk: int = 4096
   # Store the head's logits in bf16 between its matmul and the softmax (k3jax/losses.py): half

@@ -6,8 +6,11 @@
 - ``params`` / ``grads`` / ``optimizer``: per-device bytes, exact: every leaf of the abstract
   parameter tree (``nnx.eval_shape``) and of the optimizer state (``jax.eval_shape`` of
   ``tx.init``) divided by the mesh axes its logical names shard it over (:mod:`sharding.rules`);
-- ``activations``: per-device peak estimate for ``model.remat`` and ``model.remat_skip`` (analytical, formulas in
-  ``activations.terms``; assumes flash-style attention kernels, i.e. no ``[T, T]`` scores);
+- ``activations``: per-device peak estimate for ``model.remat`` and ``model.remat_skip``
+  (analytical, formulas in ``activations.terms``; assumes flash-style attention kernels, i.e. no
+  ``[T, T]`` scores). A remat layer is counted as keeping only its input, as under ``full``: the
+  ``dots`` and ``dots_kernels`` policies keep more (k3_1b at 16 x 4096 on an H200: 82.5 GiB of
+  compiled temporaries where this estimates 21 GiB of activations);
 - ``collectives``: bytes each device sends per step for every collective (analytical): FSDP
   all-gathers and reduce-scatters, data-parallel gradient all-reduces, the expert all-to-alls
   (and MoonEP's weight fetch), the KDA ``(M, N)`` and MLA latent all-gathers of context

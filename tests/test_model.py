@@ -234,9 +234,9 @@ def _grad_kernel_counts(cfg):
   params, biases = nnx.to_pure_dict(params), nnx.to_pure_dict(biases)
   batch = {k: jax.ShapeDtypeStruct((1, 64), jnp.float32 if k == "weights" else jnp.int32)
            for k in ("input_ids", "targets", "segment_ids", "positions", "weights")}
+  # the biases are traced too: a layer outside a remat reads them directly
   grad = lambda p, bias, b: jax.grad(lambda p: _loss(graphdef, p, bias, b)[0])(p)
-  jaxpr = jax.make_jaxpr(grad)(params, biases, batch)  # the biases traced: a layer outside a
-  # remat reads them directly
+  jaxpr = jax.make_jaxpr(grad)(params, biases, batch)
   return _kernel_counts(jaxpr.jaxpr)
 
 
@@ -264,7 +264,8 @@ def test_remat_skip_runs_the_last_layers_without_remat(monkeypatch):
   run them three times (and a layer recompute). Traced for the GPU kernels (no lowering)."""
   from pallas_kernels.kda import gpu
   monkeypatch.setattr(gpu, "_interpret", lambda: False)
-  base = ("model.kda.implementation=pallas_gpu", "model.remat=dots", "model.kda.save_residuals=false")
+  base = ("model.kda.implementation=pallas_gpu", "model.remat=dots",
+          "model.kda.save_residuals=false")
   cfg = tiny_config(*base, "model.remat_skip=3")
   m = cfg.model
   kda = [i for i in range(m.num_layers) if m.layer_kind(i) == "kda"]
