@@ -100,6 +100,15 @@ def _apply_layer(layer, x, blocks, segment_ids, valid, cache, decode, lengths):
                lengths=lengths)
 
 
+def layer_call(cfg: ModelConfig, i: int, cache=None):
+  """What :meth:`K3Model.hidden` calls for layer ``i``: ``f(layer, x, blocks, segment_ids, valid,
+  cache, decode, lengths)``, under ``cfg.remat``'s policy when layer ``i`` is a remat layer and
+  there is no decode cache."""
+  if cfg.is_remat(i) and cache is None:
+    return nnx.remat(_apply_layer, policy=_REMAT_POLICIES[cfg.remat], static_argnums=(6,))
+  return _apply_layer
+
+
 class K3Model(nnx.Module):
   """Kimi K3 (``arch: kimi_k3``) or Kimi Linear (``arch: kimi_linear``) language model."""
 
@@ -131,11 +140,9 @@ class K3Model(nnx.Module):
     blocks: tuple = ()
     moe_stats, caches = {}, []
     for i, layer in enumerate(self.layers):
-      fn = _apply_layer
-      if cfg.is_remat(i) and cache is None:
-        fn = nnx.remat(fn, policy=_REMAT_POLICIES[cfg.remat], static_argnums=(6,))
-      x, blocks, c, stats = fn(layer, x, blocks, segment_ids, valid,
-                               None if cache is None else cache[i], decode, lengths)
+      layer_cache = None if cache is None else cache[i]
+      x, blocks, c, stats = layer_call(cfg, i, layer_cache)(layer, x, blocks, segment_ids, valid,
+                                                            layer_cache, decode, lengths)
       caches.append(c)
       if stats is not None:
         moe_stats[str(i)] = stats

@@ -6,11 +6,20 @@
 - ``params`` / ``grads`` / ``optimizer``: per-device bytes, exact: every leaf of the abstract
   parameter tree (``nnx.eval_shape``) and of the optimizer state (``jax.eval_shape`` of
   ``tx.init``) divided by the mesh axes its logical names shard it over (:mod:`sharding.rules`);
-- ``activations``: per-device peak estimate for ``model.remat`` and ``model.remat_skip``
-  (analytical, formulas in ``activations.terms``; assumes flash-style attention kernels, i.e. no
-  ``[T, T]`` scores). A remat layer is counted as keeping only its input, as under ``full``: the
-  ``dots`` and ``dots_kernels`` policies keep more (k3_1b at 16 x 4096 on an H200: 82.5 GiB of
-  compiled temporaries where this estimates 21 GiB of activations);
+- ``activations``: per-device peak for ``model.remat`` and ``model.remat_skip``. With no
+  expert, context or tensor split (``method: traced``) it is measured on the program itself: the
+  residuals ``jax.vjp`` keeps from the forward to the backward of the loss (every layer under its
+  remat policy, the kernels of ``--platform``, at the per-device batch), plus the larger of the
+  two transients: the loss chunk's logits and their gradient (formed in the forward), and the
+  recompute of one remat layer (its residuals without the policy less those kept). It is counted
+  before XLA's fusion and buffer reuse: k3_1b at 16 x 4096 with 0 / 6 / 12 layers out of the
+  ``dots_kernels`` remat gives 86.5 / 96.8 / 107.0 GiB with the gradients, where an H200 compiled
+  82.5 / 95.3 / 108.1 GiB of temporaries before RMSNorm's backward kept less
+  (benchmarks/RESULTS.md, Training, "The memory plan against the compiled step"). With expert,
+  context or tensor splits
+  (``method: analytical``) the formulas in
+  ``activations.terms`` apply: they assume flash-style attention kernels and count a remat layer
+  as keeping only its input, as under ``full`` (``dots`` and ``dots_kernels`` keep more);
 - ``collectives``: bytes each device sends per step for every collective (analytical): FSDP
   all-gathers and reduce-scatters, data-parallel gradient all-reduces, the expert all-to-alls
   (and MoonEP's weight fetch), the KDA ``(M, N)`` and MLA latent all-gathers of context
@@ -35,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import pallas_kernels
 from k3jax import config as config_lib
 from k3jax.config import Config, MeshConfig
 from sharding import mesh as mesh_lib
@@ -185,7 +195,9 @@ def collectives(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, st
 
 
 def activations(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int) -> dict:
-  """Peak activation bytes per device (analytical estimate, see the module docstring)."""
+  """Peak activation bytes per device (analytical estimate, see the module docstring): for
+  layouts with expert, context or tensor splits, whose per-device program differs from the
+  one-device one."""
   m = cfg.model
   cb = jnp.dtype(m.cdtype).itemsize
   tok_split = math.prod(sizes[a] for a in TOKEN_AXES)
@@ -229,7 +241,76 @@ def activations(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int) ->
   terms["one_layer_forward"] = layer * live_layers
   terms["one_layer_backward"] = 2 * layer  # cotangents of the same tensors
   terms["head_and_loss"] = n * d * 4 * 2 + 1024 * m.vocab_size * 4 * 2
-  return {"peak": sum(terms.values()), "terms": terms, "tokens_per_device": n}
+  return {"peak": sum(terms.values()), "terms": terms, "tokens_per_device": n, "method": "analytical"}
+
+
+PLATFORMS = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu", "cpu": "cpu"}
+
+
+def _residual_bytes(f, *args) -> int:
+  """Bytes of the residuals ``jax.vjp(f, *args)`` keeps for the backward, less the arguments."""
+  # what jax.ad_checkpoint.print_saved_residuals prints, as (aval, source) pairs (jax 0.11.2)
+  from jax._src.ad_checkpoint import saved_residuals
+  return sum(_nbytes(aval) for aval, src in saved_residuals(f, *args)
+             if not src.startswith("from the argument"))
+
+
+def _abstract_batch(batch: int, seq_len: int) -> dict:
+  tok = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+  return {"input_ids": tok, "targets": tok, "segment_ids": tok, "positions": tok,
+          "weights": jax.ShapeDtypeStruct((batch, seq_len), jnp.float32)}
+
+
+def _blocks_before(m, i: int) -> int:
+  """AttnRes block summaries layer ``i`` receives (``K3Model.hidden`` commits one at each layer
+  whose index is a multiple of the block size)."""
+  return sum(j % m.attn_res.block_size == 0 for j in range(i)) if m.attn_res.enabled else 0
+
+
+def _layer_recompute_bytes(cfg: Config, i: int, batch: int, seq_len: int) -> int:
+  """Bytes the backward of remat layer ``i`` forms again: the layer's residuals without the remat
+  policy less those it keeps under it (``[batch, seq_len]`` tokens)."""
+  import dataclasses
+  from k3jax.model import K3Model, layer_call
+  m = cfg.model
+  layer = nnx.eval_shape(lambda: K3Model(m, rngs=nnx.Rngs(0))).layers[i]
+  graphdef, state = nnx.split(layer)
+  x = jax.ShapeDtypeStruct((batch, seq_len, m.hidden_size), m.cdtype)
+  n_blocks = _blocks_before(m, i)
+  tok = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+
+  def kept(model_cfg):
+    def f(state, x, blocks, segment_ids):
+      out, blocks, _, stats = layer_call(model_cfg, i)(nnx.merge(graphdef, state), x, blocks,
+                                                       segment_ids, segment_ids > 0, None, False,
+                                                       None)
+      return out, blocks, stats
+    return _residual_bytes(f, state, x, (x,) * n_blocks, tok)
+
+  return kept(dataclasses.replace(m, remat="none")) - kept(m)
+
+
+def traced_activations(cfg: Config, batch: int, seq_len: int, platform: str = "cuda") -> dict:
+  """Peak activation bytes of the one-device training step at ``[batch, seq_len]`` tokens, from
+  the residuals of its traced loss (see the module docstring); nothing is lowered."""
+  from k3jax import train_step as ts
+  m = cfg.model
+  with pallas_kernels.target_platform(PLATFORMS[platform]):
+    graphdef, params, biases, _ = abstract_state(cfg)
+    saved = _residual_bytes(lambda p, b, x: ts._loss(graphdef, p, b, x, cfg.train)[0], params,
+                            biases, _abstract_batch(batch, seq_len))
+    kinds = {}  # layers alike (mixer, MLP, AttnRes sources) recompute alike
+    for i in range(m.remat_layers):
+      key = (m.layer_kind(i), m.is_moe(i), _blocks_before(m, i))
+      if key not in kinds:
+        kinds[key] = _layer_recompute_bytes(cfg, i, batch, seq_len)
+  chunk = min(cfg.train.loss_chunk, batch * seq_len)
+  logits = jnp.dtype(jnp.bfloat16 if cfg.train.bf16_logits else jnp.float32).itemsize
+  terms = {"saved_residuals": saved,
+           "loss_chunk_logits_and_gradient": chunk * m.vocab_size * (logits + jnp.dtype(m.cdtype).itemsize),
+           "one_layer_recompute": max(kinds.values(), default=0)}
+  peak = saved + max(terms["loss_chunk_logits_and_gradient"], terms["one_layer_recompute"])
+  return {"peak": peak, "terms": terms, "tokens_per_device": batch * seq_len, "method": "traced"}
 
 
 def lower_step(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, layers: int,
@@ -288,7 +369,10 @@ def plan(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lower_lay
     raise config_lib.ConfigError(f"--seq-len {seq_len} must be divisible by 2*context = {2 * sizes['context']}")
   t0 = time.perf_counter()
   st = state_bytes(cfg, sizes)
-  act = activations(cfg, sizes, seq_len, batch)
+  if all(sizes[a] == 1 for a in ("expert", "context", "tensor")):
+    act = traced_activations(cfg, batch // tok_axes, seq_len, platform)
+  else:
+    act = activations(cfg, sizes, seq_len, batch)
   coll = collectives(cfg, sizes, seq_len, batch, st)
   total = st["params"] + st["grads"] + st["optimizer"] + act["peak"]
   report = {
@@ -301,7 +385,7 @@ def plan(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lower_lay
       "per_device_GB": {"params": st["params"] / GB, "grads": st["grads"] / GB,
                         "optimizer": st["optimizer"] / GB, "activations_peak": act["peak"] / GB,
                         "total": total / GB},
-      "activations": {"method": "analytical", "terms_GB": {k: v / GB for k, v in act["terms"].items()},
+      "activations": {"method": act["method"], "terms_GB": {k: v / GB for k, v in act["terms"].items()},
                       "tokens_per_device": act["tokens_per_device"]},
       "collectives_bytes_per_step": coll,
       "collectives_GB_per_step": {k: v / GB for k, v in coll.items()},
@@ -320,7 +404,9 @@ def main(argv=None) -> int:
   ap.add_argument("--batch", type=int, default=None, help="sequences per step; default: train.batch_size")
   ap.add_argument("--lower-layers", type=int, default=0,
                   help="lower the step of the model cut to N layers (-1: all layers; 0: skip)")
-  ap.add_argument("--platform", default="cuda", help="lowering platform (cuda, tpu, cpu)")
+  ap.add_argument("--platform", default="cuda", choices=sorted(PLATFORMS),
+                  help="the target: its kernels are traced for the activations and it is the "
+                       "lowering platform")
   ap.add_argument("overrides", nargs="*", help="config overrides key=value")
   args = ap.parse_intermixed_args(argv)
   sizes = parse_mesh(args.mesh)

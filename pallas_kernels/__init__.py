@@ -10,6 +10,7 @@
 - :mod:`pallas_kernels.attn_res`: Block Attention Residuals' softmax mixture over depth sources.
 """
 
+import contextlib
 import os
 
 import jax
@@ -25,9 +26,27 @@ def kernel_output(x: jax.Array) -> jax.Array:
   return checkpoint_name(x, KERNEL_OUTPUT)
 
 
+_TARGET: list[str] = []  # the innermost target_platform, if any
+
+
 def default_backend() -> str:
-  """'gpu', 'tpu' or 'cpu': the platform of the default device."""
-  return jax.default_backend()
+  """'gpu', 'tpu' or 'cpu': the platform kernels are selected and built for; that of the default
+  device unless inside :func:`target_platform`."""
+  return _TARGET[-1] if _TARGET else jax.default_backend()
+
+
+@contextlib.contextmanager
+def target_platform(platform: str):
+  """Selects and builds kernels for ``platform`` ('gpu', 'tpu' or 'cpu') instead of the default
+  device's, interpret mode included: for tracing or lowering a program for another machine (e.g.
+  :mod:`k3jax.plan` on a CPU host). What is traced inside cannot run here."""
+  if platform not in ("gpu", "tpu", "cpu"):
+    raise ValueError(f"target_platform: expected 'gpu', 'tpu' or 'cpu', got {platform!r}")
+  _TARGET.append(platform)
+  try:
+    yield
+  finally:
+    _TARGET.pop()
 
 
 def num_sms() -> int:

@@ -1,4 +1,4 @@
-"""AttnRes, SiTU-GLU, short conv, routing and Quantile Balancing against NumPy."""
+"""RMSNorm, AttnRes, SiTU-GLU, short conv, routing and Quantile Balancing against NumPy."""
 
 import dataclasses
 
@@ -26,6 +26,66 @@ def _attn_res_np(srcs, proj, norm, eps=1e-5):
       p /= p.sum()
       out[b, t] = sum(pi * s[b, t] for pi, s in zip(p, srcs))
   return out
+
+
+@pytest.mark.parametrize("shape,weighted", [((3, 5, 16), True), ((1, 7), False)])
+def test_rms_norm_values_and_gradients_match_float64(shape, weighted):
+  """The hand-written RMSNorm backward against a float64 NumPy forward and its derivative
+  written out by finite differences, and in bfloat16 against autodiff of the plain formula;
+  its residuals are x and the per-row scale, no float32 ``[..., d]`` copy."""
+  from jax._src.ad_checkpoint import saved_residuals
+  from k3jax.nn import rms_norm
+  rng = np.random.default_rng(7)
+  x = rng.normal(size=shape) * 2 + 0.5
+  w = rng.normal(size=shape[-1]) if weighted else None
+  dy = rng.normal(size=shape)
+  eps = 1e-5
+
+  def ref(x, w):
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y * w if w is not None else y
+
+  with jax.enable_x64():
+    y, vjp = jax.vjp(lambda a, b: rms_norm(a, b, eps), jnp.asarray(x), None if w is None else jnp.asarray(w))
+    np.testing.assert_allclose(y, ref(x, w), rtol=1e-12)
+    dx, dw = vjp(jnp.asarray(dy))
+  h = 1e-6
+  num_dx = np.zeros_like(x)
+  for idx in np.ndindex(*shape):
+    e = np.zeros_like(x)
+    e[idx] = h
+    num_dx[idx] = np.sum((ref(x + e, w) - ref(x - e, w)) * dy) / (2 * h)
+  np.testing.assert_allclose(dx, num_dx, rtol=1e-6, atol=1e-8)
+  if weighted:
+    num_dw = np.array([np.sum((ref(x, w + h * np.eye(len(w))[j]) - ref(x, w - h * np.eye(len(w))[j]))
+                              * dy) / (2 * h) for j in range(len(w))])
+    np.testing.assert_allclose(dw, num_dw, rtol=1e-6, atol=1e-8)
+  else:
+    assert dw is None
+
+  xb = jnp.asarray(x, jnp.bfloat16)
+  wf = None if w is None else jnp.asarray(w, jnp.float32)
+
+  def plain(a, b):
+    af = a.astype(jnp.float32)
+    y = af * jax.lax.rsqrt(jnp.mean(af * af, axis=-1, keepdims=True) + eps)
+    return (y if b is None else y * b).astype(a.dtype)
+
+  got = jax.vjp(lambda a, b: rms_norm(a, b, eps), xb, wf)[1](jnp.asarray(dy, jnp.bfloat16))
+  want = jax.vjp(plain, xb, wf)[1](jnp.asarray(dy, jnp.bfloat16))
+  np.testing.assert_allclose(np.float32(got[0]), np.float32(want[0]), rtol=2e-2, atol=2e-2)
+  if weighted:
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-4)
+  # a row whose square sum overflows: the output saturates to 0 and the gradient is not finite,
+  # as under autodiff (the train step's non-finite guard counts on it)
+  big = jnp.full(shape, 1e30, jnp.float32)
+  big_dy = jnp.full(shape, 1e30, jnp.float32)
+  got = jax.vjp(lambda a: rms_norm(a, None, eps), big)[1](big_dy)[0]
+  want = jax.vjp(lambda a: plain(a, None), big)[1](big_dy)[0]
+  assert not np.isfinite(got).any() and not np.isfinite(want).any()
+  res = [aval for aval, src in saved_residuals(lambda a, b: rms_norm(a, b, eps), xb, wf)
+         if not src.startswith("from the argument")]
+  assert [a.shape for a in res] == [(*shape[:-1], 1)], res
 
 
 def test_attn_res_matches_numpy_and_zero_query_is_mean():

@@ -86,6 +86,56 @@ def test_plan_remat_skip_between_remat_and_none():
   assert act(everything) == act(none) and gather(everything) == gather(none)
 
 
+def test_plan_traced_activations_against_the_compiled_step():
+  """Without expert, context or tensor splits the plan's activations come from the traced loss's
+  residuals: against the temporaries XLA (CPU) compiles the loss's gradient to, they lie between
+  half and the whole (XLA's CPU backward keeps more cotangents than its GPU one; on an H200 the
+  estimate is within 5%, benchmarks/RESULTS.md). The analytical model, which counts a ``dots``
+  layer as keeping only its input, fails the same bound."""
+  from k3jax import plan, train_step as ts
+  b, t = 2, 256
+  for over in (["model.remat=dots"], ["model.remat=full", "model.remat_skip=3"]):
+    cfg = config_lib.load("configs/k3_tiny.yaml", over)
+    act = plan.plan(cfg, plan.parse_mesh("data=1"), t, b, platform="cpu")["activations"]
+    assert act["method"] == "traced"
+    terms = act["terms_GB"]
+    est = terms["saved_residuals"] + max(terms["loss_chunk_logits_and_gradient"],
+                                         terms["one_layer_recompute"])
+    graphdef, params, biases, _ = plan.abstract_state(cfg)
+    grad = jax.grad(lambda p, bi, x: ts._loss(graphdef, p, bi, x, cfg.train)[0])
+    compiled = jax.jit(grad).trace(params, biases, plan._abstract_batch(b, t)).lower().compile()
+    temps = compiled.memory_analysis().temp_size_in_bytes / plan.GB
+    assert 0.5 * temps < est < temps, (over, est, temps)
+    if over == ["model.remat=dots"]:
+      analytical = plan.activations(cfg, plan.parse_mesh("data=1"), t, b)["peak"] / plan.GB
+      assert not 0.5 * temps < analytical < temps, (analytical, temps)
+    else:  # layers 0-1 recompute, 2-4 keep everything
+      assert terms["one_layer_recompute"] > 0
+
+
+def test_plan_traces_the_target_platforms_kernels():
+  """``--platform cuda`` traces the GPU kernels on a CPU host (``pallas_kernels.target_platform``),
+  which keep less than the XLA reference's float32 chunk tensors; the platform must be known."""
+  import pallas_kernels
+  from k3jax import plan
+  from pallas_kernels import kda
+  cfg = config_lib.load("configs/k3_tiny.yaml")
+  with pallas_kernels.target_platform("gpu"):
+    assert kda.resolve(None) == "pallas_gpu"
+    with pallas_kernels.target_platform("tpu"):
+      assert kda.resolve(None) == "pallas_tpu"
+    assert pallas_kernels.default_backend() == "gpu"
+  assert pallas_kernels.default_backend() == jax.default_backend()
+  saved = {p: plan.traced_activations(cfg, 2, 256, p)["terms"]["saved_residuals"]
+           for p in ("cpu", "cuda", "tpu")}
+  assert saved["cuda"] < saved["cpu"] and saved["tpu"] < saved["cpu"], saved
+  with pytest.raises(ValueError, match="target_platform"):
+    with pallas_kernels.target_platform("metal"):
+      pass
+  with pytest.raises(SystemExit):
+    plan.main(["configs/k3_tiny.yaml", "--mesh", "data=1", "--platform", "metal"])
+
+
 def test_prefix_compose_equals_associative_scan():
   """The context-parallel KDA prefix of affine maps (log-depth scan with static shifts) equals
   ``jax.lax.associative_scan`` and the sequential composition."""

@@ -35,6 +35,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import default_backend
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -61,7 +63,7 @@ class Config:
 
 
 def _interpret() -> bool:
-  return jax.default_backend() != "gpu"
+  return default_backend() != "gpu"
 
 
 def _cdiv(n, blk):

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import triton_math as tm
+from pallas_kernels import default_backend, triton_math as tm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ class Config:
 
 
 def _interpret() -> bool:
-  return jax.default_backend() != "gpu"
+  return default_backend() != "gpu"
 
 
 def _block(n: int, cap: int) -> int:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import triton_math as tm
+from pallas_kernels import default_backend, triton_math as tm
 from pallas_kernels.glu.reference import glu_math
 
 # The fastest of benchmarks/glu.py's sweeps on an H200 at gu [524288, 1024] bf16 (2026-12-01:
@@ -30,7 +30,7 @@ WARPS = 4
 
 
 def _interpret() -> bool:
-  return jax.default_backend() != "gpu"
+  return default_backend() != "gpu"
 
 
 def _tile(m, f, bm, bf):

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import num_sms
+from pallas_kernels import default_backend, num_sms
 from pallas_kernels.kda import recurrence_mgpu, wu_mgpu
 from pallas_kernels.kda.prep_vjp import preprocess_vjp
 from pallas_kernels.kda.reference import L2_EPS, kda_gate, l2norm, restart_mask
@@ -71,7 +71,7 @@ class _Config:
 
 
 def _interpret() -> bool:
-  return jax.default_backend() != "gpu"
+  return default_backend() != "gpu"
 
 
 def _pow2(n: int) -> bool:

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import default_backend
 from pallas_kernels.kda.reference import L2_EPS
 
 
@@ -52,7 +53,7 @@ class Config:
 
 
 def _interpret() -> bool:
-  return jax.default_backend() != "gpu"
+  return default_backend() != "gpu"
 
 
 def _gate_vjp(gate, lower_bound, f, a, dg):

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import default_backend
 from pallas_kernels.kda.reference import L2_EPS, SUB_TILE, pad_time, restart_mask
 
 HEAD_DIMS = (64, 128)
@@ -345,7 +346,7 @@ def kda(q, k, v, g, beta, *, scale, initial_state, segment_ids, use_qk_l2norm, A
   cfg = Config(chunk=chunk_size, t=t, groups=hv // h, scale=float(scale), l2=bool(use_qk_l2norm),
                gate=gate, lower_bound=float(lower_bound), beta_logit=bool(beta_is_logit),
                fast=fast,
-               interpret=jax.default_backend() != "tpu" if interpret is None else bool(interpret))
+               interpret=default_backend() != "tpu" if interpret is None else bool(interpret))
   c = chunk_size
 
   def heads_first(x):  # [B, T, H, D] -> [B, H, Tp, D]

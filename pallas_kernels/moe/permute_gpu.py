@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import default_backend
 from pallas_kernels.moe import reference
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -58,7 +59,7 @@ class Config:
 
 
 def _interpret() -> bool:
-  return jax.default_backend() != "gpu"
+  return default_backend() != "gpu"
 
 
 def _check_dtypes(op: str, **arrays):

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import default_backend
 from pallas_kernels.select import reference
 
 _PAD = 0xFFFFFFFF
@@ -52,7 +53,7 @@ class Config:
 
 
 def _interpret() -> bool:
-  return jax.default_backend() != "gpu"
+  return default_backend() != "gpu"
 
 
 def _count_pass(load, steps, prefix, below, k, shift, bits, cols, base, prefetch):
