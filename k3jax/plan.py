@@ -299,16 +299,15 @@ def traced_activations(cfg: Config, batch: int, seq_len: int, platform: str = "c
     graphdef, params, biases, _ = abstract_state(cfg)
     saved = _residual_bytes(lambda p, b, x: ts._loss(graphdef, p, b, x, cfg.train)[0], params,
                             biases, _abstract_batch(batch, seq_len))
-    kinds = {}  # layers alike (mixer, MLP, AttnRes sources) recompute alike
-    for i in range(m.remat_layers):
-      key = (m.layer_kind(i), m.is_moe(i), _blocks_before(m, i))
-      if key not in kinds:
-        kinds[key] = _layer_recompute_bytes(cfg, i, batch, seq_len)
+    # layers of one mixer and MLP kind recompute alike but for their AttnRes sources: the last
+    # of each kind has the most
+    last = {(m.layer_kind(i), m.is_moe(i)): i for i in range(m.remat_layers)}
+    recompute = [_layer_recompute_bytes(cfg, i, batch, seq_len) for i in last.values()]
   chunk = min(cfg.train.loss_chunk, batch * seq_len)
   logits = jnp.dtype(jnp.bfloat16 if cfg.train.bf16_logits else jnp.float32).itemsize
   terms = {"saved_residuals": saved,
            "loss_chunk_logits_and_gradient": chunk * m.vocab_size * (logits + jnp.dtype(m.cdtype).itemsize),
-           "one_layer_recompute": max(kinds.values(), default=0)}
+           "one_layer_recompute": max(recompute, default=0)}
   peak = saved + max(terms["loss_chunk_logits_and_gradient"], terms["one_layer_recompute"])
   return {"peak": peak, "terms": terms, "tokens_per_device": batch * seq_len, "method": "traced"}
 
