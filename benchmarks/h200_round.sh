@@ -22,7 +22,8 @@
 #   bash benchmarks/h200_round.sh conv      # KDA short conv + SiLU kernels vs XLA, tile sweep
 #   bash benchmarks/h200_round.sh attnres   # AttnRes mixture kernels vs XLA, tile sweep
 #   bash benchmarks/h200_round.sh permute   # MoE permutation kernels (expansion, unpermute) vs XLA
-#   bash benchmarks/h200_round.sh optim     # k3_1b's optimizer update alone (ms, bytes vs floor)
+#   bash benchmarks/h200_round.sh optim     # k3_1b's optimizer update alone (ms, bytes vs floor),
+#                                           # both Newton-Schulz step forms
 #   bash benchmarks/h200_round.sh moesweep  # grouped-matmul tilings, forward, at k3_1b's expert
 #                                           # shapes (MOE_SHAPES) beside jla
 #   bash benchmarks/h200_round.sh long step peers   # several at once (one lock for timed GPU work)
@@ -165,7 +166,11 @@ mladecode() { bench mla_decode 150 benchmarks/mla.py --decode-only; }
 conv() { bench conv 100 benchmarks/conv.py; }
 attnres() { bench attn_res 120 benchmarks/attn_res.py --budget 100; }
 permute() { bench moe_permute 80 benchmarks/moe_permute.py --budget 60; }
-optim() { bench optim 240 benchmarks/optim.py configs/k3_1b.yaml; }
+optim() {  # both Newton-Schulz step forms (k3jax.optim.NS_FORM), one after the other
+  bench optim 240 benchmarks/optim.py configs/k3_1b.yaml --tag sums
+  bench optim_poly 240 benchmarks/optim.py configs/k3_1b.yaml --tag polynomial \
+    --set 'k3jax.optim:NS_FORM="polynomial"'
+}
 moesweep() {  # k3_1b: 48 experts, 8 of them per token at 16 x 4096 (M rounded down to equal
   # groups), latent and expert width 512; the third shape is the gate/up product's d_lhs
   bench moe_sweep "${MOE_S:-200}" benchmarks/moe.py --sweep --no-bwd --budget $(( ${MOE_S:-200} - 60 )) \

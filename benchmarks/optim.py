@@ -7,6 +7,7 @@ state.
 
   python3 benchmarks/optim.py configs/k3_1b.yaml                  # the config's optimizer
   python3 benchmarks/optim.py configs/k3_tiny.yaml optimizer.name=adamw --hlo /tmp/opt.hlo
+  python3 benchmarks/optim.py configs/k3_1b.yaml --set 'k3jax.optim:NS_FORM="polynomial"' --tag poly
 
 Rows go to ``$OUT/optim_bench.json``.
 """
@@ -27,7 +28,7 @@ from flax import nnx  # noqa: E402
 
 from k3jax import config as config_lib, optim  # noqa: E402
 from k3jax.model import K3Model  # noqa: E402
-from timing import Rows, median_ms  # noqa: E402
+from timing import Rows, median_ms, set_module_option  # noqa: E402
 
 ROWS = Rows("optim_bench.json")
 
@@ -60,7 +61,14 @@ def main():
   p.add_argument("overrides", nargs="*")
   p.add_argument("--hlo", help="write the compiled update's HLO text here")
   p.add_argument("--tag", default="", help="a name for this code in the row")
+  p.add_argument("--set", action="append", default=[], metavar="MODULE:NAME=VALUE",
+                 help="set a module option (a Python literal) before tracing; repeatable")
   a = p.parse_args()
+  for opt in a.set:
+    try:
+      set_module_option(opt)
+    except ValueError as e:
+      p.error(str(e))
   cfg = config_lib.load(a.config, a.overrides)
   shapes = param_shapes(cfg)
   tx, _ = optim.make_optimizer(cfg, shapes)

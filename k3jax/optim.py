@@ -160,6 +160,15 @@ def _viewed(inner: optax.GradientTransformation, roles) -> optax.GradientTransfo
 
 NS_COEFFS = (3.4445, -4.775, 2.0315)  # the quintic Newton-Schulz step of optax / Keller Jordan
 NS_STEPS = 5
+# How a step forms ``X <- a X + (b A + c A^2) X``:
+# - "sums": two elementwise sums, ``b A + c A^2`` over [m, m] and ``a X + (.) X`` over [m, n];
+# - "polynomial": ``X <- P X`` with ``P = (c A) A + (b A + a I)``: one elementwise pass over A
+#   forms both ``c A`` and ``b A + a I`` (the scalars in float32), and the sum rides the matmul
+#   as its added operand (which XLA's GPU GEMM rewriter can hand to cuBLAS), so there is no
+#   pass over X. In bf16 its distance to a float64 iteration is that of "sums" on random
+#   matrices and 20% less on nearly low-rank ones. Not timed on the card yet: "sums" stays the
+#   default until benchmarks/optim.py has both side by side.
+NS_FORM = "sums"
 _NS_DTYPE = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 
 
@@ -188,16 +197,23 @@ def _matrices(x: jax.Array, dims: MuonDimensionNumbers):
 
 def _iterate(y: jax.Array, dtype) -> jax.Array:
   """``NS_STEPS`` steps ``X <- a X + (b A + c A^2) X``, ``A = X X^T``, on wide matrices ``y
-  [..., m, n]``: the iterate, every matmul's operands and outputs in ``dtype`` (each matmul
-  accumulates in float32 and rounds once at its output, so no float32 product is written to
-  memory and converted), the two sums in float32."""
+  [..., m, n]`` (in the form ``NS_FORM`` names): the iterate, every matmul's operands and outputs
+  in ``dtype`` (each matmul accumulates in float32 and rounds once at its output, so no float32
+  product is written to memory and converted), the elementwise sums in float32."""
+  if NS_FORM not in ("sums", "polynomial"):
+    raise ValueError(f"optim.NS_FORM: expected 'sums' or 'polynomial', got {NS_FORM!r}")
   a, b, c = NS_COEFFS
-  dot = lambda u, v: jnp.matmul(u, v, preferred_element_type=dtype).astype(jnp.float32)
+  dot = lambda u, v: jnp.matmul(u, v, preferred_element_type=dtype)
   y = y.astype(dtype)
+  a_eye = a * jnp.eye(y.shape[-2], dtype=jnp.float32)
   for _ in range(NS_STEPS):
-    s = jnp.matmul(y, y.mT, preferred_element_type=dtype)  # A
-    s = (b * s.astype(jnp.float32) + c * dot(s, s)).astype(dtype)  # b A + c A^2
-    y = (a * y.astype(jnp.float32) + dot(s, y)).astype(dtype)
+    s = dot(y, y.mT)  # A
+    f = s.astype(jnp.float32)
+    if NS_FORM == "sums":
+      s = (b * f + c * dot(s, s).astype(jnp.float32)).astype(dtype)  # b A + c A^2
+      y = (a * y.astype(jnp.float32) + dot(s, y).astype(jnp.float32)).astype(dtype)
+    else:
+      y = dot(dot((c * f).astype(dtype), s) + (b * f + a_eye).astype(dtype), y)
   return y
 
 

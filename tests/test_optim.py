@@ -97,11 +97,13 @@ def test_muon_update_rms_matches_adamw_scale():
   assert s.max() / s.min() < 2.0
 
 
+@pytest.mark.parametrize("form", ["sums", "polynomial"])
 @pytest.mark.parametrize("precision,operand", [("bf16", "bf16"), ("f32", "f32")])
-def test_muon_newton_schulz_precision(precision, operand):
+def test_muon_newton_schulz_precision(precision, operand, form, monkeypatch):
   """``muon_ns_precision=bf16`` carries the Newton-Schulz iterate in bf16: every matmul of the
   optimizer takes bf16 operands and gives a bf16 product (float32 accumulation inside); ``f32``
-  keeps float32 operands and products."""
+  keeps float32 operands and products. Both step forms (``optim.NS_FORM``)."""
+  monkeypatch.setattr(optim, "NS_FORM", form)
   cfg = cfg_with("optimizer.name=muon", f"optimizer.muon_ns_precision={precision}", *NO_DECAY_NO_CLIP)
   params = fake_params()
   tx, _ = optim.make_optimizer(cfg, params)
@@ -133,14 +135,16 @@ def test_muon_per_head_orthogonalisation(per_head):
     assert s.max() / s.min() < 2.0
 
 
+@pytest.mark.parametrize("form", ["sums", "polynomial"])
 @pytest.mark.parametrize("shape,dims", [((6, 10), (0, 1)), ((12, 5), (0, 1)),
                                         ((3, 4, 2, 7), (1, 3)), ((2, 9, 4), (2, 1))])
-def test_newton_schulz_matches_a_float64_loop(shape, dims):
+def test_newton_schulz_matches_a_float64_loop(shape, dims, form, monkeypatch):
   """:func:`optim.newton_schulz` in float32 against the same quintic iteration in float64 NumPy,
   matrix by matrix, on wide and tall matrices and on batched views whose fan-in and fan-out axes
   are not the last two (including fan-out before fan-in); three leaves of one view shape are
-  stacked (one scaled: each leaf must get the iteration of its own matrices)."""
+  stacked (one scaled: each leaf must get the iteration of its own matrices). Both step forms."""
   from optax.contrib import MuonDimensionNumbers
+  monkeypatch.setattr(optim, "NS_FORM", form)
   rng = np.random.default_rng(len(shape))
   red, out = dims
   batch = [a for a in range(len(shape)) if a not in dims]
