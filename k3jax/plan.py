@@ -1,7 +1,7 @@
 """Memory and communication plan of a training layout, without devices and without allocating.
 
 ``python -m k3jax.plan CONFIG --mesh data=A,fsdp=B,expert=C,context=D [--seq-len L] [--batch B]
-[--lower-layers N] [key=value ...]`` prints a JSON report:
+[--lower-layers N] [--platform P] [--memory GB] [key=value ...]`` prints a JSON report:
 
 - ``params`` / ``grads`` / ``optimizer``: per-device bytes, exact: every leaf of the abstract
   parameter tree (``nnx.eval_shape``) and of the optimizer state (``jax.eval_shape`` of
@@ -20,6 +20,9 @@
   (``method: analytical``) the formulas in
   ``activations.terms`` apply: they assume flash-style attention kernels and count a remat layer
   as keeping only its input, as under ``full`` (``dots`` and ``dots_kernels`` keep more);
+  Traced, it also gives the peak for every ``model.remat_skip`` (``by_remat_skip_GB``: a layer
+  leaving the remat adds what its backward would form again), and with ``--memory GB`` the
+  largest that fits beside parameters, gradients and optimizer state (``fit``);
 - ``collectives``: bytes each device sends per step for every collective (analytical): FSDP
   all-gathers and reduce-scatters, data-parallel gradient all-reduces, the expert all-to-alls
   (and MoonEP's weight fetch), the KDA ``(M, N)`` and MLA latent all-gathers of context
@@ -268,11 +271,12 @@ def _blocks_before(m, i: int) -> int:
 
 
 def _layer_recompute_bytes(cfg: Config, i: int, batch: int, seq_len: int) -> int:
-  """Bytes the backward of remat layer ``i`` forms again: the layer's residuals without the remat
-  policy less those it keeps under it (``[batch, seq_len]`` tokens)."""
+  """Bytes the backward of layer ``i`` under ``model.remat``'s policy forms again: the layer's
+  residuals without the policy less those it keeps under it (``[batch, seq_len]`` tokens); what
+  the layer adds to the saved residuals when it leaves the remat."""
   import dataclasses
   from k3jax.model import K3Model, layer_call
-  m = cfg.model
+  m = dataclasses.replace(cfg.model, remat_skip=0)
   layer = nnx.eval_shape(lambda: K3Model(m, rngs=nnx.Rngs(0))).layers[i]
   graphdef, state = nnx.split(layer)
   x = jax.ShapeDtypeStruct((batch, seq_len, m.hidden_size), m.cdtype)
@@ -300,16 +304,25 @@ def traced_activations(cfg: Config, batch: int, seq_len: int, platform: str = "c
     saved = _residual_bytes(lambda p, b, x: ts._loss(graphdef, p, b, x, cfg.train)[0], params,
                             biases, _abstract_batch(batch, seq_len))
     # layers of one mixer and MLP kind recompute alike but for their AttnRes sources: the last
-    # of each kind has the most
-    last = {(m.layer_kind(i), m.is_moe(i)): i for i in range(m.remat_layers)}
-    recompute = [_layer_recompute_bytes(cfg, i, batch, seq_len) for i in last.values()]
+    # of each kind has the most and stands for all
+    kind = lambda i: (m.layer_kind(i), m.is_moe(i))
+    last = {kind(i): i for i in range(m.num_layers)} if m.remat != "none" else {}
+    delta = {k: _layer_recompute_bytes(cfg, i, batch, seq_len) for k, i in last.items()}
   chunk = min(cfg.train.loss_chunk, batch * seq_len)
   logits = jnp.dtype(jnp.bfloat16 if cfg.train.bf16_logits else jnp.float32).itemsize
-  terms = {"saved_residuals": saved,
-           "loss_chunk_logits_and_gradient": chunk * m.vocab_size * (logits + jnp.dtype(m.cdtype).itemsize),
-           "one_layer_recompute": max(recompute, default=0)}
-  peak = saved + max(terms["loss_chunk_logits_and_gradient"], terms["one_layer_recompute"])
-  return {"peak": peak, "terms": terms, "tokens_per_device": batch * seq_len, "method": "traced"}
+  head = chunk * m.vocab_size * (logits + jnp.dtype(m.cdtype).itemsize)
+  by_skip = {}  # model.remat_skip -> (saved residuals, one layer's recompute): a layer that
+  for n in range(m.num_layers + 1 if delta else 0):  # leaves the remat keeps its delta
+    out = range(m.num_layers - n, m.num_layers - m.remat_skip)
+    back = range(m.num_layers - m.remat_skip, m.num_layers - n)
+    by_skip[n] = (saved + sum(delta[kind(i)] for i in out) - sum(delta[kind(i)] for i in back),
+                  max((delta[kind(i)] for i in range(m.num_layers - n)), default=0))
+  recompute = by_skip[m.remat_skip][1] if by_skip else 0
+  terms = {"saved_residuals": saved, "loss_chunk_logits_and_gradient": head,
+           "one_layer_recompute": recompute}
+  return {"peak": saved + max(head, recompute), "terms": terms,
+          "tokens_per_device": batch * seq_len, "method": "traced",
+          "by_remat_skip": {n: sv + max(head, rc) for n, (sv, rc) in by_skip.items()}}
 
 
 def lower_step(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, layers: int,
@@ -358,8 +371,14 @@ def lower_step(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lay
           "stablehlo_chars": len(text), "shard_map_collectives": ops}
 
 
+def largest_fit(by_remat_skip: dict[int, float], state: float, memory: float) -> int | None:
+  """The largest ``model.remat_skip`` whose activation peak fits in ``memory`` bytes beside
+  ``state`` bytes (parameters, gradients, optimizer state); None when none does."""
+  return max((n for n, v in by_remat_skip.items() if state + v <= memory), default=None)
+
+
 def plan(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lower_layers: int = 0,
-         platform: str = "cuda") -> dict:
+         platform: str = "cuda", memory_gb: float | None = None) -> dict:
   devices = math.prod(sizes.values())
   tok_axes = math.prod(sizes[a] for a in ("data", "fsdp", "expert"))
   if batch % tok_axes:
@@ -390,6 +409,12 @@ def plan(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lower_lay
       "collectives_GB_per_step": {k: v / GB for k, v in coll.items()},
       "accounting_s": round(time.perf_counter() - t0, 1),
   }
+  state = st["params"] + st["grads"] + st["optimizer"]
+  if "by_remat_skip" in act:
+    report["activations"]["by_remat_skip_GB"] = {n: v / GB for n, v in act["by_remat_skip"].items()}
+    if memory_gb is not None:
+      report["fit"] = {"memory_GB": memory_gb,
+                       "largest_remat_skip": largest_fit(act["by_remat_skip"], state, memory_gb * GB)}
   if lower_layers:
     report["lowering"] = lower_step(cfg, sizes, seq_len, batch, lower_layers, platform)
   return report
@@ -406,6 +431,9 @@ def main(argv=None) -> int:
   ap.add_argument("--platform", default="cuda", choices=sorted(PLATFORMS),
                   help="the target: its kernels are traced for the activations and it is the "
                        "lowering platform")
+  ap.add_argument("--memory", type=float, default=None, metavar="GB",
+                  help="memory a device may use (GB): report the largest model.remat_skip that "
+                       "fits (traced activations, a remat policy set)")
   ap.add_argument("overrides", nargs="*", help="config overrides key=value")
   args = ap.parse_intermixed_args(argv)
   sizes = parse_mesh(args.mesh)
@@ -413,7 +441,8 @@ def main(argv=None) -> int:
   cfg = config_lib.load(args.config, over)
   seq_len = args.seq_len or cfg.data.seq_len
   batch = args.batch or cfg.train.batch_size
-  print(json.dumps(plan(cfg, sizes, seq_len, batch, args.lower_layers, args.platform), indent=1))
+  print(json.dumps(plan(cfg, sizes, seq_len, batch, args.lower_layers, args.platform, args.memory),
+                   indent=1))
   return 0
 
 

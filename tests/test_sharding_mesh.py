@@ -113,6 +113,28 @@ def test_plan_traced_activations_against_the_compiled_step():
       assert terms["one_layer_recompute"] > 0
 
 
+def test_plan_peak_for_every_remat_skip_and_the_largest_that_fits():
+  """From one trace of the configured layout the plan gives the peak for every
+  ``model.remat_skip`` (each layer leaving the remat adds what its backward would recompute);
+  each agrees with the plan traced at that setting, and ``--memory`` picks the largest setting
+  whose total fits."""
+  from k3jax import plan
+  load = lambda *o: config_lib.load("configs/k3_tiny.yaml", ["model.remat=dots", *o])
+  sizes = plan.parse_mesh("fsdp=2")
+  rep = plan.plan(load("model.remat_skip=2"), sizes, 128, 4, platform="cpu")
+  curve = rep["activations"]["by_remat_skip_GB"]
+  assert sorted(curve) == list(range(6)) and all(curve[n] < curve[n + 1] for n in range(5))
+  assert curve[2] == rep["per_device_GB"]["activations_peak"]
+  direct = plan.plan(load("model.remat_skip=4"), sizes, 128, 4, platform="cpu")
+  assert abs(curve[4] / direct["per_device_GB"]["activations_peak"] - 1) < 0.03
+  state = sum(rep["per_device_GB"][k] for k in ("params", "grads", "optimizer"))
+  budget = state + (curve[3] + curve[4]) / 2
+  fit = plan.plan(load(), sizes, 128, 4, platform="cpu", memory_gb=budget)["fit"]
+  assert fit == {"memory_GB": budget, "largest_remat_skip": 3}
+  assert plan.largest_fit({0: 5.0, 1: 6.0}, 2.0, 7.5) == 0
+  assert plan.largest_fit({0: 5.0, 1: 6.0}, 2.0, 6.5) is None
+
+
 def test_plan_traces_the_target_platforms_kernels():
   """``--platform cuda`` traces the GPU kernels on a CPU host (``pallas_kernels.target_platform``),
   which keep less than the XLA reference's float32 chunk tensors; the platform must be known."""
