@@ -28,9 +28,37 @@ class Router(nnx.Module):
     self.bias = RouterBias(jnp.zeros((e,), jnp.float32), sharding_names=(None,), eager_sharding=False)
 
   def scores(self, x: jax.Array) -> jax.Array:
-    """``[N, E]`` float32 sigmoid scores of tokens ``x [N, d]``."""
-    acc = jnp.promote_types(x.dtype, jnp.float32)
-    return jax.nn.sigmoid(jnp.dot(x.astype(acc), self.kernel[...].astype(acc)))
+    """``[N, E]`` float32 sigmoid scores of tokens ``x [N, d]`` (the product in float32)."""
+    return jax.nn.sigmoid(wide_dot(x, self.kernel[...]))
+
+
+@jax.custom_vjp
+def wide_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+  """``x [N, d] @ w [d, E]`` with both operands widened to float32 (at least), as the router's
+  logits are specified; the backward keeps x in its own dtype rather than autodiff's float32 copy
+  (k3_1b: 256 MiB per MoE layer outside the remat) and widens it again. Gradients as autodiff's
+  of the widened product, each in its operand's dtype."""
+  return _wide_dot_fwd(x, w)[0]
+
+
+def _wide(x, w):
+  acc = jnp.promote_types(jnp.promote_types(x.dtype, w.dtype), jnp.float32)
+  return x.astype(acc), w.astype(acc)
+
+
+def _wide_dot_fwd(x, w):
+  xa, wa = _wide(x, w)
+  return jnp.dot(xa, wa), (x, w)
+
+
+def _wide_dot_bwd(res, g):
+  x, w = res
+  xa, wa = _wide(x, w)
+  g = g.astype(xa.dtype)
+  return jnp.dot(g, wa.T).astype(x.dtype), jnp.dot(xa.T, g).astype(w.dtype)
+
+
+wide_dot.defvjp(_wide_dot_fwd, _wide_dot_bwd)
 
 
 class Experts(nnx.Module):

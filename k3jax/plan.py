@@ -6,23 +6,22 @@
 - ``params`` / ``grads`` / ``optimizer``: per-device bytes, exact: every leaf of the abstract
   parameter tree (``nnx.eval_shape``) and of the optimizer state (``jax.eval_shape`` of
   ``tx.init``) divided by the mesh axes its logical names shard it over (:mod:`sharding.rules`);
-- ``activations``: per-device peak for ``model.remat`` and ``model.remat_skip``. With no
-  expert, context or tensor split (``method: traced``) it is measured on the program itself: the
-  residuals ``jax.vjp`` keeps from the forward to the backward of the loss (every layer under its
-  remat policy, the kernels of ``--platform``, at the per-device batch), plus the larger of the
-  two transients: the loss chunk's logits and their gradient (formed in the forward), and the
+- ``activations``: per-device peak for ``model.remat`` and ``model.remat_skip``. With no expert,
+  context or tensor split (``method: traced``) it is measured on the program itself: the residuals
+  ``jax.vjp`` keeps from the forward to the backward of the loss (every layer under its remat
+  policy, the kernels of ``--platform``, at the per-device batch), plus the larger of the two
+  transients: the loss chunk's logits and their gradient (formed in the forward), and the
   recompute of one remat layer (its residuals without the policy less those kept). It is counted
   before XLA's fusion and buffer reuse: k3_1b at 16 x 4096 with 0 / 6 / 12 layers out of the
-  ``dots_kernels`` remat gives 86.5 / 96.8 / 107.0 GiB with the gradients, where an H200 compiled
-  82.5 / 95.3 / 108.1 GiB of temporaries before RMSNorm's backward kept less
-  (benchmarks/RESULTS.md, Training, "The memory plan against the compiled step"). With expert,
-  context or tensor splits
-  (``method: analytical``) the formulas in
-  ``activations.terms`` apply: they assume flash-style attention kernels and count a remat layer
-  as keeping only its input, as under ``full`` (``dots`` and ``dots_kernels`` keep more);
-  Traced, it also gives the peak for every ``model.remat_skip`` (``by_remat_skip_GB``: a layer
-  leaving the remat adds what its backward would form again), and with ``--memory GB`` the
-  largest that fits beside parameters, gradients and optimizer state (``fit``);
+  ``dots_kernels`` remat gives 86.5 / 95.3 / 104.0 GiB with the gradients, where an H200 compiled
+  82.5 / 95.3 / 108.1 GiB of temporaries before RMSNorm's and the router's backwards kept less
+  (benchmarks/RESULTS.md, Training, "The memory plan against the compiled step"). Traced, it also
+  gives the peak for every ``model.remat_skip`` (``by_remat_skip_GB``: a layer leaving the remat
+  adds what its backward would form again), and with ``--memory GB`` the largest that fits beside
+  parameters, gradients and optimizer state (``fit``). With expert, context or tensor splits
+  (``method: analytical``) the formulas in ``activations.terms`` apply: they assume flash-style
+  attention kernels and count a remat layer as keeping only its input, as under ``full``
+  (``dots`` and ``dots_kernels`` keep more);
 - ``collectives``: bytes each device sends per step for every collective (analytical): FSDP
   all-gathers and reduce-scatters, data-parallel gradient all-reduces, the expert all-to-alls
   (and MoonEP's weight fetch), the KDA ``(M, N)`` and MLA latent all-gathers of context
@@ -244,7 +243,8 @@ def activations(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int) ->
   terms["one_layer_forward"] = layer * live_layers
   terms["one_layer_backward"] = 2 * layer  # cotangents of the same tensors
   terms["head_and_loss"] = n * d * 4 * 2 + 1024 * m.vocab_size * 4 * 2
-  return {"peak": sum(terms.values()), "terms": terms, "tokens_per_device": n, "method": "analytical"}
+  return {"peak": sum(terms.values()), "terms": terms, "tokens_per_device": n,
+          "method": "analytical"}
 
 
 PLATFORMS = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu", "cpu": "cpu"}
@@ -403,7 +403,8 @@ def plan(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lower_lay
       "per_device_GB": {"params": st["params"] / GB, "grads": st["grads"] / GB,
                         "optimizer": st["optimizer"] / GB, "activations_peak": act["peak"] / GB,
                         "total": total / GB},
-      "activations": {"method": act["method"], "terms_GB": {k: v / GB for k, v in act["terms"].items()},
+      "activations": {"method": act["method"],
+                      "terms_GB": {k: v / GB for k, v in act["terms"].items()},
                       "tokens_per_device": act["tokens_per_device"]},
       "collectives_bytes_per_step": coll,
       "collectives_GB_per_step": {k: v / GB for k, v in coll.items()},
@@ -413,8 +414,8 @@ def plan(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lower_lay
   if "by_remat_skip" in act:
     report["activations"]["by_remat_skip_GB"] = {n: v / GB for n, v in act["by_remat_skip"].items()}
     if memory_gb is not None:
-      report["fit"] = {"memory_GB": memory_gb,
-                       "largest_remat_skip": largest_fit(act["by_remat_skip"], state, memory_gb * GB)}
+      fit = largest_fit(act["by_remat_skip"], state, memory_gb * GB)
+      report["fit"] = {"memory_GB": memory_gb, "largest_remat_skip": fit}
   if lower_layers:
     report["lowering"] = lower_step(cfg, sizes, seq_len, batch, lower_layers, platform)
   return report

@@ -46,7 +46,8 @@ def test_rms_norm_values_and_gradients_match_float64(shape, weighted):
     return y * w if w is not None else y
 
   with jax.enable_x64():
-    y, vjp = jax.vjp(lambda a, b: rms_norm(a, b, eps), jnp.asarray(x), None if w is None else jnp.asarray(w))
+    y, vjp = jax.vjp(lambda a, b: rms_norm(a, b, eps), jnp.asarray(x),
+                     None if w is None else jnp.asarray(w))
     np.testing.assert_allclose(y, ref(x, w), rtol=1e-12)
     dx, dw = vjp(jnp.asarray(dy))
   h = 1e-6
@@ -57,8 +58,9 @@ def test_rms_norm_values_and_gradients_match_float64(shape, weighted):
     num_dx[idx] = np.sum((ref(x + e, w) - ref(x - e, w)) * dy) / (2 * h)
   np.testing.assert_allclose(dx, num_dx, rtol=1e-6, atol=1e-8)
   if weighted:
-    num_dw = np.array([np.sum((ref(x, w + h * np.eye(len(w))[j]) - ref(x, w - h * np.eye(len(w))[j]))
-                              * dy) / (2 * h) for j in range(len(w))])
+    e = np.eye(len(w)) * h
+    num_dw = np.array([np.sum((ref(x, w + e[j]) - ref(x, w - e[j])) * dy) / (2 * h)
+                       for j in range(len(w))])
     np.testing.assert_allclose(dw, num_dw, rtol=1e-6, atol=1e-8)
   else:
     assert dw is None
@@ -188,6 +190,32 @@ def test_short_conv_matches_numpy_with_segments_and_tail():
   y2, _ = short_conv(jnp.asarray(x[:, 5:]), jnp.asarray(w), tail=t1)
   full, _ = short_conv(jnp.asarray(x), jnp.asarray(w))
   np.testing.assert_allclose(np.concatenate([y1, y2], 1), np.asarray(full), rtol=1e-6, atol=1e-6)
+
+
+def test_router_logits_float32_product_and_gradients_keep_x_narrow():
+  """The router's ``wide_dot``: the float32 product of bf16 tokens and a float32 kernel and both
+  gradients equal autodiff's of the widened product (and a float64 NumPy product), while its
+  residuals hold x in bf16, not a float32 copy."""
+  from jax._src.ad_checkpoint import saved_residuals
+  from k3jax.latent_moe import wide_dot
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(size=(37, 24)), jnp.bfloat16)
+  w = jnp.asarray(rng.normal(size=(24, 5)) * 0.1, jnp.float32)
+  g = jnp.asarray(rng.normal(size=(37, 5)), jnp.float32)
+  plain = lambda a, b: jnp.dot(a.astype(jnp.float32), b)
+  with jax.default_matmul_precision("highest"):
+    y, vjp = jax.vjp(wide_dot, x, w)
+    y0, vjp0 = jax.vjp(plain, x, w)
+    (dx, dw), (dx0, dw0) = vjp(g), vjp0(g)
+  assert y.dtype == jnp.float32 and dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+  np.testing.assert_allclose(y, np.float64(x) @ np.float64(w), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(y, y0)
+  np.testing.assert_array_equal(np.float32(dx), np.float32(dx0))
+  np.testing.assert_allclose(dw, np.float64(x).T @ np.float64(g), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dw, dw0, rtol=1e-6, atol=1e-6)
+  res = [a for a, src in saved_residuals(wide_dot, x, w)]
+  assert sorted((a.shape, a.dtype) for a in res) == sorted([((37, 24), jnp.bfloat16),
+                                                            ((24, 5), jnp.float32)]), res
 
 
 def test_router_bias_changes_selection_not_weights():
