@@ -17,8 +17,8 @@
   82.5 / 95.3 / 108.1 GiB of temporaries before RMSNorm's and the router's backwards kept less
   (benchmarks/RESULTS.md, Training, "The memory plan against the compiled step"). Traced, it also
   gives the peak for every ``model.remat_skip`` (``by_remat_skip_GB``: a layer leaving the remat
-  adds what its backward would form again), and with ``--memory GB`` the largest that fits beside
-  parameters, gradients and optimizer state (``fit``). With expert, context or tensor splits
+  adds what its backward would form again); ``--memory GB`` says whether the total fits (``fit``)
+  and, traced, the largest ``model.remat_skip`` that does. With expert, context or tensor splits
   (``method: analytical``) the formulas in ``activations.terms`` apply: they assume flash-style
   attention kernels and count a remat layer as keeping only its input, as under ``full``
   (``dots`` and ``dots_kernels`` keep more);
@@ -410,12 +410,14 @@ def plan(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lower_lay
       "collectives_GB_per_step": {k: v / GB for k, v in coll.items()},
       "accounting_s": round(time.perf_counter() - t0, 1),
   }
-  state = st["params"] + st["grads"] + st["optimizer"]
-  if "by_remat_skip" in act:
-    report["activations"]["by_remat_skip_GB"] = {n: v / GB for n, v in act["by_remat_skip"].items()}
-    if memory_gb is not None:
-      fit = largest_fit(act["by_remat_skip"], state, memory_gb * GB)
-      report["fit"] = {"memory_GB": memory_gb, "largest_remat_skip": fit}
+  curve = act.get("by_remat_skip")
+  if curve:
+    report["activations"]["by_remat_skip_GB"] = {n: v / GB for n, v in curve.items()}
+  if memory_gb is not None:
+    report["fit"] = {"memory_GB": memory_gb, "fits": total <= memory_gb * GB}
+    if curve:
+      state = st["params"] + st["grads"] + st["optimizer"]
+      report["fit"]["largest_remat_skip"] = largest_fit(curve, state, memory_gb * GB)
   if lower_layers:
     report["lowering"] = lower_step(cfg, sizes, seq_len, batch, lower_layers, platform)
   return report
@@ -433,8 +435,9 @@ def main(argv=None) -> int:
                   help="the target: its kernels are traced for the activations and it is the "
                        "lowering platform")
   ap.add_argument("--memory", type=float, default=None, metavar="GB",
-                  help="memory a device may use (GB): report the largest model.remat_skip that "
-                       "fits (traced activations, a remat policy set)")
+                  help="memory a device may use (GB): report whether the layout fits and, "
+                       "with traced activations and a remat policy, the largest "
+                       "model.remat_skip that does")
   ap.add_argument("overrides", nargs="*", help="config overrides key=value")
   args = ap.parse_intermixed_args(argv)
   sizes = parse_mesh(args.mesh)

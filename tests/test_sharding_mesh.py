@@ -130,7 +130,7 @@ def test_plan_peak_for_every_remat_skip_and_the_largest_that_fits():
   state = sum(rep["per_device_GB"][k] for k in ("params", "grads", "optimizer"))
   budget = state + (curve[3] + curve[4]) / 2
   fit = plan.plan(load(), sizes, 128, 4, platform="cpu", memory_gb=budget)["fit"]
-  assert fit == {"memory_GB": budget, "largest_remat_skip": 3}
+  assert fit == {"memory_GB": budget, "fits": True, "largest_remat_skip": 3}  # configured: 0
   assert plan.largest_fit({0: 5.0, 1: 6.0}, 2.0, 7.5) == 0
   assert plan.largest_fit({0: 5.0, 1: 6.0}, 2.0, 6.5) is None
 
