@@ -344,7 +344,9 @@ def out_of_memory(cfg: config_lib.Config, seq_len: int, step: int, e: Exception)
           "model.kda.save_residuals=false, a smaller "
           "train.batch_size with train.grad_accum, or more devices on mesh.fsdp / mesh.context. "
           "On GPUs JAX uses at most XLA_PYTHON_CLIENT_MEM_FRACTION of the memory (train.py's "
-          "default 0.92; e.g. 0.95 allows more). The last checkpoint is intact.")
+          "default 0.92; e.g. 0.95 allows more). `python -m k3jax.plan CONFIG --mesh LAYOUT "
+          "--memory GB` estimates the peak for every model.remat_skip and names the largest that "
+          "fits. The last checkpoint is intact.")
 
 
 def main(argv=None) -> int:

@@ -142,7 +142,7 @@ def test_out_of_memory_gives_a_clear_error(tmp_path, monkeypatch, capsys):
   assert "ran out of device memory at step 1 (2 x 64 tokens" in err
   assert "Out of memory while trying to allocate 110.64GiB." in err and "more detail" not in err
   assert "model.remat=full" in err and "model.remat_skip=0," in err
-  assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in err
+  assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in err and "python -m k3jax.plan" in err
 
 
 def test_sigterm_saves_a_loadable_checkpoint(tmp_path, root):
