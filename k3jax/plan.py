@@ -28,9 +28,10 @@
   parallelism, the Quantile Balancing histogram all-reduce;
 - ``lowering`` (``--lower-layers N``, N > 0: that many layers, -1: all): the full training step
   (forward, backward, optimizer, bias update) of the model cut to N layers is lowered with
-  ``jax.jit(...).trace(...).lower()`` on a ``jax.sharding.AbstractMesh`` of the requested shape
-  (nothing is compiled or run); reports the time taken and the collectives found in the lowered
-  program (only the ``shard_map`` ones: GSPMD adds the others when compiling).
+  ``jax.jit(...).trace(...).lower()`` on a ``jax.sharding.AbstractMesh`` of the requested shape,
+  with the kernels of ``--platform`` (Triton and Mosaic GPU for an H200, Mosaic TPU; nothing is
+  compiled or run); reports the time taken, the kernel calls and the collectives found in the
+  lowered program (only the ``shard_map`` ones: GSPMD adds the others when compiling).
 """
 
 from __future__ import annotations
@@ -248,6 +249,8 @@ def activations(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int) ->
 
 
 PLATFORMS = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu", "cpu": "cpu"}
+# the GPU the kernels are built for when lowering for one without it (Hopper: wgmma, TMA)
+GPU_TARGET = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 
 
 def _residual_bytes(f, *args) -> int:
@@ -337,12 +340,15 @@ def lower_step(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lay
     keep = lambda idx: tuple(i for i in idx if i < layers)
     mla = keep(m.mla_layers) or ((layers - 1,) if m.mla_layers else ())
     cfg = config_lib.replace(cfg, [f"model.num_layers={layers}", f"model.mla_layers={list(mla)}",
-                                   f"model.dense_layers={list(keep(m.dense_layers))}"])
+                                   f"model.dense_layers={list(keep(m.dense_layers))}",
+                                   f"model.remat_skip={min(m.remat_skip, layers)}"])
   expert_parallel.configure(moonep=cfg.mesh.moonep)
-  amesh = mesh_lib.abstract_mesh(MeshConfig(**sizes), math.prod(sizes.values()))
+  target = PLATFORMS[platform]
+  device = GPU_TARGET if target == "gpu" else None
+  amesh = mesh_lib.abstract_mesh(MeshConfig(**sizes), math.prod(sizes.values()), device)
   t0 = time.perf_counter()
   graphdef, params, biases, names = abstract_state(cfg)  # outside the mesh: names are not axes
-  with jax.sharding.use_abstract_mesh(amesh):
+  with jax.sharding.use_abstract_mesh(amesh), pallas_kernels.target_platform(target):
     tx, schedule = make_optimizer(cfg, params)
     step_fn = ts.make_train_step(cfg, graphdef, tx, schedule)
     psh = mesh_lib.pure_shardings(params, amesh, names)
@@ -366,9 +372,12 @@ def lower_step(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lay
   ops = {}
   for op in ("all_gather", "all_to_all", "all_reduce", "reduce_scatter", "collective_permute"):
     ops[op] = text.count(f"stablehlo.{op}")
+  kernels = {name: text.count(f"custom_call @{target}")
+             for name, target in (("triton", "__gpu$xla.gpu.triton"), ("mosaic_gpu", "mosaic_gpu"),
+                                  ("mosaic_tpu", "tpu_custom_call"))}
   return {"layers": cfg.model.num_layers, "platform": platform, "trace_s": round(t1 - t0, 1),
-          "lower_s": round(t2 - t1, 1),
-          "stablehlo_chars": len(text), "shard_map_collectives": ops}
+          "lower_s": round(t2 - t1, 1), "stablehlo_chars": len(text),
+          "shard_map_collectives": ops, "kernel_calls": {k: n for k, n in kernels.items() if n}}
 
 
 def largest_fit(by_remat_skip: dict[int, float], state: float, memory: float) -> int | None:

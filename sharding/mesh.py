@@ -47,11 +47,13 @@ def make_mesh(mc: MeshConfig, devices=None) -> jax.sharding.Mesh:
                        devices=devices)
 
 
-def abstract_mesh(mc: MeshConfig, num_devices: int) -> jax.sharding.AbstractMesh:
-  """The same mesh without devices, for lowering a program that is never run."""
+def abstract_mesh(mc: MeshConfig, num_devices: int,
+                  device: jax.sharding.AbstractDevice | None = None) -> jax.sharding.AbstractMesh:
+  """The same mesh without devices, for lowering a program that is never run; ``device`` names
+  the kind of device (the GPU kernels' lowering asks it for the compute capability)."""
   sizes = axis_sizes(mc, num_devices)
   return jax.sharding.AbstractMesh(tuple(sizes[a] for a in AXES), AXES,
-                                   axis_types=(AxisType.Auto,) * len(AXES))
+                                   axis_types=(AxisType.Auto,) * len(AXES), abstract_device=device)
 
 
 def initialize_distributed() -> bool:

@@ -158,6 +158,22 @@ def test_plan_traces_the_target_platforms_kernels():
     plan.main(["configs/k3_tiny.yaml", "--mesh", "data=1", "--platform", "metal"])
 
 
+@pytest.mark.parametrize("platform,kernels", [("tpu", {"mosaic_tpu"}),
+                                              ("cuda", {"triton", "mosaic_gpu"})])
+def test_plan_lowers_the_whole_step_with_the_targets_kernels(platform, kernels):
+  """``--lower-layers`` lowers the training step (forward, backward, optimizer) for a TPU or an
+  H200 on this CPU host with that platform's Pallas kernels inside the expert- and
+  context-parallel ``shard_map``s: the model's composition of the kernels lowers, not only each
+  kernel alone. k3_1b cut to 2 layers (one KDA, one MLA; its remat_skip cut too)."""
+  from k3jax import plan
+  sizes = plan.parse_mesh("fsdp=2,expert=2,context=2")
+  cfg = config_lib.load("configs/k3_1b.yaml", [f"mesh.{a}={s}" for a, s in sizes.items()])
+  low = plan.lower_step(cfg, sizes, 512, 4, 2, platform)
+  assert low["layers"] == 2 and set(low["kernel_calls"]) == kernels, low
+  assert low["shard_map_collectives"]["all_to_all"] > 0  # the experts' dispatch and combine
+  assert low["shard_map_collectives"]["collective_permute"] > 0  # MLA's zigzag context split
+
+
 def test_prefix_compose_equals_associative_scan():
   """The context-parallel KDA prefix of affine maps (log-depth scan with static shifts) equals
   ``jax.lax.associative_scan`` and the sequential composition."""
