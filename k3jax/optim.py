@@ -164,7 +164,8 @@ NS_STEPS = 5
 # - "sums": two elementwise sums, ``b A + c A^2`` over [m, m] and ``a X + (.) X`` over [m, n];
 # - "polynomial": ``X <- P X`` with ``P = (c A) A + (b A + a I)``: one elementwise pass over A
 #   forms both ``c A`` and ``b A + a I`` (the scalars in float32), and the sum rides the matmul
-#   as its added operand (which XLA's GPU GEMM rewriter can hand to cuBLAS), so there is no
+#   as its added operand (XLA's GPU GEMM rewriter folds such an add into the cuBLAS call, as it
+#   does the LM head's ``dw +`` product: the step profile's ``badd`` kernels), so there is no
 #   pass over X. In bf16 its distance to a float64 iteration is that of "sums" on random
 #   matrices and 20% less on nearly low-rank ones. Not timed on the card yet: "sums" stays the
 #   default until benchmarks/optim.py has both side by side.
@@ -205,7 +206,7 @@ def _iterate(y: jax.Array, dtype) -> jax.Array:
   a, b, c = NS_COEFFS
   dot = lambda u, v: jnp.matmul(u, v, preferred_element_type=dtype)
   y = y.astype(dtype)
-  a_eye = a * jnp.eye(y.shape[-2], dtype=jnp.float32)
+  a_eye = a * jnp.eye(y.shape[-2], dtype=jnp.float32) if NS_FORM == "polynomial" else None
   for _ in range(NS_STEPS):
     s = dot(y, y.mT)  # A
     f = s.astype(jnp.float32)
