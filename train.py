@@ -232,6 +232,12 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
               f"training / {data.num_docs('eval')} held-out documents, {total} steps of "
               f"{cfg.train.batch_size} rows, run dir {run_dir}")
   metrics.say(f"mfu peak: {peak_note}")
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  whole = sharding.mesh.unsplit_warning(
+      sharding.mesh.unsplit_params(params, sharding.mesh.names_tree(cfg.model), sizes), sizes,
+      sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
+  if whole:
+    metrics.say(whole)
   if restored is not None:
     metrics.say(f"resumed from step {step} ({run_dir / 'checkpoints' / str(step)})")
   if step >= total:

@@ -6,6 +6,9 @@
 - ``params`` / ``grads`` / ``optimizer``: per-device bytes, exact: every leaf of the abstract
   parameter tree (``nnx.eval_shape``) and of the optimizer state (``jax.eval_shape`` of
   ``tx.init``) divided by the mesh axes its logical names shard it over (:mod:`sharding.rules`);
+  ``unsplit_params`` lists the leaves a rule asks to split over an axis that divides none of
+  their dimensions (whole on every device of it), and ``warning`` names them when they hold
+  more than 1% of the model (K3 on ``fsdp=2048``: the experts' ``w_down``, 1.8 TB per device);
 - ``activations``: per-device peak for ``model.remat`` and ``model.remat_skip``. With no expert,
   context or tensor split (``method: traced``) it is measured on the program itself: the residuals
   ``jax.vjp`` keeps from the forward to the backward of the loss (every layer under its remat
@@ -78,11 +81,8 @@ def _spec_axes(names, shape, sizes):
   """Mesh axes (size > 1) that split a leaf with logical ``names`` and ``shape``."""
   if not names:
     return ()
-  spec = mesh_lib.fit_spec(logical_spec(names, None, [a for a in AXES if sizes[a] > 1]), shape, sizes)
-  out = []
-  for entry in spec:
-    out += [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
-  return tuple(out)
+  return mesh_lib.spec_axes(mesh_lib.fit_spec(
+      logical_spec(names, None, [a for a in AXES if sizes[a] > 1]), shape, sizes))
 
 
 def _nbytes(x) -> int:
@@ -131,7 +131,9 @@ def state_bytes(cfg: Config, sizes: dict[str, int]) -> dict:
     opt_local += _nbytes(x) / split
   local = sum(leaf["local"] for leaf in per_leaf)
   return {"per_leaf": per_leaf, "params": local, "grads": local, "optimizer": opt_local,
-          "total_params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))}
+          "total_params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)),
+          "total_bytes": sum(_nbytes(x) for x in jax.tree.leaves(params)),
+          "unsplit": mesh_lib.unsplit_params(params, names, sizes)}
 
 
 def _ring(bytes_full: float, n: int) -> float:
@@ -415,10 +417,15 @@ def plan(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lower_lay
       "activations": {"method": act["method"],
                       "terms_GB": {k: v / GB for k, v in act["terms"].items()},
                       "tokens_per_device": act["tokens_per_device"]},
+      "unsplit_params": [{**{k: g[k] for k in ("leaf", "shape", "axes", "count")},
+                          "GB": g["bytes"] / GB} for g in st["unsplit"][:10]],
       "collectives_bytes_per_step": coll,
       "collectives_GB_per_step": {k: v / GB for k, v in coll.items()},
       "accounting_s": round(time.perf_counter() - t0, 1),
   }
+  warning = mesh_lib.unsplit_warning(st["unsplit"], sizes, st["total_bytes"])
+  if warning:
+    report["warning"] = warning
   curve = act.get("by_remat_skip")
   if curve:
     report["activations"]["by_remat_skip_GB"] = {n: v / GB for n, v in curve.items()}

@@ -137,6 +137,55 @@ def fit_spec(spec: P, shape, sizes) -> P:
   return P(*(None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims))
 
 
+def spec_axes(spec: P) -> tuple[str, ...]:
+  """The mesh axes a PartitionSpec uses, in order."""
+  out: list[str] = []
+  for entry in spec:
+    out += [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
+  return tuple(out)
+
+
+def unsplit_params(params, names, sizes: dict[str, int], rules=None) -> list[dict]:
+  """Parameters that the rules ask to split over a mesh axis none of whose dimensions it divides,
+  so they are whole on every device of that axis (:func:`fit_spec` drops it): for ``params`` (a
+  pure dict of arrays or ShapeDtypeStructs), its ``names`` tree (:func:`names_tree`) and mesh
+  axis ``sizes``, one ``{"leaf", "shape", "axes", "count", "bytes"}`` per leaf pattern (layer
+  index as ``*``), the most bytes first; ``bytes`` is the count's total on one device."""
+  axes = [a for a in AXES if sizes.get(a, 1) > 1]
+  key = lambda path: tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+  by_path = {key(p): n.names for p, n in jax.tree_util.tree_flatten_with_path(
+      _wrap(names), is_leaf=lambda v: isinstance(v, _Names))[0]}
+  groups: dict[tuple, dict] = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    n = by_path.get(key(path))
+    if not n:
+      continue
+    want = logical_spec(n, rules, axes)
+    lost = [a for a in spec_axes(want) if a not in spec_axes(fit_spec(want, x.shape, sizes))]
+    if not lost:
+      continue
+    leaf = ".".join("*" if k.isdigit() else k for k in key(path))
+    g = groups.setdefault((leaf, tuple(x.shape), tuple(lost)),
+                          {"leaf": leaf, "shape": list(x.shape), "axes": lost, "count": 0, "bytes": 0})
+    g["count"] += 1
+    g["bytes"] += math.prod(x.shape) * x.dtype.itemsize
+  return sorted(groups.values(), key=lambda g: -g["bytes"])
+
+
+def unsplit_warning(unsplit: list[dict], sizes: dict[str, int], total_bytes: int) -> str | None:
+  """One line naming the parameters :func:`unsplit_params` found, when they hold more than 1% of
+  ``total_bytes`` (the whole model); None otherwise."""
+  lost = sum(g["bytes"] for g in unsplit)
+  if not unsplit or lost <= 0.01 * total_bytes:
+    return None
+  parts = [f"{g['leaf']} {g['shape']} x{g['count']} ({g['bytes'] / 1e9:.2f} GB) on "
+           + ", ".join(f"{a}={sizes[a]}" for a in g["axes"]) for g in unsplit[:3]]
+  more = f" and {len(unsplit) - 3} more" if len(unsplit) > 3 else ""
+  return (f"warning: {lost / 1e9:.2f} GB of parameters are whole on every device of a mesh axis "
+          f"that divides none of their dimensions: {'; '.join(parts)}{more}. A mesh axis size "
+          "that divides them (or a rule in sharding.rules) splits them.")
+
+
 def param_shardings(state, mesh, rules=None):
   """``NamedSharding`` for every variable of ``state`` (same tree, sharding leaves)."""
   return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree(state, mesh, rules),
@@ -210,6 +259,7 @@ def batch_sharding(mesh, ndim: int = 2) -> NamedSharding:
 
 
 __all__ = ["AXES", "TOKEN_AXES", "axis_sizes", "make_mesh", "abstract_mesh", "initialize_distributed",
-           "setup", "spec_tree", "fit_spec", "param_shardings", "shard_params", "names_tree",
+           "setup", "spec_tree", "fit_spec", "spec_axes", "unsplit_params", "unsplit_warning",
+           "param_shardings", "shard_params", "names_tree",
            "pure_shardings", "batch_sharding", "var_names",
            "DEFAULT_RULES"]

@@ -51,6 +51,33 @@ def test_names_tree_and_pure_shardings():
   assert sh["embed_tokens"]["embedding"].spec == P(None, ("context", "expert"))
 
 
+def test_parameters_a_mesh_axis_cannot_split_are_named():
+  """A rule asks for a mesh axis that divides none of a parameter's dimensions: the parameter is
+  whole on every device of that axis. ``unsplit_params`` groups such leaves by pattern, and the
+  plan (and train.py at start-up) warn once they hold more than 1% of the model."""
+  from k3jax import plan
+  cfg = config_lib.load("configs/k3_tiny.yaml")
+  _, params, _, names = plan.abstract_state(cfg)
+  total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  three = {**plan.parse_mesh("fsdp=3")}
+  unsplit = mesh_lib.unsplit_params(params, names, three)
+  emb = next(g for g in unsplit if g["leaf"] == "embed_tokens.embedding")
+  assert emb == {"leaf": "embed_tokens.embedding", "shape": [320, 256], "axes": ["fsdp"],
+                 "count": 1, "bytes": 320 * 256 * 4}  # neither 320 nor 256 splits 3 ways
+  q = next(g for g in unsplit if g["leaf"] == "layers.*.self_attn.q_proj.kernel")
+  assert q["count"] == 3 and q["bytes"] == 3 * math.prod(q["shape"]) * 4  # the 3 KDA layers
+  warning = mesh_lib.unsplit_warning(unsplit, three, total)
+  assert warning.startswith("warning:") and "fsdp=3" in warning and "x3" in warning
+  rep = plan.plan(config_lib.load("configs/k3_tiny.yaml", ["mesh.fsdp=3"]), three, 64, 6,
+                  platform="cpu")
+  assert rep["warning"] == warning and rep["unsplit_params"][0]["GB"] > 0
+  eight = plan.parse_mesh("fsdp=8")  # only A_log [4] cannot split: under 1%, no warning
+  assert [g["leaf"] for g in mesh_lib.unsplit_params(params, names, eight)] == [
+      "layers.*.self_attn.A_log"]
+  assert mesh_lib.unsplit_warning(mesh_lib.unsplit_params(params, names, eight), eight, total) is None
+  assert mesh_lib.unsplit_params(params, names, plan.parse_mesh("data=1")) == []
+
+
 def test_plan_report_tiny():
   from k3jax import plan
   cfg = config_lib.load("configs/k3_tiny.yaml", ["mesh.data=2", "mesh.expert=2", "mesh.context=2"])
