@@ -19,6 +19,13 @@ def situ_glu(a: jax.Array, b: jax.Array, beta: float = 4.0, beta_lin: float = 25
   return glu(a, b, "situ", beta, beta_lin)
 
 
+# The dense GLU's (and the shared experts') activation on one device: None takes the Triton pair
+# kernels on GPU (pallas_kernels.glu.glu), the XLA form elsewhere; "xla" keeps the XLA form (for
+# timing one against the other). On a mesh of several devices it is the XLA form, which GSPMD
+# splits over the token and mlp axes like the projections around it.
+PAIR_IMPLEMENTATION: str | None = None
+
+
 def glu_activation(cfg: ModelConfig, *, packed: bool = False):
   """The config's activation: ``(gate, up) -> h``, or ``gu [..., 2F] -> h`` when ``packed`` (the
   routed experts' form, with the MoE's ``implementation``)."""
@@ -39,7 +46,9 @@ class GLU(nnx.Module):
     self.act = glu_activation(cfg)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    h = self.act(self.gate_proj(x), self.up_proj(x))
+    mesh = jax.sharding.get_abstract_mesh()
+    impl = PAIR_IMPLEMENTATION if mesh.empty or mesh.size == 1 else "xla"
+    h = self.act(self.gate_proj(x), self.up_proj(x), implementation=impl)
     if h.ndim == 3:
       h = shard(h, ("batch", "length", "mlp"))
     return self.down_proj(h)

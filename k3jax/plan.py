@@ -16,8 +16,9 @@
   transients: the loss chunk's logits and their gradient (formed in the forward), and the
   recompute of one remat layer (its residuals without the policy less those kept). It is counted
   before XLA's fusion and buffer reuse: k3_1b at 16 x 4096 with 0 / 6 / 12 layers out of the
-  ``dots_kernels`` remat gives 86.5 / 95.3 / 104.0 GiB with the gradients, where an H200 compiled
+  ``dots_kernels`` remat gives 88.9 / 97.0 / 104.9 GiB with the gradients, where an H200 compiled
   82.5 / 95.3 / 108.1 GiB of temporaries before RMSNorm's and the router's backwards kept less
+  and the dense GLU's kernel its output
   (benchmarks/RESULTS.md, Training, "The memory plan against the compiled step"). Traced, it also
   gives the peak for every ``model.remat_skip`` (``by_remat_skip_GB``: a layer leaving the remat
   adds what its backward would form again); ``--memory GB`` says whether the total fits (``fit``)

@@ -1,5 +1,5 @@
-"""pallas_kernels.glu: the packed GLU activations (XLA and the Triton kernels in interpret mode)
-against a float64 closed form and its finite differences."""
+"""pallas_kernels.glu: the GLU activations, packed and as a pair (XLA and the Triton kernels in
+interpret mode) against a float64 closed form and its finite differences."""
 
 import jax
 import jax.numpy as jnp
@@ -21,12 +21,14 @@ def _inputs(shape, seed):
   return gu, g
 
 
+@pytest.mark.parametrize("form", ["packed", "pair"])
 @pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
 @pytest.mark.parametrize("kind", ["situ", "silu"])
 @pytest.mark.parametrize("shape", [(37, 80), (1, 16), (2, 5, 48)])
-def test_packed_glu_values_and_grad_match_float64(impl, kind, shape):
+def test_glu_values_and_grad_match_float64(impl, kind, shape, form):
   """Rows not a multiple of the 32-row tile (37), one row, F=40 (not a multiple of the column
-  tile), a leading batch shape; float32 inputs, so the tolerance is float32 rounding."""
+  tile), a leading batch shape; float32 inputs, so the tolerance is float32 rounding. Packed
+  (``gu [..., 2F]``) and as a pair of arrays (gate, up ``[..., F]``)."""
   gu, g = _inputs(shape, seed=len(shape) * 100 + shape[0])
   f = shape[-1] // 2
   guj, gj = jnp.asarray(gu, jnp.float32), jnp.asarray(g, jnp.float32)
@@ -35,8 +37,12 @@ def test_packed_glu_values_and_grad_match_float64(impl, kind, shape):
   fn, eps = CLOSED[kind], 1e-6
   want_d = np.concatenate([(fn(a + eps, b) - fn(a - eps, b)) / (2 * eps) * g,
                            (fn(a, b + eps) - fn(a, b - eps)) / (2 * eps) * g], -1)
-  y, vjp = jax.vjp(lambda x: glu_packed(x, kind, implementation=impl), guj)
-  (dgu,) = vjp(gj)
+  if form == "packed":
+    y, vjp = jax.vjp(lambda x: glu_packed(x, kind, implementation=impl), guj)
+    (dgu,) = vjp(gj)
+  else:
+    y, vjp = jax.vjp(lambda p, q: glu(p, q, kind, implementation=impl), guj[..., :f], guj[..., f:])
+    dgu = jnp.concatenate(vjp(gj), -1)
   assert y.shape == shape[:-1] + (f,) and dgu.shape == shape
   np.testing.assert_allclose(np.asarray(y, np.float64), fn(a, b), rtol=2e-5, atol=1e-4)
   np.testing.assert_allclose(np.asarray(dgu, np.float64), want_d, rtol=2e-4, atol=1e-3)
@@ -54,10 +60,12 @@ def test_pallas_equals_xla_and_the_pair_form_in_bf16(kind):
   for x, p in zip(out["xla"], out["pallas_gpu"]):
     np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(p, np.float32), rtol=1e-2,
                                atol=1e-2)
-  y2, vjp2 = jax.vjp(lambda a, b: glu(a, b, kind), guj[:, :48], guj[:, 48:])
-  np.testing.assert_array_equal(np.asarray(y2, np.float32), np.asarray(out["xla"][0], np.float32))
-  np.testing.assert_array_equal(np.asarray(jnp.concatenate(vjp2(gj), -1), np.float32),
-                                np.asarray(out["xla"][1], np.float32))
+  for impl in ("xla", "pallas_gpu"):  # the pair form: the packed form's numbers exactly
+    y2, vjp2 = jax.vjp(lambda a, b, impl=impl: glu(a, b, kind, implementation=impl),
+                       guj[:, :48], guj[:, 48:])
+    np.testing.assert_array_equal(np.asarray(y2, np.float32), np.asarray(out[impl][0], np.float32))
+    np.testing.assert_array_equal(np.asarray(jnp.concatenate(vjp2(gj), -1), np.float32),
+                                  np.asarray(out[impl][1], np.float32))
 
 
 def test_bad_input_is_named():
@@ -65,10 +73,13 @@ def test_bad_input_is_named():
     glu_packed(jnp.ones((2, 4)), "gelu")
   with pytest.raises(ValueError, match="even last dimension"):
     glu_packed(jnp.ones((2, 5)), "situ")
+  with pytest.raises(ValueError, match="one shape"):
+    glu(jnp.ones((2, 4)), jnp.ones((2, 5)))
 
 
 def test_cuda_lowering_at_the_expert_shape(monkeypatch):
-  """The kernels lower for CUDA at k3_1b's expert activation (N*k = 524288 rows, F = 512)."""
+  """The kernels lower for CUDA at k3_1b's expert activation (N*k = 524288 rows, F = 512), the
+  packed and the pair forms."""
   from pallas_kernels.glu import gpu
   gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
   monkeypatch.setattr(gpu_info, "get_gpu_info",
@@ -77,6 +88,8 @@ def test_cuda_lowering_at_the_expert_shape(monkeypatch):
   gu = jax.ShapeDtypeStruct((524288, 1024), jnp.bfloat16)
   g = jax.ShapeDtypeStruct((524288, 512), jnp.bfloat16)
   for fn, args in ((lambda x: gpu.glu_fwd(x, "situ", 4.0, 25.0), (gu,)),
-                   (lambda x, y: gpu.glu_bwd(x, y, "situ", 4.0, 25.0), (gu, g))):
+                   (lambda x, y: gpu.glu_bwd(x, y, "situ", 4.0, 25.0), (gu, g)),
+                   (lambda a, b: gpu.glu_pair_fwd(a, b, "situ", 4.0, 25.0), (g, g)),
+                   (lambda a, b, y: gpu.glu_pair_bwd(a, b, y, "situ", 4.0, 25.0), (g, g, g))):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert 'name = "glu_' in text

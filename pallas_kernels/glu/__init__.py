@@ -5,7 +5,7 @@ tensor-parallel ranks); :func:`glu_packed` takes them packed as ``gu [..., 2F]``
 experts' grouped matmul writes them, and returns ``d gu`` whole (autodiff of two slices would
 pad each half's cotangent and add them: an extra pass over ``[..., 2F]``).
 
-``implementation`` of :func:`glu_packed`: ``"xla"`` (:mod:`pallas_kernels.glu.reference`),
+``implementation`` (of both): ``"xla"`` (:mod:`pallas_kernels.glu.reference`),
 ``"pallas_gpu"`` (Triton kernels, :mod:`pallas_kernels.glu.gpu`; interpret mode on CPU),
 ``"pallas"`` (``pallas_gpu`` off TPU; on TPU, where XLA fuses the maths well, ``"xla"``) or
 ``None`` (``pallas_gpu`` on GPU, ``xla`` elsewhere); ``"pallas_tpu"`` means ``"xla"`` too, so a
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import default_backend, resolve_implementation
 from pallas_kernels.glu import reference
-from pallas_kernels.glu.reference import KINDS, f32, glu_math
+from pallas_kernels.glu.reference import KINDS
 
 IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas_tpu", "pallas")
 
@@ -39,33 +39,39 @@ def _check(kind: str):
     raise ValueError(f"glu: unknown activation {kind!r}; expected one of {KINDS}")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def glu(a: jax.Array, b: jax.Array, kind: str = "situ", beta: float = 4.0,
-        beta_lin: float = 25.0) -> jax.Array:
-  """Gate ``a`` and up ``b`` ``[..., F]`` -> ``h [..., F]`` in their dtype (XLA).
+        beta_lin: float = 25.0, *, implementation: str | None = None) -> jax.Array:
+  """Gate ``a`` and up ``b`` ``[..., F]`` (or shapes that broadcast to one) -> ``h [..., F]`` in
+  their dtype; differentiable.
 
   ``kind="situ"``: SiTU-GLU ``(beta * tanh(a / beta) * sigmoid(a)) * (beta_lin * tanh(b /
   beta_lin))``, bounded by ``beta * beta_lin`` (100 for K3), SwiGLU-like near the origin;
-  ``kind="silu"``: ``silu(a) * b``."""
+  ``kind="silu"``: ``silu(a) * b``. ``implementation`` as for :func:`glu_packed`."""
   _check(kind)
-  return _glu_value(a, b, kind, beta, beta_lin)
+  try:
+    shape = jnp.broadcast_shapes(a.shape, b.shape)
+  except ValueError:
+    raise ValueError(f"glu: gate {a.shape} and up {b.shape} do not broadcast to one shape") from None
+  a, b = jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
+  return _glu(a, b, kind, float(beta), float(beta_lin), resolve(implementation))
 
 
-def _glu_value(a, b, kind, beta, beta_lin):
-  return glu_math(kind, beta, beta_lin, f32(a), f32(b), grads=False).astype(jnp.result_type(a, b))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _glu(a, b, kind, beta, beta_lin, implementation):
+  return _backend(implementation).glu_pair_fwd(a, b, kind, beta, beta_lin)
 
 
-def _glu_fwd(a, b, kind, beta, beta_lin):
-  return _glu_value(a, b, kind, beta, beta_lin), (a, b)
+def _glu_fwd(a, b, kind, beta, beta_lin, implementation):
+  # the kernel itself (see _glu_packed_fwd)
+  return _backend(implementation).glu_pair_fwd(a, b, kind, beta, beta_lin), (a, b)
 
 
-def _glu_bwd(kind, beta, beta_lin, res, g):
+def _glu_bwd(kind, beta, beta_lin, implementation, res, g):
   a, b = res
-  da, db = reference.glu_grads(a, b, g, kind, beta, beta_lin)
-  return da.astype(a.dtype), db.astype(b.dtype)
+  return _backend(implementation).glu_pair_bwd(a, b, g, kind, beta, beta_lin)
 
 
-glu.defvjp(_glu_fwd, _glu_bwd)
+_glu.defvjp(_glu_fwd, _glu_bwd)
 
 
 def _backend(implementation: str):

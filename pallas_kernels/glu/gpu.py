@@ -1,10 +1,12 @@
-"""The packed GLU activation as Triton kernels through Pallas (interpret mode off GPU).
+"""The GLU activation as Triton kernels through Pallas (interpret mode off GPU), packed (``gu [M,
+2F]``, the routed experts) or as a pair of arrays (gate and up ``[M, F]``, the dense GLU and the
+shared experts).
 
-One program per ``[bm, bf]`` tile of ``h``: it loads the matching gate and up tiles of
-``gu [M, 2F]``, evaluates :func:`pallas_kernels.glu.reference.glu_math` in float32 and stores
-``h`` (forward) or both halves of ``d gu`` (backward, with the cotangent tile of ``g``). One
-read of every operand and one write of every result: XLA's fusions of the same maths ran at
-about 2.2 TB/s on an H200 (the backward's concatenation a second pass of its own).
+One program per ``[bm, bf]`` tile of ``h``: it loads the matching gate and up tiles, evaluates
+:func:`pallas_kernels.glu.reference.glu_math` in float32 and stores ``h`` (forward) or the gate's
+and up's gradients (backward, with the cotangent tile of ``g``). One read of every operand and one
+write of every result: XLA's fusions of the same maths ran at about 2.2 TB/s on an H200 (the
+packed backward's concatenation a second pass of its own).
 
 Rows and columns past the array are masked.
 """
@@ -46,44 +48,69 @@ def _load(ref, r, c0, bf, mask):
   return plgpu.load(ref.at[r, pl.ds(c0, bf)], mask=mask, other=0).astype(jnp.float32)
 
 
-def _fwd_kernel(gu_ref, h_ref, *, m, f, bm, bf, kind, beta, beta_lin):
+def _fwd_kernel(a_ref, b_ref, h_ref, *, m, f, bm, bf, b_off, kind, beta, beta_lin):
   r, c0, mask = _tile(m, f, bm, bf)
-  h = glu_math(kind, beta, beta_lin, _load(gu_ref, r, c0, bf, mask),
-               _load(gu_ref, r, c0 + f, bf, mask), grads=False, exp=tm.exp)
+  h = glu_math(kind, beta, beta_lin, _load(a_ref, r, c0, bf, mask),
+               _load(b_ref, r, c0 + b_off, bf, mask), grads=False, exp=tm.exp)
   plgpu.store(h_ref.at[r, pl.ds(c0, bf)], h.astype(h_ref.dtype), mask=mask)
 
 
-def _bwd_kernel(gu_ref, g_ref, d_ref, *, m, f, bm, bf, kind, beta, beta_lin):
+def _bwd_kernel(a_ref, b_ref, g_ref, *d_refs, m, f, bm, bf, b_off, kind, beta, beta_lin):
+  """``d a`` and ``d b`` into ``d_refs``: one array ``[M, 2F]`` (packed: d b at column F) or two
+  ``[M, F]``."""
   r, c0, mask = _tile(m, f, bm, bf)
-  _, da, db = glu_math(kind, beta, beta_lin, _load(gu_ref, r, c0, bf, mask),
-                       _load(gu_ref, r, c0 + f, bf, mask), exp=tm.exp)
+  _, da, db = glu_math(kind, beta, beta_lin, _load(a_ref, r, c0, bf, mask),
+                       _load(b_ref, r, c0 + b_off, bf, mask), exp=tm.exp)
   g = _load(g_ref, r, c0, bf, mask)
-  plgpu.store(d_ref.at[r, pl.ds(c0, bf)], (g * da).astype(d_ref.dtype), mask=mask)
-  plgpu.store(d_ref.at[r, pl.ds(c0 + f, bf)], (g * db).astype(d_ref.dtype), mask=mask)
+  da_ref, db_ref = d_refs[0], d_refs[-1]
+  db_off = f if len(d_refs) == 1 else 0
+  plgpu.store(da_ref.at[r, pl.ds(c0, bf)], (g * da).astype(da_ref.dtype), mask=mask)
+  plgpu.store(db_ref.at[r, pl.ds(c0 + db_off, bf)], (g * db).astype(db_ref.dtype), mask=mask)
 
 
-def _call(kernel, halves, gu, *args, kind, beta, beta_lin, name):
-  """``kernel`` over ``gu [..., 2F]`` (and ``args [..., F]``) -> ``[..., halves * F]``."""
-  lead = gu.shape[:-1]
-  gu = gu.reshape(-1, gu.shape[-1])
-  m, f = gu.shape[0], gu.shape[1] // 2
+def _call(kernel, a, b, f: int, b_off: int, args, widths, *, kind, beta, beta_lin, name):
+  """``kernel`` over the gate columns ``[0, F)`` of ``a`` and the up columns ``[b_off, b_off +
+  F)`` of ``b`` (``[..., *]``; the same array when packed), with ``args [..., F]`` -> one
+  ``[..., w]`` array of a's dtype per width in ``widths``."""
+  lead = a.shape[:-1]
+  a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+  m = a.shape[0]
   bm, bf = BLOCK_M, min(BLOCK_F, pl.next_power_of_2(f))
-  kern = functools.partial(kernel, m=m, f=f, bm=bm, bf=bf, kind=kind, beta=float(beta),
-                           beta_lin=float(beta_lin))
-  out = pl.pallas_call(
-      kern, out_shape=jax.ShapeDtypeStruct((m, halves * f), gu.dtype),
+  kern = functools.partial(kernel, m=m, f=f, bm=bm, bf=bf, b_off=b_off, kind=kind,
+                           beta=float(beta), beta_lin=float(beta_lin))
+  outs = pl.pallas_call(
+      kern, out_shape=[jax.ShapeDtypeStruct((m, w), a.dtype) for w in widths],
       grid=(pl.cdiv(m, bm), pl.cdiv(f, bf)),
       compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=1),
       interpret=_interpret(), name=name,
-  )(gu, *(a.reshape(m, f) for a in args))
-  return out.reshape(*lead, halves * f)
+  )(a, b, *(x.reshape(m, f) for x in args))
+  return [o.reshape(*lead, o.shape[-1]) for o in outs]
 
 
 def glu_fwd(gu, kind: str, beta: float, beta_lin: float):
   """``h [..., F]`` of ``gu [..., 2F]``."""
-  return _call(_fwd_kernel, 1, gu, kind=kind, beta=beta, beta_lin=beta_lin, name="glu_fwd")
+  f = gu.shape[-1] // 2
+  return _call(_fwd_kernel, gu, gu, f, f, (), (f,), kind=kind, beta=beta, beta_lin=beta_lin,
+               name="glu_fwd")[0]
 
 
 def glu_bwd(gu, g, kind: str, beta: float, beta_lin: float):
   """``d gu [..., 2F]`` for the cotangent ``g [..., F]``."""
-  return _call(_bwd_kernel, 2, gu, g, kind=kind, beta=beta, beta_lin=beta_lin, name="glu_bwd")
+  f = gu.shape[-1] // 2
+  return _call(_bwd_kernel, gu, gu, f, f, (g,), (2 * f,), kind=kind, beta=beta,
+               beta_lin=beta_lin, name="glu_bwd")[0]
+
+
+def glu_pair_fwd(a, b, kind: str, beta: float, beta_lin: float):
+  """``h [..., F]`` of the gate ``a`` and up ``b`` ``[..., F]`` (two arrays)."""
+  f = a.shape[-1]
+  return _call(_fwd_kernel, a, b, f, 0, (), (f,), kind=kind, beta=beta, beta_lin=beta_lin,
+               name="glu_pair_fwd")[0]
+
+
+def glu_pair_bwd(a, b, g, kind: str, beta: float, beta_lin: float):
+  """``(d a, d b)`` ``[..., F]`` for the cotangent ``g [..., F]``."""
+  f = a.shape[-1]
+  da, db = _call(_bwd_kernel, a, b, f, 0, (g,), (f, f), kind=kind, beta=beta, beta_lin=beta_lin,
+                 name="glu_pair_bwd")
+  return da, db

@@ -71,3 +71,14 @@ def glu_bwd(gu, g, kind: str, beta: float, beta_lin: float):
   """``d gu [..., 2F]`` of ``gu`` for the output cotangent ``g [..., F]``."""
   da, db = glu_grads(*split(gu), g, kind, beta, beta_lin)
   return jnp.concatenate([da, db], axis=-1).astype(gu.dtype)
+
+
+def glu_pair_fwd(a, b, kind: str, beta: float, beta_lin: float):
+  """``h [..., F]`` of the gate ``a`` and up ``b`` ``[..., F]``, in their dtype."""
+  return glu_math(kind, beta, beta_lin, f32(a), f32(b), grads=False).astype(jnp.result_type(a, b))
+
+
+def glu_pair_bwd(a, b, g, kind: str, beta: float, beta_lin: float):
+  """``(d a, d b)`` in a's and b's dtypes for the output cotangent ``g [..., F]``."""
+  da, db = glu_grads(a, b, g, kind, beta, beta_lin)
+  return da.astype(a.dtype), db.astype(b.dtype)
