@@ -51,7 +51,8 @@ def glu(a: jax.Array, b: jax.Array, kind: str = "situ", beta: float = 4.0,
   try:
     shape = jnp.broadcast_shapes(a.shape, b.shape)
   except ValueError:
-    raise ValueError(f"glu: gate {a.shape} and up {b.shape} do not broadcast to one shape") from None
+    raise ValueError(f"glu: gate {a.shape} and up {b.shape} do not broadcast to one "
+                     "shape") from None
   dtype = jnp.result_type(a, b)
   a, b = jnp.broadcast_to(a, shape).astype(dtype), jnp.broadcast_to(b, shape).astype(dtype)
   return _glu(a, b, kind, float(beta), float(beta_lin), resolve(implementation))
