@@ -120,11 +120,11 @@ def init_model(cfg: config_lib.Config, mesh=None, *, threefry_kernel: bool = Tru
     _, params, biases = nnx.split(model, nnx.Param, RouterBias)
     return nnx.to_pure_dict(params), nnx.to_pure_dict(biases)
 
-  graphdef = nnx.split(nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0))),
-                       nnx.Param, RouterBias)[0]
+  abstract = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0)))
+  graphdef = nnx.split(abstract, nnx.Param, RouterBias)[0]
   out_shardings = None
   if mesh is not None:
-    names = sharding.mesh.names_tree(cfg.model, nnx.Param, RouterBias)
+    names = sharding.mesh.names_tree(cfg.model, nnx.Param, RouterBias, model=abstract)
     shapes = jax.eval_shape(create)
     out_shardings = tuple(sharding.mesh.pure_shardings(s, mesh, n) for s, n in zip(shapes, names))
   previous = jax.config.jax_threefry_gpu_kernel_lowering
@@ -232,12 +232,13 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
               f"training / {data.num_docs('eval')} held-out documents, {total} steps of "
               f"{cfg.train.batch_size} rows, run dir {run_dir}")
   metrics.say(f"mfu peak: {peak_note}")
-  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  whole = sharding.mesh.unsplit_warning(
-      sharding.mesh.unsplit_params(params, sharding.mesh.names_tree(cfg.model), sizes), sizes,
-      sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
-  if whole:
-    metrics.say(whole)
+  if mesh.devices.size > 1:  # parameters a mesh axis cannot split (one device splits nothing)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    whole = sharding.mesh.unsplit_warning(
+        sharding.mesh.unsplit_params(params, sharding.mesh.names_tree(cfg.model), sizes), sizes,
+        sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
+    if whole:
+      metrics.say(whole)
   if restored is not None:
     metrics.say(f"resumed from step {step} ({run_dir / 'checkpoints' / str(step)})")
   if step >= total:

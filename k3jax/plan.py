@@ -94,39 +94,37 @@ def _leaves(tree):
   return jax.tree_util.tree_flatten_with_path(tree)[0]
 
 
-def _key(path) -> tuple:
-  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
 def abstract_state(cfg: Config):
   """(graphdef, abstract params, abstract biases, params names) of the model, no allocation."""
   from k3jax.latent_moe import RouterBias
   from k3jax.model import K3Model
   model = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0)))
+  names = mesh_lib.names_tree(cfg.model, model=model)
   graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
-  names = mesh_lib.names_tree(cfg.model)
   return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(biases), names
 
 
-def state_bytes(cfg: Config, sizes: dict[str, int]) -> dict:
+def state_bytes(cfg: Config, sizes: dict[str, int], abstract=None) -> dict:
   """Exact per-device bytes of parameters, gradients and optimizer state, and the per-leaf
-  layout the collective accounting needs."""
+  layout the collective accounting needs; ``abstract``: :func:`abstract_state` of ``cfg`` when
+  the caller has it."""
   from k3jax.optim import make_optimizer
-  _, params, _, names = abstract_state(cfg)
-  flat_names = {_key(p): n for p, n in _leaves(mesh_lib._wrap(names))}
+  _, params, _, names = abstract or abstract_state(cfg)
+  flat_names = {mesh_lib.path_key(p): n for p, n in _leaves(mesh_lib._wrap(names))}
   per_leaf = []
   for path, x in _leaves(params):
-    n = flat_names[_key(path)].names
+    n = flat_names[mesh_lib.path_key(path)].names
     axes = _spec_axes(n, x.shape, sizes)
     split = math.prod(sizes[a] for a in axes)
-    per_leaf.append({"path": _key(path), "bytes": _nbytes(x), "local": _nbytes(x) / split,
-                     "axes": axes, "expert": bool(n and n[0] == "expert")})
+    per_leaf.append({"path": mesh_lib.path_key(path), "bytes": _nbytes(x),
+                     "local": _nbytes(x) / split, "axes": axes,
+                     "expert": bool(n and n[0] == "expert")})
   tx, _ = make_optimizer(cfg, params)
   opt = jax.eval_shape(tx.init, params)
   by_path = {leaf["path"]: leaf for leaf in per_leaf}
   opt_local = 0.0
   for path, x in _leaves(opt):
-    key = _key(path)
+    key = mesh_lib.path_key(path)
     match = next((by_path[key[i:]] for i in range(len(key)) if key[i:] in by_path), None)
     split = 1 if match is None or not x.shape else math.prod(sizes[a] for a in match["axes"])
     opt_local += _nbytes(x) / split
@@ -276,14 +274,14 @@ def _blocks_before(m, i: int) -> int:
   return sum(j % m.attn_res.block_size == 0 for j in range(i)) if m.attn_res.enabled else 0
 
 
-def _layer_recompute_bytes(cfg: Config, i: int, batch: int, seq_len: int) -> int:
-  """Bytes the backward of layer ``i`` under ``model.remat``'s policy forms again: the layer's
-  residuals without the policy less those it keeps under it (``[batch, seq_len]`` tokens); what
-  the layer adds to the saved residuals when it leaves the remat."""
+def _layer_recompute_bytes(cfg: Config, layer, i: int, batch: int, seq_len: int) -> int:
+  """Bytes the backward of ``layer`` (the abstract model's layer ``i``) under ``model.remat``'s
+  policy forms again: the layer's residuals without the policy less those it keeps under it
+  (``[batch, seq_len]`` tokens); what the layer adds to the saved residuals when it leaves the
+  remat."""
   import dataclasses
-  from k3jax.model import K3Model, layer_call
+  from k3jax.model import layer_call
   m = dataclasses.replace(cfg.model, remat_skip=0)
-  layer = nnx.eval_shape(lambda: K3Model(m, rngs=nnx.Rngs(0))).layers[i]
   graphdef, state = nnx.split(layer)
   x = jax.ShapeDtypeStruct((batch, seq_len, m.hidden_size), m.cdtype)
   n_blocks = _blocks_before(m, i)
@@ -300,20 +298,24 @@ def _layer_recompute_bytes(cfg: Config, i: int, batch: int, seq_len: int) -> int
   return kept(dataclasses.replace(m, remat="none")) - kept(m)
 
 
-def traced_activations(cfg: Config, batch: int, seq_len: int, platform: str = "cuda") -> dict:
+def traced_activations(cfg: Config, batch: int, seq_len: int, platform: str = "cuda",
+                       abstract=None) -> dict:
   """Peak activation bytes of the one-device training step at ``[batch, seq_len]`` tokens, from
-  the residuals of its traced loss (see the module docstring); nothing is lowered."""
+  the residuals of its traced loss (see the module docstring); nothing is lowered. ``abstract``:
+  :func:`abstract_state` of ``cfg`` when the caller has it."""
   from k3jax import train_step as ts
   m = cfg.model
+  graphdef, params, biases, _ = abstract or abstract_state(cfg)
   with pallas_kernels.target_platform(PLATFORMS[platform]):
-    graphdef, params, biases, _ = abstract_state(cfg)
     saved = _residual_bytes(lambda p, b, x: ts._loss(graphdef, p, b, x, cfg.train)[0], params,
                             biases, _abstract_batch(batch, seq_len))
     # layers of one mixer and MLP kind recompute alike but for their AttnRes sources: the last
     # of each kind has the most and stands for all
     kind = lambda i: (m.layer_kind(i), m.is_moe(i))
     last = {kind(i): i for i in range(m.num_layers)} if m.remat != "none" else {}
-    delta = {k: _layer_recompute_bytes(cfg, i, batch, seq_len) for k, i in last.items()}
+    layers = nnx.merge(graphdef, params, biases).layers if last else []
+    delta = {k: _layer_recompute_bytes(cfg, layers[i], i, batch, seq_len)
+             for k, i in last.items()}
   chunk = min(cfg.train.loss_chunk, batch * seq_len)
   logits = jnp.dtype(jnp.bfloat16 if cfg.train.bf16_logits else jnp.float32).itemsize
   head = chunk * m.vocab_size * (logits + jnp.dtype(m.cdtype).itemsize)
@@ -375,9 +377,9 @@ def lower_step(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lay
   ops = {}
   for op in ("all_gather", "all_to_all", "all_reduce", "reduce_scatter", "collective_permute"):
     ops[op] = text.count(f"stablehlo.{op}")
-  kernels = {name: text.count(f"custom_call @{target}")
-             for name, target in (("triton", "__gpu$xla.gpu.triton"), ("mosaic_gpu", "mosaic_gpu"),
-                                  ("mosaic_tpu", "tpu_custom_call"))}
+  kernels = {name: text.count(f"custom_call @{call}")
+             for name, call in (("triton", "__gpu$xla.gpu.triton"), ("mosaic_gpu", "mosaic_gpu"),
+                                ("mosaic_tpu", "tpu_custom_call"))}
   return {"layers": cfg.model.num_layers, "platform": platform, "trace_s": round(t1 - t0, 1),
           "lower_s": round(t2 - t1, 1), "stablehlo_chars": len(text),
           "shard_map_collectives": ops, "kernel_calls": {k: n for k, n in kernels.items() if n}}
@@ -398,9 +400,10 @@ def plan(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lower_lay
   if seq_len % (2 * sizes["context"]):
     raise config_lib.ConfigError(f"--seq-len {seq_len} must be divisible by 2*context = {2 * sizes['context']}")
   t0 = time.perf_counter()
-  st = state_bytes(cfg, sizes)
+  abstract = abstract_state(cfg)
+  st = state_bytes(cfg, sizes, abstract)
   if all(sizes[a] == 1 for a in ("expert", "context", "tensor")):
-    act = traced_activations(cfg, batch // tok_axes, seq_len, platform)
+    act = traced_activations(cfg, batch // tok_axes, seq_len, platform, abstract)
   else:
     act = activations(cfg, sizes, seq_len, batch)
   coll = collectives(cfg, sizes, seq_len, batch, st)

@@ -137,6 +137,11 @@ def fit_spec(spec: P, shape, sizes) -> P:
   return P(*(None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims))
 
 
+def path_key(path) -> tuple[str, ...]:
+  """A tree path (``jax.tree_util.tree_flatten_with_path``) as a tuple of strings."""
+  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
 def spec_axes(spec: P) -> tuple[str, ...]:
   """The mesh axes a PartitionSpec uses, in order."""
   out: list[str] = []
@@ -152,21 +157,21 @@ def unsplit_params(params, names, sizes: dict[str, int], rules=None) -> list[dic
   axis ``sizes``, one ``{"leaf", "shape", "axes", "count", "bytes"}`` per leaf pattern (layer
   index as ``*``), the most bytes first; ``bytes`` is the count's total on one device."""
   axes = [a for a in AXES if sizes.get(a, 1) > 1]
-  key = lambda path: tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-  by_path = {key(p): n.names for p, n in jax.tree_util.tree_flatten_with_path(
+  by_path = {path_key(p): n.names for p, n in jax.tree_util.tree_flatten_with_path(
       _wrap(names), is_leaf=lambda v: isinstance(v, _Names))[0]}
   groups: dict[tuple, dict] = {}
   for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-    n = by_path.get(key(path))
+    key = path_key(path)
+    n = by_path.get(key)
     if not n:
       continue
     want = logical_spec(n, rules, axes)
     lost = [a for a in spec_axes(want) if a not in spec_axes(fit_spec(want, x.shape, sizes))]
     if not lost:
       continue
-    leaf = ".".join("*" if k.isdigit() else k for k in key(path))
-    g = groups.setdefault((leaf, tuple(x.shape), tuple(lost)),
-                          {"leaf": leaf, "shape": list(x.shape), "axes": lost, "count": 0, "bytes": 0})
+    leaf = ".".join("*" if k.isdigit() else k for k in key)
+    g = groups.setdefault((leaf, tuple(x.shape), tuple(lost)), {
+        "leaf": leaf, "shape": list(x.shape), "axes": lost, "count": 0, "bytes": 0})
     g["count"] += 1
     g["bytes"] += math.prod(x.shape) * x.dtype.itemsize
   return sorted(groups.values(), key=lambda g: -g["bytes"])
@@ -192,13 +197,15 @@ def param_shardings(state, mesh, rules=None):
                       is_leaf=lambda x: isinstance(x, P))
 
 
-def names_tree(model_cfg, *filters):
+def names_tree(model_cfg, *filters, model=None):
   """Logical axis names of the model's variables as a pure dict (the structure of
   ``nnx.to_pure_dict`` of ``nnx.split(model, *filters)``), without allocating. With several
-  filters, one tree per filter."""
+  filters, one tree per filter. ``model``: the abstract model (``nnx.eval_shape``) when the caller
+  has built it already."""
   from flax import nnx
   from k3jax.model import K3Model
-  model = nnx.eval_shape(lambda: K3Model(model_cfg, rngs=nnx.Rngs(0)))
+  if model is None:
+    model = nnx.eval_shape(lambda: K3Model(model_cfg, rngs=nnx.Rngs(0)))
   filters = filters or (nnx.Param,)
   states = nnx.split(model, *filters, ...)[1:1 + len(filters)]
   trees = [nnx.to_pure_dict(jax.tree.map(lambda v: v.replace(_Names(var_names(v))), st,
@@ -259,7 +266,7 @@ def batch_sharding(mesh, ndim: int = 2) -> NamedSharding:
 
 
 __all__ = ["AXES", "TOKEN_AXES", "axis_sizes", "make_mesh", "abstract_mesh", "initialize_distributed",
-           "setup", "spec_tree", "fit_spec", "spec_axes", "unsplit_params", "unsplit_warning",
+           "setup", "spec_tree", "fit_spec", "path_key", "spec_axes", "unsplit_params", "unsplit_warning",
            "param_shardings", "shard_params", "names_tree",
            "pure_shardings", "batch_sharding", "var_names",
            "DEFAULT_RULES"]

@@ -76,9 +76,9 @@ def test_bad_input_is_named():
   with pytest.raises(ValueError, match="one shape"):
     glu(jnp.ones((2, 4)), jnp.ones((2, 5)))
   # gate and up of two dtypes: both in their common type, as the XLA form's result
-  y, vjp = jax.vjp(lambda a, b: glu(a, b, implementation="pallas_gpu"),
-                   jnp.ones((3, 16), jnp.bfloat16), jnp.ones((3, 16), jnp.float32))
-  da, db = vjp(jnp.ones((3, 16), jnp.float32))
+  a, b = (jax.random.normal(jax.random.key(i), (3, 16)) for i in (1, 2))
+  y, vjp = jax.vjp(lambda a, b: glu(a, b, implementation="pallas_gpu"), a.astype(jnp.bfloat16), b)
+  da, db = vjp(jax.random.normal(jax.random.key(3), (3, 16)))
   assert y.dtype == jnp.float32 and da.dtype == jnp.bfloat16 and db.dtype == jnp.float32
 
 

@@ -59,7 +59,7 @@ def test_parameters_a_mesh_axis_cannot_split_are_named():
   cfg = config_lib.load("configs/k3_tiny.yaml")
   _, params, _, names = plan.abstract_state(cfg)
   total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-  three = {**plan.parse_mesh("fsdp=3")}
+  three = plan.parse_mesh("fsdp=3")
   unsplit = mesh_lib.unsplit_params(params, names, three)
   emb = next(g for g in unsplit if g["leaf"] == "embed_tokens.embedding")
   assert emb == {"leaf": "embed_tokens.embedding", "shape": [320, 256], "axes": ["fsdp"],
