@@ -153,6 +153,13 @@ class _Signals:
       signal.signal(s, h)
 
 
+def init_optimizer(tx, params):
+  """``tx.init(params)`` laid out like the parameters (:func:`sharding.mesh.optimizer_shardings`:
+  each moment split as its parameter, not replicated on every device)."""
+  shardings = sharding.mesh.optimizer_shardings(jax.eval_shape(tx.init, params), params)
+  return jax.jit(tx.init, out_shardings=shardings)(params)
+
+
 def on_mesh(tree, mesh):
   """Leaves not yet laid out on ``mesh`` (optimizer counters, the rng) replicated over it."""
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -195,7 +202,7 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
 
   graphdef, params, biases = init_model(cfg, mesh)
   tx, schedule = optim.make_optimizer(cfg, params)
-  opt_state = on_mesh(jax.jit(tx.init)(params), mesh)
+  opt_state = on_mesh(init_optimizer(tx, params), mesh)
   rng = on_mesh(jax.random.key_data(jax.random.key(cfg.train.seed)), mesh)
   state = {"params": params, "opt_state": opt_state, "biases": biases, "rng": rng}
 

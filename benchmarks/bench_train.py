@@ -154,7 +154,7 @@ def main(argv=None):
   if args.lower:
     opt_state = jax.eval_shape(tx.init, params)
   else:
-    opt_state = train.on_mesh(jax.jit(tx.init)(params), mesh)
+    opt_state = train.on_mesh(train.init_optimizer(tx, params), mesh)
   shardings = None if args.lower else jax.tree.map(lambda x: x.sharding,
                                                      (params, opt_state, biases))
   fn = step_lib.jit_train_step(step_lib.make_train_step(cfg, graphdef, tx, schedule),

@@ -87,7 +87,7 @@ def main(argv=None):
     sharding.configure(mesh_cfg)
     mesh = sharding.make_mesh(mesh_cfg)
     with jax.set_mesh(mesh):
-      tok = jax.sharding.NamedSharding(mesh, expert_parallel.token_spec())
+      tok = jax.sharding.NamedSharding(mesh, sharding.rules.token_spec())
       wsh = jax.sharding.NamedSharding(mesh, sharding.logical_spec(("expert", None, None)))
       xs, w1s, w2s = jax.device_put(x, tok), jax.device_put(w1, wsh), jax.device_put(w2, wsh)
       fn = jax.jit(jax.value_and_grad(lambda *a: loss(expert_parallel.moe_dispatch, *a),

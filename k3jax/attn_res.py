@@ -16,11 +16,10 @@ from typing import Sequence
 
 import jax
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 import pallas_kernels.attn_res as attn_res_ops
 from k3jax.nn import constant, param
-from sharding import logical_spec
+from sharding import logical_spec, per_device
 
 
 def attn_res(sources: Sequence[jax.Array], proj: jax.Array, norm: jax.Array, eps: float,
@@ -34,12 +33,10 @@ def attn_res(sources: Sequence[jax.Array], proj: jax.Array, norm: jax.Array, eps
   """
   xs = logical_spec(("batch", "length", "embed"))
   impl = "xla" if xs[2] is not None else attn_res_ops.resolve(implementation)
-  mesh = jax.sharding.get_abstract_mesh()
-  if impl == "xla" or mesh.empty or mesh.size == 1:
+  if impl == "xla":
     return attn_res_ops.attn_res(sources, proj, norm, eps, implementation=impl)
-  fn = jax.shard_map(lambda s, p, n: attn_res_ops.attn_res(s, p, n, eps, implementation=impl),
-                     in_specs=((xs,) * len(sources), P(None), P(None)), out_specs=xs,
-                     check_vma=False)
+  fn = per_device(lambda s, p, n: attn_res_ops.attn_res(s, p, n, eps, implementation=impl),
+                  ((xs,) * len(sources), None, None), xs)
   return fn(tuple(sources), proj, norm)
 
 

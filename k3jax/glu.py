@@ -7,11 +7,13 @@ import functools
 
 import jax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from k3jax.config import ModelConfig
 from k3jax.nn import Linear
 from pallas_kernels.glu import glu, glu_packed
-from sharding import shard
+from sharding import logical_spec, per_device, shard
+from sharding.rules import token_spec
 
 
 def situ_glu(a: jax.Array, b: jax.Array, beta: float = 4.0, beta_lin: float = 25.0) -> jax.Array:
@@ -19,10 +21,9 @@ def situ_glu(a: jax.Array, b: jax.Array, beta: float = 4.0, beta_lin: float = 25
   return glu(a, b, "situ", beta, beta_lin)
 
 
-# The dense GLU's (and the shared experts') activation on one device: None takes the Triton pair
-# kernels on GPU (pallas_kernels.glu.glu), the XLA form elsewhere; "xla" keeps the XLA form (for
-# timing one against the other). On a mesh of several devices it is the XLA form, which GSPMD
-# splits over the token and mlp axes like the projections around it.
+# The dense GLU's (and the shared experts') activation: None takes the Triton pair kernels on GPU
+# (pallas_kernels.glu.glu), the XLA form elsewhere; "xla" keeps the XLA form (for timing one
+# against the other). Under a mesh each device runs it on its share of the tokens and mlp columns.
 PAIR_IMPLEMENTATION: str | None = None
 
 
@@ -46,9 +47,12 @@ class GLU(nnx.Module):
     self.act = glu_activation(cfg)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    mesh = jax.sharding.get_abstract_mesh()
-    impl = PAIR_IMPLEMENTATION if mesh.empty or mesh.size == 1 else "xla"
-    h = self.act(self.gate_proj(x), self.up_proj(x), implementation=impl)
+    """x: ``[B, T, d]`` or flat tokens ``[N, d]``."""
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    names = (("batch", "length", "mlp") if x.ndim == 3
+             else P(token_spec()[0], logical_spec(("mlp",))[0]))
+    act = functools.partial(self.act, implementation=PAIR_IMPLEMENTATION)
+    h = per_device(act, (names, names), names)(gate, up)
     if h.ndim == 3:
-      h = shard(h, ("batch", "length", "mlp"))
+      h = shard(h, names)
     return self.down_proj(h)

@@ -20,7 +20,7 @@ import pallas_kernels.conv as conv_ops
 import pallas_kernels.kda as kda_ops
 from k3jax.config import ModelConfig
 from k3jax.nn import Linear, RMSNorm, constant, param
-from sharding import context_parallel, logical_spec, shard
+from sharding import context_parallel, logical_spec, per_device, shard
 
 
 def short_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
@@ -53,14 +53,29 @@ def _fused_conv(x, w, segment_ids, implementation):
   reach across the pieces."""
   xs = logical_spec(("batch", "length", "heads"))
   impl = "xla" if xs[1] is not None else conv_ops.resolve(implementation)
-  mesh = jax.sharding.get_abstract_mesh()
-  if impl == "xla" or mesh.empty or mesh.size == 1:
+  if impl == "xla":
     return conv_ops.causal_conv_silu(x, w, segment_ids, implementation=impl)
-  seg = () if segment_ids is None else (segment_ids,)
-  fn = jax.shard_map(lambda x, w, *s: conv_ops.causal_conv_silu(x, w, *s, implementation=impl),
-                     in_specs=(xs, P(None, xs[2])) + ((P(xs[0], None),) if seg else ()),
-                     out_specs=xs, check_vma=False)
-  return fn(x, w, *seg)
+  fn = per_device(lambda x, w, s: conv_ops.causal_conv_silu(x, w, s, implementation=impl),
+                  (xs, P(None, xs[2]), P(xs[0], None)), xs)
+  return fn(x, w, segment_ids)
+
+
+def _kda_per_device(q, k, v, g, beta, *, segment_ids, initial_state, A_log, dt_bias,
+                    output_final_state, **kw):
+  """:func:`pallas_kernels.kda.kda` on each device's rows and heads (the recurrence is per row
+  and head; a sequence split takes :func:`sharding.context_parallel.kda` instead). q, k
+  ``[B, T, H, K]``, v, g ``[B, T, HV, *]``, beta ``[B, T, HV]``, segment_ids ``[B, T]``,
+  initial_state ``[B, HV, K, V]`` or None."""
+  tok = logical_spec(("batch", "length", "heads", None))
+  state = P(tok[0], tok[2], None, None)
+
+  def local(q, k, v, g, beta, seg, s0, a_log, dt):
+    return kda_ops.kda(q, k, v, g, beta, segment_ids=seg, initial_state=s0, A_log=a_log,
+                       dt_bias=dt, output_final_state=output_final_state, **kw)
+
+  fn = per_device(local, (tok, tok, tok, tok, P(*tok[:3]), P(*tok[:2]), state, P(tok[2]),
+                          P(tok[2])), (tok, state if output_final_state else None))
+  return fn(q, k, v, g, beta, segment_ids, initial_state, A_log, dt_bias)
 
 
 def _dt_bias_init(key, shape, dtype, dt_min=1e-3, dt_max=0.1):
@@ -160,7 +175,7 @@ class KDA(nnx.Module):
       o, state = kda_ops.kda_decode(q, kk, v, f, beta, cache["state"],
                                     implementation=k.implementation, **gate_kw)
     else:
-      kda_fn = context_parallel.kda if context_parallel.active() else kda_ops.kda
+      kda_fn = context_parallel.kda if context_parallel.active() else _kda_per_device
       o, state = kda_fn(q, kk, v, f, beta, segment_ids=segment_ids,
                         initial_state=None if cache is None else kda_ops.from_pool(cache["state"]),
                         output_final_state=cache is not None, chunk_size=k.chunk_size,

@@ -16,11 +16,12 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels.mla as mla_ops
 from k3jax.config import ModelConfig
 from k3jax.nn import Linear, RMSNorm
-from sharding import context_parallel, shard
+from sharding import context_parallel, logical_spec, per_device, shard
 
 PAGE_SIZE = 64
 
@@ -106,8 +107,10 @@ class MLA(nnx.Module):
       k_r = jnp.broadcast_to(lat[:, :, None, r:], (b, t, h, a.qk_rope_head_dim))
       k = shard(jnp.concatenate([k_nope, k_r], -1), ("batch", "length", "heads", None))
       v = shard(v, ("batch", "length", "heads", None))
-      o = mla_ops.mla_attention(q, k, v, segment_ids=segment_ids, causal=True, scale=self.scale,
-                                implementation=a.implementation)
+      tok = logical_spec(("batch", "length", "heads", None))
+      attend = lambda q, k, v, seg: mla_ops.mla_attention(
+          q, k, v, segment_ids=seg, causal=True, scale=self.scale, implementation=a.implementation)
+      o = per_device(attend, (tok, tok, tok, P(*tok[:2])), tok)(q, k, v, segment_ids)  # per row, head
       new_cache = None
       if cache is not None:
         new_cache = {"latent": jax.lax.dynamic_update_slice_in_dim(

@@ -35,7 +35,14 @@
   ``jax.jit(...).trace(...).lower()`` on a ``jax.sharding.AbstractMesh`` of the requested shape,
   with the kernels of ``--platform`` (Triton and Mosaic GPU for an H200, Mosaic TPU; nothing is
   compiled or run); reports the time taken, the kernel calls and the collectives found in the
-  lowered program (only the ``shard_map`` ones: GSPMD adds the others when compiling).
+  lowered program (only the ``shard_map`` ones: GSPMD adds the others when compiling);
+- ``compiled`` (``--compile TARGET [--compile-layers N] [--hlo PATH]``): the same step compiled
+  for compile-only devices of an H200, an H100 or a TPU topology (:mod:`k3jax.aot`) on the
+  requested mesh: XLA's memory analysis per device (temporaries, arguments, outputs, the peak)
+  against the device's usable memory (``fits``), the compile time and the kernels. This is the
+  program the device would run, so it settles what the traced and analytical estimates above
+  approximate; on a GPU target without autotuning it can be a few GiB off (k3_1b: 91.3 GiB of
+  temporaries compiled here, 95.3 on an H200).
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels
-from k3jax import config as config_lib
+from k3jax import aot, config as config_lib
 from k3jax.config import Config, MeshConfig
 from sharding import mesh as mesh_lib
 from sharding.expert_parallel import capacity
@@ -333,56 +340,101 @@ def traced_activations(cfg: Config, batch: int, seq_len: int, platform: str = "c
           "by_remat_skip": {n: sv + max(head, rc) for n, (sv, rc) in by_skip.items()}}
 
 
-def lower_step(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, layers: int,
-               platform: str = "cuda") -> dict:
-  """Lowers (never compiles or runs) the training step of the model cut to ``layers`` layers on
-  an abstract mesh of ``sizes``."""
+def cut_layers(cfg: Config, layers: int) -> Config:
+  """``cfg`` with the model cut to its first ``layers`` layers (all for 0, -1 or more than it
+  has), keeping an MLA layer when it had one."""
+  m = cfg.model
+  if not 0 < layers < m.num_layers:
+    return cfg
+  keep = lambda idx: tuple(i for i in idx if i < layers)
+  mla = keep(m.mla_layers) or ((layers - 1,) if m.mla_layers else ())
+  return config_lib.replace(cfg, [f"model.num_layers={layers}", f"model.mla_layers={list(mla)}",
+                                  f"model.dense_layers={list(keep(m.dense_layers))}",
+                                  f"model.remat_skip={min(m.remat_skip, layers)}"])
+
+
+def _traced_step(cfg: Config, mesh, seq_len: int, batch: int, target: str):
+  """The training step (forward, backward, optimizer, bias update) traced on ``mesh`` (abstract
+  or of compile-only devices) with the kernels of ``target`` ("gpu", "tpu", "cpu"), its
+  parameters and optimizer state donated as in ``train.py``."""
   from k3jax import train_step as ts
   from k3jax.optim import make_optimizer
-  from sharding import expert_parallel
-  m = cfg.model
-  if 0 < layers < m.num_layers:
-    keep = lambda idx: tuple(i for i in idx if i < layers)
-    mla = keep(m.mla_layers) or ((layers - 1,) if m.mla_layers else ())
-    cfg = config_lib.replace(cfg, [f"model.num_layers={layers}", f"model.mla_layers={list(mla)}",
-                                   f"model.dense_layers={list(keep(m.dense_layers))}",
-                                   f"model.remat_skip={min(m.remat_skip, layers)}"])
-  expert_parallel.configure(moonep=cfg.mesh.moonep)
-  target = PLATFORMS[platform]
-  device = GPU_TARGET if target == "gpu" else None
-  amesh = mesh_lib.abstract_mesh(MeshConfig(**sizes), math.prod(sizes.values()), device)
-  t0 = time.perf_counter()
+  import sharding
+  sharding.configure(cfg.mesh)
   graphdef, params, biases, names = abstract_state(cfg)  # outside the mesh: names are not axes
-  with jax.sharding.use_abstract_mesh(amesh), pallas_kernels.target_platform(target):
+  in_mesh = (jax.sharding.use_abstract_mesh if isinstance(mesh, jax.sharding.AbstractMesh)
+             else jax.set_mesh)
+  with in_mesh(mesh), pallas_kernels.target_platform(target):
     tx, schedule = make_optimizer(cfg, params)
     step_fn = ts.make_train_step(cfg, graphdef, tx, schedule)
-    psh = mesh_lib.pure_shardings(params, amesh, names)
-    rep = jax.sharding.NamedSharding(amesh, jax.sharding.PartitionSpec())
+    psh = mesh_lib.pure_shardings(params, mesh, names)
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
     a_params = jax.tree.map(sds, params, psh)
     a_biases = jax.tree.map(lambda x: sds(x, rep), biases)
     a_opt = jax.eval_shape(tx.init, a_params)
-    a_opt = jax.tree.map(lambda x: sds(x, getattr(x, "sharding", None) or rep), a_opt)
-    bsh = mesh_lib.batch_sharding(amesh)
+    a_opt = jax.tree.map(sds, a_opt, mesh_lib.optimizer_shardings(a_opt, a_params))
+    bsh = mesh_lib.batch_sharding(mesh)
     tok = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=bsh)
     a_batch = {"input_ids": tok, "targets": tok, "segment_ids": tok, "positions": tok,
                "weights": jax.ShapeDtypeStruct((batch, seq_len), jnp.float32, sharding=bsh)}
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
     key = jax.eval_shape(lambda: jax.random.key(0))
-    traced = jax.jit(step_fn).trace(a_params, a_opt, a_biases, step, key, a_batch)
-    t1 = time.perf_counter()
+    return jax.jit(step_fn, donate_argnums=(0, 1)).trace(a_params, a_opt, a_biases, step, key,
+                                                         a_batch)
+
+
+def lower_step(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, layers: int,
+               platform: str = "cuda") -> dict:
+  """Lowers (never compiles or runs) the training step of the model cut to ``layers`` layers on
+  an abstract mesh of ``sizes``."""
+  cfg = cut_layers(cfg, layers)
+  target = PLATFORMS[platform]
+  device = GPU_TARGET if target == "gpu" else None
+  amesh = mesh_lib.abstract_mesh(MeshConfig(**sizes), math.prod(sizes.values()), device)
+  t0 = time.perf_counter()
+  traced = _traced_step(cfg, amesh, seq_len, batch, target)
+  t1 = time.perf_counter()
+  with jax.sharding.use_abstract_mesh(amesh):
     lowered = traced.lower(lowering_platforms=(platform,))
-    t2 = time.perf_counter()
+  t2 = time.perf_counter()
   text = lowered.as_text()
   ops = {}
   for op in ("all_gather", "all_to_all", "all_reduce", "reduce_scatter", "collective_permute"):
     ops[op] = text.count(f"stablehlo.{op}")
-  kernels = {name: text.count(f"custom_call @{call}")
-             for name, call in (("triton", "__gpu$xla.gpu.triton"), ("mosaic_gpu", "mosaic_gpu"),
-                                ("mosaic_tpu", "tpu_custom_call"))}
   return {"layers": cfg.model.num_layers, "platform": platform, "trace_s": round(t1 - t0, 1),
           "lower_s": round(t2 - t1, 1), "stablehlo_chars": len(text),
-          "shard_map_collectives": ops, "kernel_calls": {k: n for k, n in kernels.items() if n}}
+          "shard_map_collectives": ops, "kernel_calls": aot.kernel_counts(text)}
+
+
+def compile_step(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, layers: int,
+                 target: str, hlo_path: str | None = None) -> dict:
+  """Compiles the training step of the model cut to ``layers`` layers for compile-only devices
+  of ``target`` (:mod:`k3jax.aot`: ``h200``, ``v5p:2x2x1``, ...) on a mesh of ``sizes``; reports
+  the compiled memory per device against the device's, the compile time and the kernels.
+  ``hlo_path``: where to write the compiled HLO text."""
+  cfg = cut_layers(cfg, layers)
+  platform = aot.platform(target)
+  devices = aot.devices(target, math.prod(sizes.values()))
+  mesh = mesh_lib.make_mesh(MeshConfig(**sizes), devices)
+  t0 = time.perf_counter()
+  traced = _traced_step(cfg, mesh, seq_len, batch, PLATFORMS[platform])
+  with jax.set_mesh(mesh):
+    lowered = traced.lower()
+  t1 = time.perf_counter()
+  compiled = lowered.compile()
+  t2 = time.perf_counter()
+  text = compiled.as_text()
+  if hlo_path:
+    with open(hlo_path, "w") as f:
+      f.write(text)
+  mem = aot.memory_report(compiled)
+  usable = aot.usable_memory_bytes(target)
+  return {"target": target, "device_kind": devices[0].device_kind, "devices": len(devices),
+          "layers": cfg.model.num_layers, "lower_s": round(t1 - t0, 1),
+          "compile_s": round(t2 - t1, 1), "memory_per_device": mem,
+          "usable_memory_GiB": round(usable / 2**30, 1), "fits": mem["peak_bytes"] <= usable,
+          "kernel_calls": aot.kernel_counts(text)}
 
 
 def largest_fit(by_remat_skip: dict[int, float], state: float, memory: float) -> int | None:
@@ -392,7 +444,8 @@ def largest_fit(by_remat_skip: dict[int, float], state: float, memory: float) ->
 
 
 def plan(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lower_layers: int = 0,
-         platform: str = "cuda", memory_gb: float | None = None) -> dict:
+         platform: str = "cuda", memory_gb: float | None = None, compile_target: str | None = None,
+         compile_layers: int = -1, hlo_path: str | None = None) -> dict:
   devices = math.prod(sizes.values())
   tok_axes = math.prod(sizes[a] for a in ("data", "fsdp", "expert"))
   if batch % tok_axes:
@@ -440,6 +493,9 @@ def plan(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lower_lay
       report["fit"]["largest_remat_skip"] = largest_fit(curve, state, memory_gb * GB)
   if lower_layers:
     report["lowering"] = lower_step(cfg, sizes, seq_len, batch, lower_layers, platform)
+  if compile_target:
+    report["compiled"] = compile_step(cfg, sizes, seq_len, batch, compile_layers, compile_target,
+                                      hlo_path)
   return report
 
 
@@ -451,9 +507,17 @@ def main(argv=None) -> int:
   ap.add_argument("--batch", type=int, default=None, help="sequences per step; default: train.batch_size")
   ap.add_argument("--lower-layers", type=int, default=0,
                   help="lower the step of the model cut to N layers (-1: all layers; 0: skip)")
-  ap.add_argument("--platform", default="cuda", choices=sorted(PLATFORMS),
+  ap.add_argument("--platform", default=None, choices=sorted(PLATFORMS),
                   help="the target: its kernels are traced for the activations and it is the "
-                       "lowering platform")
+                       "lowering platform (default: the --compile target's, else cuda)")
+  ap.add_argument("--compile", default=None, metavar="TARGET", dest="compile_target",
+                  help="compile the step for compile-only devices of TARGET (h200, h100, or a TPU "
+                       "topology such as v5p:2x2x1; `make aot` installs their plugins) and report "
+                       "the compiled memory per device")
+  ap.add_argument("--compile-layers", type=int, default=-1,
+                  help="with --compile: the model cut to N layers (-1: all)")
+  ap.add_argument("--hlo", default=None, metavar="PATH", help="with --compile: write the "
+                  "compiled HLO text there")
   ap.add_argument("--memory", type=float, default=None, metavar="GB",
                   help="memory a device may use (GB): report whether the layout fits and, "
                        "with traced activations and a remat policy, the largest "
@@ -465,8 +529,10 @@ def main(argv=None) -> int:
   cfg = config_lib.load(args.config, over)
   seq_len = args.seq_len or cfg.data.seq_len
   batch = args.batch or cfg.train.batch_size
-  print(json.dumps(plan(cfg, sizes, seq_len, batch, args.lower_layers, args.platform, args.memory),
-                   indent=1))
+  platform = args.platform or (aot.platform(args.compile_target) if args.compile_target
+                               else "cuda")
+  print(json.dumps(plan(cfg, sizes, seq_len, batch, args.lower_layers, platform, args.memory,
+                        args.compile_target, args.compile_layers, args.hlo), indent=1))
   return 0
 
 

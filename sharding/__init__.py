@@ -11,7 +11,7 @@ parameters (or ``sharding.shard_params(state, mesh)`` for an ``nnx.State``) and
 ``sharding.batch_sharding(mesh)`` for the ``[B, T]`` batch arrays.
 """
 
-from sharding.rules import DEFAULT_RULES, logical_spec, shard, named_sharding  # first: the model needs these
+from sharding.rules import DEFAULT_RULES, logical_spec, named_sharding, per_device, shard  # first: the model needs these
 from sharding import rules as _rules
 from sharding.mesh import (AXES, abstract_mesh, batch_sharding, make_mesh, names_tree,
                            param_shardings, pure_shardings, shard_params, spec_tree)
@@ -33,6 +33,6 @@ def setup(cfg):
   return _mesh.setup(cfg)
 
 
-__all__ = ["DEFAULT_RULES", "logical_spec", "shard", "named_sharding", "AXES", "abstract_mesh",
-           "batch_sharding", "make_mesh", "names_tree", "param_shardings", "pure_shardings",
-           "shard_params", "spec_tree", "configure", "setup"]
+__all__ = ["DEFAULT_RULES", "logical_spec", "shard", "named_sharding", "per_device", "AXES",
+           "abstract_mesh", "batch_sharding", "make_mesh", "names_tree", "param_shardings",
+           "pure_shardings", "shard_params", "spec_tree", "configure", "setup"]

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax import router
 from k3jax.config import MoEConfig
-from sharding.expert_parallel import token_spec
+from sharding.rules import token_spec
 
 
 def bias_stat(scores, bias, ids, cfg: MoEConfig, valid=None):

@@ -38,9 +38,7 @@ import jax.numpy as jnp
 import pallas_kernels.moe as moe_ops
 from sharding import moonep as moonep_lib
 from sharding.context_parallel import axis_size
-from sharding.rules import logical_spec
-
-TOKEN_AXES = ("data", "fsdp", "expert", "context")
+from sharding.rules import logical_spec, token_spec
 _OPTIONS = {"moonep": True}
 
 
@@ -59,14 +57,6 @@ def axes() -> tuple[str, ...]:
 def active() -> bool:
   """True when the current mesh splits the routed experts over one or more axes."""
   return bool(axes())
-
-
-def token_spec():
-  """PartitionSpec of a flat ``[N, ...]`` token array: N over every token axis of the mesh."""
-  mesh = jax.sharding.get_abstract_mesh()
-  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  axes = tuple(a for a in TOKEN_AXES if sizes.get(a, 1) > 1)
-  return jax.sharding.PartitionSpec(axes if axes else None, None)
 
 
 def capacity(n: int, k: int, r: int, er: int, capacity_factor: float, moonep: bool) -> int:
@@ -215,4 +205,4 @@ def routed_experts(x, expert_ids, weights, w_gate_up, w_down, activation, *, cap
 
 
 __all__ = ["configure", "axes", "active", "moe_dispatch", "local_experts", "routed_experts",
-           "capacity", "token_spec"]
+           "capacity"]

@@ -17,10 +17,9 @@ import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from k3jax.config import Config, ConfigError, MeshConfig
-from sharding.rules import DEFAULT_RULES, logical_spec
+from sharding.rules import DEFAULT_RULES, TOKEN_AXES, logical_spec
 
 AXES = ("data", "fsdp", "expert", "context", "tensor")
-TOKEN_AXES = ("data", "fsdp", "expert", "context")  # axes the tokens of a batch are split over
 
 
 def axis_sizes(mc: MeshConfig, num_devices: int) -> dict[str, int]:
@@ -259,6 +258,34 @@ def _wrap(names):
                                                       and all(isinstance(a, (str, type(None))) for a in x)))
 
 
+def optimizer_shardings(opt_state, params):
+  """``NamedSharding`` tree for an optimizer state (arrays or ShapeDtypeStructs) laid out like
+  ``params`` (leaves with a ``NamedSharding``): a leaf under a parameter's path (optax's moments,
+  Muon's momentum) takes that parameter's spec on the leading dimensions the two shapes share
+  (Muon's packed ``w_gate_up`` momentum ``[E, L, 2, F]`` keeps the ``[E, L]`` split of
+  ``[E, L, 2F]``); the rest (counters, coefficients) is replicated. ``jit(tx.init)`` alone
+  replicates it all: zeros carry no layout from the parameters. None when the parameters are not
+  laid out on a mesh."""
+  flat = jax.tree_util.tree_leaves_with_path(params)
+  if not all(isinstance(getattr(x, "sharding", None), NamedSharding) for _, x in flat):
+    return None
+  mesh = flat[0][1].sharding.mesh
+  by_path = {path_key(p): x for p, x in flat}
+
+  def place(path, x):
+    key = path_key(path)
+    for i in range(len(key)):
+      p = by_path.get(key[i:])
+      if p is not None:
+        spec = list(p.sharding.spec) + [None] * (len(p.shape) - len(p.sharding.spec))
+        same = 0
+        while same < min(len(x.shape), len(p.shape)) and x.shape[same] == p.shape[same]:
+          same += 1
+        return NamedSharding(mesh, P(*spec[:same], *([None] * (len(x.shape) - same))))
+    return NamedSharding(mesh, P())
+  return jax.tree_util.tree_map_with_path(place, opt_state)
+
+
 def batch_sharding(mesh, ndim: int = 2) -> NamedSharding:
   """Sharding of a ``[B, T, ...]`` batch array: B over the batch axes, T over ``context``."""
   return NamedSharding(mesh, logical_spec(("batch", "length") + (None,) * (ndim - 2), None,
@@ -268,5 +295,5 @@ def batch_sharding(mesh, ndim: int = 2) -> NamedSharding:
 __all__ = ["AXES", "TOKEN_AXES", "axis_sizes", "make_mesh", "abstract_mesh", "initialize_distributed",
            "setup", "spec_tree", "fit_spec", "path_key", "spec_axes", "unsplit_params", "unsplit_warning",
            "param_shardings", "shard_params", "names_tree",
-           "pure_shardings", "batch_sharding", "var_names",
+           "pure_shardings", "optimizer_shardings", "batch_sharding", "var_names",
            "DEFAULT_RULES"]

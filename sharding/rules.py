@@ -18,6 +18,8 @@ from typing import Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+TOKEN_AXES = ("data", "fsdp", "expert", "context")  # the mesh axes a batch's tokens are split over
+
 # logical name -> mesh axes (a tuple: the dimension is split over their product)
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp", "expert"),
@@ -87,3 +89,30 @@ def shard(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   if len(names) != x.ndim:
     raise ValueError(f"shard: {len(names)} names {tuple(names)} for an array of rank {x.ndim}")
   return jax.lax.with_sharding_constraint(x, logical_spec(names))
+
+
+def token_spec() -> P:
+  """PartitionSpec of a flat ``[N, ...]`` token array: N over every token axis of the mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  sizes = {} if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes))
+  axes = tuple(a for a in TOKEN_AXES if sizes.get(a, 1) > 1)
+  return P(axes if axes else None, None)
+
+
+def per_device(fn, in_names, out_names):
+  """``fn`` run on each device's share of its arguments: a ``jax.shard_map`` whose specs are the
+  logical layouts ``in_names`` (one per argument, a pytree for a pytree argument: a tuple of
+  logical names, a ``PartitionSpec``, or None for a replicated argument such as a small
+  parameter) and ``out_names`` (the same for the outputs). Kernels (Pallas' Triton, Mosaic GPU and Mosaic TPU custom calls) need
+  this: the SPMD partitioner cannot split a custom call, so on GPU it gathers every operand and
+  runs the whole batch on every device, and on TPU it refuses. Without a mesh, or on one device,
+  ``fn`` itself."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return fn
+  spec = lambda n: n if isinstance(n, P) else P() if n is None else logical_spec(n)
+  is_names = lambda x: x is None or isinstance(x, P) or (
+      isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x))
+  specs = lambda tree: jax.tree.map(spec, tree, is_leaf=is_names)
+  return jax.shard_map(fn, in_specs=specs(tuple(in_names)), out_specs=specs(out_names),
+                       check_vma=False)

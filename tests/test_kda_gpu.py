@@ -9,7 +9,15 @@ import jax.numpy as jnp
 from kda_numpy import numpy_kda, preprocess
 from pallas_kernels.kda import kda
 
-jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True)
+def _highest_precision():
+  """float32 products in the XLA references, for this file's tests only (set for the whole
+  process, it made the Mosaic TPU kernels of tests run after these ask for fp32 products of
+  bf16 operands, which Mosaic rejects)."""
+  with jax.default_matmul_precision("highest"):
+    yield
 
 
 def np_kda(q, k, v, g, beta, s0, seg, *, scale, l2, gate, A_log, dt_bias, lb, beta_logit):

@@ -218,3 +218,29 @@ def test_prefix_compose_equals_associative_scan():
     for a, b, s in zip(got, want, zip(*seq)):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
       np.testing.assert_allclose(a, jnp.stack(s), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("opt", ["adamw", "muon"])
+def test_optimizer_state_is_split_like_the_parameters(opt):
+  """``optimizer_shardings`` lays each moment out as its parameter (``jit(tx.init)`` alone
+  replicated all of it on every device): on fsdp=8 the per-device optimizer bytes equal the
+  plan's exact count, an eighth of the whole, for AdamW and for Muon (whose packed w_gate_up
+  momentum has its own shape)."""
+  from k3jax import plan
+  from k3jax.optim import make_optimizer
+  sizes = plan.parse_mesh("fsdp=8")
+  cfg = config_lib.load("configs/k3_tiny.yaml", ["mesh.fsdp=8", f"optimizer.name={opt}"])
+  amesh = mesh_lib.abstract_mesh(MeshConfig(fsdp=8), 8)
+  _, params, _, names = plan.abstract_state(cfg)
+  with jax.sharding.use_abstract_mesh(amesh):
+    psh = mesh_lib.pure_shardings(params, amesh, names)
+    a_params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            params, psh)
+    tx, _ = make_optimizer(cfg, params)
+    a_opt = jax.eval_shape(tx.init, a_params)
+    osh = mesh_lib.optimizer_shardings(a_opt, a_params)
+  nbytes = lambda x, s: math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+  per_device = sum(map(nbytes, jax.tree.leaves(a_opt), jax.tree.leaves(osh)))
+  whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(a_opt))
+  assert per_device == plan.state_bytes(cfg, sizes)["optimizer"] < whole / 7, (per_device, whole)
+  assert mesh_lib.optimizer_shardings(a_opt, params) is None  # parameters not on a mesh

@@ -38,12 +38,13 @@ def test_model_layouts_match_one_device(layouts):
   """Loss, every gradient and the router statistics of the tiny preset (KDA, MLA, dense and
   LatentMoE layers, Block AttnRes, packed documents) under data=8, fsdp=8, data=2,expert=4
   (MoonEP), data=2,context=4, data=2,expert=2,context=2 (MoonEP on and off) and data=2,context=4
-  with the experts split over the context axis."""
+  with the experts split over the context axis. The KDA gate's float32 parameters (A_log,
+  dt_bias) agree to float32 rounding."""
   out = _run("model_layouts", layouts)
   assert set(out) == set(layouts.split(","))
   for layout, err in out.items():
     assert err["loss"] < TOL, (layout, err)
-    assert err["grad"] < GRAD_TOL, (layout, err)
+    assert err["grad"] < GRAD_TOL and err["grad_f32"] < 1e-6, (layout, err)
     assert err["stats"] < 1e-8, (layout, err)
 
 

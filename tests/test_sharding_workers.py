@@ -91,9 +91,14 @@ def model_layouts(only: str = ""):
       p = mesh_lib.shard_params(params, mesh, names)
       bt = jax.tree.map(lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh)), batch)
       l, g, stats = jax.jit(loss_and_grad)(p, biases, bt)
-    errs = jax.tree.leaves(jax.tree.map(_max_rel, ref_g, g))
+    # by the parameter's dtype: KDA's A_log and dt_bias stay float32 (their gradients' sums over
+    # the tokens round at 1e-7 in another order of the devices' partial sums); the rest float64
+    errs = {"float64": 0.0}
+    for p_, r, x in zip(jax.tree.leaves(params), jax.tree.leaves(ref_g), jax.tree.leaves(g)):
+      errs[str(p_.dtype)] = max(errs.get(str(p_.dtype), 0.0), _max_rel(r, x))
     stat_err = max(_max_rel(a, b) for a, b in zip(jax.tree.leaves(ref_stats), jax.tree.leaves(stats)))
-    out[name] = {"loss": abs(float(l) - float(ref_l)), "grad": max(errs), "stats": stat_err}
+    out[name] = {"loss": abs(float(l) - float(ref_l)), "grad": errs["float64"],
+                 "grad_f32": errs.get("float32", 0.0), "stats": stat_err}
   sharding.configure(MeshConfig())
   return out
 

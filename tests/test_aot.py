@@ -1,0 +1,150 @@
+"""Compile-only devices (:mod:`k3jax.aot`): the Pallas kernels and the training step compiled
+for TPU generations and the H200 on this CPU host.
+
+Compiling is stronger than lowering: libtpu's Mosaic compiler rejects kernels that lower (vector
+types a generation lacks, VMEM overflow), and a custom call the SPMD partitioner would have to
+split fails on TPU (it runs replicated on GPU: every device computing the whole batch). The TPU
+tests need libtpu under ``.aot/`` (``make test`` installs it); the H200 tests need the CUDA
+plugin (``make aot``) and are skipped without it.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from k3jax import aot, config as config_lib, plan
+
+TPUS = ["v5e:2x2", "v6e:2x2", "v5p:2x2x1"]
+
+
+def _devices(target, count=1):
+  try:
+    return aot.devices(target, count)
+  except aot.AotError as e:
+    pytest.skip(str(e))
+
+
+def test_targets_are_named_and_unknown_ones_rejected():
+  assert aot.platform("h200") == "cuda" and aot.platform("H100") == "cuda"
+  assert aot.platform("v5p:2x2x1") == "tpu" and aot.platform("v6e:4x4") == "tpu"
+  for bad in ("a100", "v5p", "v9:2x2", ""):
+    with pytest.raises(aot.AotError, match="unknown compile target"):
+      aot.platform(bad)
+  text = aot.gpu_target_config("h200")
+  assert "core_count: 132" in text and "major: 9" in text and '"NVIDIA H200"' in text
+  assert aot.usable_memory_bytes("v5e:2x2") == 16 << 30
+
+
+def test_missing_plugin_names_the_fix(monkeypatch, tmp_path):
+  monkeypatch.setenv("K3JAX_AOT_DIR", str(tmp_path))
+  monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
+  monkeypatch.setattr(aot, "_LOADED", set())
+  with pytest.raises(aot.AotError, match="make aot"):
+    aot.devices("v5p:2x2x1")
+
+
+def _kernel_programs(backend):
+  """(name, function, abstract args) of every Pallas kernel family at the model's head dims:
+  KDA forward and backward (fused gate, grouped values, packed segments, initial state), MLA
+  prefill forward and backward (query/key dim 192, value dim 128, segments; a context-parallel
+  half at a traced offset) and paged latent decode, the MoE grouped matmuls forward and
+  backward."""
+  from pallas_kernels.kda import tpu as kda_tpu
+  from pallas_kernels.kda import kda
+  from pallas_kernels.mla import decode, prefill
+  from pallas_kernels.moe import pallas as moe_pallas
+  sd, bf, i32, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32, jnp.float32
+  b, t, h, hv, d = 1, 200, 2, 4, 128
+  kda_args = (sd((b, t, h, d), bf), sd((b, t, h, d), bf), sd((b, t, hv, d), bf),
+              sd((b, t, hv, d), bf), sd((b, t, hv), bf), sd((hv,), f32), sd((hv * d,), f32),
+              sd((b, hv, d, d), f32), sd((b, t), i32))
+
+  def kda_loss(q, k, v, g, beta, a_log, dt_bias, s0, seg):
+    kw = dict(scale=d ** -0.5, initial_state=s0, segment_ids=seg, use_qk_l2norm=True,
+              A_log=a_log, dt_bias=dt_bias, gate="bounded", lower_bound=-5.0, beta_is_logit=True,
+              chunk_size=64)
+    if backend == "tpu":
+      o, s = kda_tpu.kda(q, k, v, g, beta, interpret=False, **kw)
+    else:
+      o, s = kda(q, k, v, g, beta, output_final_state=True, implementation="pallas_gpu", **kw)
+    return jnp.sum(o.astype(f32)) + jnp.sum(s)
+
+  def mla_loss(q, k, v, seg):
+    o = prefill.mla_attention(q, k, v, segment_ids=seg, causal=True, scale=192 ** -0.5,
+                              backend=backend, interpret=False)
+    return o.astype(f32).sum()
+
+  def window_loss(q, k, v, q_seg, kv_seg, off):
+    o = prefill.mla_attention(q, k, v, segment_ids=q_seg, kv_segment_ids=kv_seg, q_offset=off,
+                              causal=True, scale=192 ** -0.5, backend=backend, interpret=False)
+    return o.astype(f32).sum()
+
+  dec = lambda q, c, tab, n: decode.mla_decode(q, c, tab, n, kv_lora_rank=512,
+                                               scale=192 ** -0.5, backend=backend,
+                                               interpret=False)
+  gmm = lambda x, w, gs: jax.grad(lambda x, w: jnp.sum(
+      moe_pallas.gmm(x, w, gs, backend=backend).astype(f32)), argnums=(0, 1))(x, w)
+  return [
+      ("kda fwd", kda_loss, kda_args),
+      ("kda bwd", jax.grad(kda_loss, argnums=tuple(range(8))), kda_args),
+      ("mla prefill fwd+bwd", jax.value_and_grad(mla_loss, argnums=(0, 1, 2)),
+       (sd((1, 1000, 2, 192), bf), sd((1, 1000, 2, 192), bf), sd((1, 1000, 2, 128), bf),
+        sd((1, 1000), i32))),
+      ("mla window fwd+bwd", jax.value_and_grad(window_loss, argnums=(0, 1, 2)),
+       (sd((1, 1024, 2, 192), bf), sd((1, 4096, 2, 192), bf), sd((1, 4096, 2, 128), bf),
+        sd((1, 1024), i32), sd((1, 4096), i32), sd((), i32))),
+      ("mla decode", dec, (sd((4, 2, 96, 576), bf), sd((64, 64, 576), bf), sd((4, 16), i32),
+                           sd((4,), i32))),
+      ("moe gmm fwd+bwd", gmm, (sd((512, 256), bf), sd((4, 256, 384), bf), sd((4,), i32))),
+  ]
+
+
+def _compile_all(target, backend):
+  dev = _devices(target)[0]
+  put = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                       sharding=jax.sharding.SingleDeviceSharding(dev))
+  failed, kinds = [], set()
+  mesh = jax.sharding.Mesh(np.array([dev]), ("x",))  # the GPU kernels ask it for the device
+  with jax.set_mesh(mesh), pallas_kernels.target_platform(backend):
+    for name, fn, args in _kernel_programs(backend):
+      try:
+        compiled = jax.jit(fn).trace(*map(put, args)).lower().compile()
+        kinds |= set(aot.kernel_counts(compiled.as_text()))
+      except Exception as e:  # collect every kernel's failure, not only the first
+        failed.append(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+  assert not failed, "\n".join(failed)
+  return kinds
+
+
+@pytest.mark.parametrize("target", TPUS)
+def test_tpu_kernels_compile(target):
+  """Every Mosaic TPU kernel compiles for v5e, v6e and v5p (libtpu's Mosaic compiler)."""
+  _compile_all(target, "tpu")
+
+
+def test_h200_kernels_compile():
+  """Every GPU kernel (Triton, and Mosaic GPU for the KDA recurrences, WY factors, grouped
+  matmuls and MLA decode) compiles for an H200: XLA's Triton pipeline and ptxas for sm_90a."""
+  kinds = _compile_all("h200", "gpu")
+  assert kinds == {"triton", "mosaic_gpu"}, kinds
+
+
+@pytest.mark.parametrize("target,mesh", [("v5p:2x2x1", "data=2,fsdp=2"), ("h200", "data=2")])
+def test_step_compiles_on_a_mesh(target, mesh):
+  """The whole training step (k3_1b cut to one KDA and one MLA layer, MoE, Muon) compiles for a
+  mesh of compile-only devices, every kernel on its device's share of the tokens: on TPU a
+  kernel left to the SPMD partitioner fails to compile; on GPU it compiles replicated, which
+  the per-device batch in the kernels' shapes rules out."""
+  sizes = plan.parse_mesh(mesh)
+  cfg = config_lib.load("configs/k3_1b.yaml", [f"mesh.{a}={s}" for a, s in sizes.items()])
+  _devices(target, 1)
+  batch, seq = 4, 256
+  rep = plan.compile_step(cfg, sizes, seq, batch, 2, target)
+  mem = rep["memory_per_device"]
+  assert rep["layers"] == 2 and rep["devices"] == math.prod(sizes.values()) and rep["fits"], rep
+  assert mem["peak_GiB"] >= mem["arguments_GiB"] > 0, rep
+  assert rep["kernel_calls"].get("mosaic_tpu" if target.startswith("v") else "triton", 0) > 0, rep
