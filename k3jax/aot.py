@@ -23,7 +23,9 @@ The plugins stay out of the project's venv, where every CPU run would probe for 
 from __future__ import annotations
 
 import importlib
+import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -141,6 +143,15 @@ def devices(target: str, count: int = 1) -> list:
   return devs[:count]
 
 
+def compile_lowered(lowered):
+  """``lowered.compile()`` for compile-only devices, past JAX's persistent compilation cache:
+  an entry for them cannot be loaded without a client (reading one only warns) and writing one
+  would fill the cache with programs nothing can run."""
+  from jax._src import config as jax_config  # the cache switch as a context (jax 0.11.2)
+  with jax_config.enable_compilation_cache(False):
+    return lowered.compile()
+
+
 def usable_memory_bytes(target: str) -> int:
   """HBM of one device of ``target`` that a program may use: on a GPU the share JAX's allocator
   takes (``XLA_PYTHON_CLIENT_MEM_FRACTION``, train.py's default 0.92), on a TPU all of it."""
@@ -172,5 +183,60 @@ def kernel_counts(hlo_text: str) -> dict[str, int]:
   return {k: n for k, n in counts.items() if n}
 
 
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+                "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
+                "ragged-all-to-all")
+
+
+def _shape_bytes(text: str) -> int:
+  return sum(math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dt]
+             for dt, dims in _SHAPE.findall(text))
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+  """Bytes each device receives per run of a compiled (SPMD, per-device) HLO module, by
+  collective: the result of every all-gather, all-reduce, reduce-scatter, all-to-all and
+  collective-permute, counted once per trip of the while loops around it (XLA's known trip
+  counts). A measure of the traffic the partitioner and the ``shard_map``s put in the program,
+  to set beside the plan's analytical ``collectives``: a gathered batch or a replicated weight
+  shows as an all-gather far larger than the layout needs."""
+  comps: dict[str, list[str]] = {}
+  entry, cur = None, None
+  for line in hlo_text.splitlines():
+    if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+      cur = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+      comps[cur] = []
+      entry = cur if line.startswith("ENTRY") else entry
+    elif cur is not None and line.startswith("  "):
+      comps[cur].append(line)
+  out: dict[str, int] = {}
+
+  def walk(name: str, trips: int, depth: int = 0) -> None:
+    for line in comps.get(name, ()):
+      m = re.match(r"\s+(?:ROOT )?%\S+ = (.+?) ([\w-]+)\(", line)
+      if not m:
+        continue
+      result, op = m.groups()
+      if op == "while" and depth < 8:
+        n = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+        body = re.search(r"body=%([\w.-]+)", line)
+        if body:
+          walk(body.group(1), trips * (int(n.group(1)) if n else 1), depth + 1)
+        continue
+      if op in ("call", "conditional") and depth < 8:
+        for sub in re.findall(r"(?:to_apply|branch_computations)=\{?%([\w.-]+)", line):
+          walk(sub, trips, depth + 1)
+        continue
+      kind = op[:-len("-done")] if op.endswith("-done") else op  # an async pair: its done's
+      if kind in _COLLECTIVES:                                      # result is the collective's
+        out[kind] = out.get(kind, 0) + trips * _shape_bytes(result)
+  if entry:
+    walk(entry, 1)
+  return out
+
+
 __all__ = ["GPU_SPECS", "TPU_HBM", "AotError", "aot_dir", "platform", "gpu_target_config",
-           "devices", "usable_memory_bytes", "memory_report", "kernel_counts"]
+           "devices", "compile_lowered", "usable_memory_bytes", "memory_report",
+           "kernel_counts", "collective_bytes"]

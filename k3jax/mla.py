@@ -110,7 +110,8 @@ class MLA(nnx.Module):
       tok = logical_spec(("batch", "length", "heads", None))
       attend = lambda q, k, v, seg: mla_ops.mla_attention(
           q, k, v, segment_ids=seg, causal=True, scale=self.scale, implementation=a.implementation)
-      o = per_device(attend, (tok, tok, tok, P(*tok[:2])), tok)(q, k, v, segment_ids)  # per row, head
+      # per row and head on each device's share
+      o = per_device(attend, (tok, tok, tok, P(*tok[:2])), tok)(q, k, v, segment_ids)
       new_cache = None
       if cache is not None:
         new_cache = {"latent": jax.lax.dynamic_update_slice_in_dim(

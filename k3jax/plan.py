@@ -39,7 +39,8 @@
 - ``compiled`` (``--compile TARGET [--compile-layers N] [--hlo PATH]``): the same step compiled
   for compile-only devices of an H200, an H100 or a TPU topology (:mod:`k3jax.aot`) on the
   requested mesh: XLA's memory analysis per device (temporaries, arguments, outputs, the peak)
-  against the device's usable memory (``fits``), the compile time and the kernels. This is the
+  against the device's usable memory (``fits``), the compile time, the kernels and the bytes each
+  collective leaves on a device per step (``collectives_GB_received``, loops counted). This is the
   program the device would run, so it settles what the traced and analytical estimates above
   approximate; on a GPU target without autotuning it can be a few GiB off (k3_1b: 91.3 GiB of
   temporaries compiled here, 95.3 on an H200).
@@ -230,9 +231,14 @@ def activations(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int) ->
   kda_op = n * kd.value_heads * (3 * kd.head_dim + kd.v_head_dim) * 4 / tp * (2 if sizes["context"] > 1 else 1)
   kda_layer = 2 * kda_proj * cb + kda_op
   a = m.mla
+  rows = batch / math.prod(sizes[x] for x in ("data", "fsdp", "expert"))
   mla_layer = (n * a.num_heads * (2 * a.qk_head_dim + 2 * a.v_head_dim) * cb / tp
-               + (batch / math.prod(sizes[x] for x in ("data", "fsdp", "expert")))
-               * seq_len * (a.kv_lora_rank + a.qk_rope_head_dim) * cb)
+               + rows * seq_len * (a.kv_lora_rank + a.qk_rope_head_dim) * cb)
+  if sizes["context"] > 1:
+    # the context-parallel MLA up-projects the gathered latents of the whole sequence into every
+    # head's keys and values (sharding/context_parallel.py): [rows, T, H, 192 + 128] at once
+    # (K3 at 1M tokens: 64 GB per layer, compiled for 2048 H200s on 2026-12-05)
+    mla_layer += rows * seq_len * a.num_heads * (a.qk_head_dim + a.v_head_dim) * cb / tp
   mo = m.moe
   width = mo.latent_dim or d
   r = sizes["expert"]
@@ -355,8 +361,8 @@ def cut_layers(cfg: Config, layers: int) -> Config:
 
 def _traced_step(cfg: Config, mesh, seq_len: int, batch: int, target: str):
   """The training step (forward, backward, optimizer, bias update) traced on ``mesh`` (abstract
-  or of compile-only devices) with the kernels of ``target`` ("gpu", "tpu", "cpu"), its
-  parameters and optimizer state donated as in ``train.py``."""
+  or of compile-only devices) with the kernels of ``target`` ("gpu", "tpu", "cpu"), jitted as
+  ``train.py`` does: the state donated and its outputs laid out as its inputs."""
   from k3jax import train_step as ts
   from k3jax.optim import make_optimizer
   import sharding
@@ -373,15 +379,17 @@ def _traced_step(cfg: Config, mesh, seq_len: int, batch: int, target: str):
     a_params = jax.tree.map(sds, params, psh)
     a_biases = jax.tree.map(lambda x: sds(x, rep), biases)
     a_opt = jax.eval_shape(tx.init, a_params)
-    a_opt = jax.tree.map(sds, a_opt, mesh_lib.optimizer_shardings(a_opt, a_params))
+    osh = mesh_lib.optimizer_shardings(a_opt, a_params)
+    a_opt = jax.tree.map(sds, a_opt, osh)
     bsh = mesh_lib.batch_sharding(mesh)
     tok = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=bsh)
     a_batch = {"input_ids": tok, "targets": tok, "segment_ids": tok, "positions": tok,
                "weights": jax.ShapeDtypeStruct((batch, seq_len), jnp.float32, sharding=bsh)}
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
     key = jax.eval_shape(lambda: jax.random.key(0))
-    return jax.jit(step_fn, donate_argnums=(0, 1)).trace(a_params, a_opt, a_biases, step, key,
-                                                         a_batch)
+    bias_sh = jax.tree.map(lambda _: rep, biases)
+    jitted = ts.jit_train_step(step_fn, donate=True, state_shardings=(psh, osh, bias_sh))
+    return jitted.trace(a_params, a_opt, a_biases, step, key, a_batch)
 
 
 def lower_step(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, layers: int,
@@ -422,7 +430,7 @@ def compile_step(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, l
   with jax.set_mesh(mesh):
     lowered = traced.lower()
   t1 = time.perf_counter()
-  compiled = lowered.compile()
+  compiled = aot.compile_lowered(lowered)
   t2 = time.perf_counter()
   text = compiled.as_text()
   if hlo_path:
@@ -434,7 +442,8 @@ def compile_step(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, l
           "layers": cfg.model.num_layers, "lower_s": round(t1 - t0, 1),
           "compile_s": round(t2 - t1, 1), "memory_per_device": mem,
           "usable_memory_GiB": round(usable / 2**30, 1), "fits": mem["peak_bytes"] <= usable,
-          "kernel_calls": aot.kernel_counts(text)}
+          "kernel_calls": aot.kernel_counts(text),
+          "collectives_GB_received": {k: v / GB for k, v in aot.collective_bytes(text).items()}}
 
 
 def largest_fit(by_remat_skip: dict[int, float], state: float, memory: float) -> int | None:

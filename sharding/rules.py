@@ -103,10 +103,10 @@ def per_device(fn, in_names, out_names):
   """``fn`` run on each device's share of its arguments: a ``jax.shard_map`` whose specs are the
   logical layouts ``in_names`` (one per argument, a pytree for a pytree argument: a tuple of
   logical names, a ``PartitionSpec``, or None for a replicated argument such as a small
-  parameter) and ``out_names`` (the same for the outputs). Kernels (Pallas' Triton, Mosaic GPU and Mosaic TPU custom calls) need
-  this: the SPMD partitioner cannot split a custom call, so on GPU it gathers every operand and
-  runs the whole batch on every device, and on TPU it refuses. Without a mesh, or on one device,
-  ``fn`` itself."""
+  parameter) and ``out_names`` (the same for the outputs). Kernels (Pallas' Triton, Mosaic GPU
+  and Mosaic TPU custom calls) need this: the SPMD partitioner cannot split a custom call, so on
+  GPU it gathers every operand and runs the whole batch on every device, and on TPU it refuses.
+  Without a mesh, or on one device, ``fn`` itself."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return fn

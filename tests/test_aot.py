@@ -112,7 +112,7 @@ def _compile_all(target, backend):
   with jax.set_mesh(mesh), pallas_kernels.target_platform(backend):
     for name, fn, args in _kernel_programs(backend):
       try:
-        compiled = jax.jit(fn).trace(*map(put, args)).lower().compile()
+        compiled = aot.compile_lowered(jax.jit(fn).trace(*map(put, args)).lower())
         kinds |= set(aot.kernel_counts(compiled.as_text()))
       except Exception as e:  # collect every kernel's failure, not only the first
         failed.append(f"{name}: {type(e).__name__}: {str(e)[:300]}")
@@ -148,3 +148,33 @@ def test_step_compiles_on_a_mesh(target, mesh):
   assert rep["layers"] == 2 and rep["devices"] == math.prod(sizes.values()) and rep["fits"], rep
   assert mem["peak_GiB"] >= mem["arguments_GiB"] > 0, rep
   assert rep["kernel_calls"].get("mosaic_tpu" if target.startswith("v") else "triton", 0) > 0, rep
+  assert rep["collectives_GB_received"].get("all-reduce", 0) > 0, rep  # the gradients' over data
+
+
+def test_collective_bytes_counts_results_and_loop_trips():
+  """Sync collectives and async pairs (their done's result) count once per trip of the loops
+  around them; starts, other ops and uncalled computations do not count."""
+  hlo = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %ag-start = (f32[8]{0}, f32[32]{0}) all-gather-start(%x), dimensions={0}
+  %ag-done = f32[32]{0} all-gather-done(%ag-start)
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %x)
+}
+
+%unused (a: bf16[1000]) -> bf16[1000] {
+  ROOT %ar = bf16[1000]{0} all-reduce(%a), to_apply=%add
+}
+
+ENTRY %main (a: f32[8], b: bf16[4,16]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %b = bf16[4,16]{1,0} parameter(1)
+  %ar = bf16[4,16]{1,0} all-reduce(%b), replica_groups={{0,1}}, to_apply=%add
+  %a2a = bf16[4,16]{1,0} all-to-all(%b), dimensions={0}
+  %w = (s32[], f32[8]{0}) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %o = f32[8]{0} add(%a, %a)
+}
+"""
+  assert aot.collective_bytes(hlo) == {"all-reduce": 128, "all-to-all": 128, "all-gather": 5 * 128}
