@@ -147,8 +147,10 @@ def compile_lowered(lowered):
   """``lowered.compile()`` for compile-only devices, past JAX's persistent compilation cache:
   an entry for them cannot be loaded without a client (reading one only warns) and writing one
   would fill the cache with programs nothing can run."""
-  from jax._src import config as jax_config  # the cache switch as a context (jax 0.11.2)
-  with jax_config.enable_compilation_cache(False):
+  from unittest import mock
+  from jax._src import compilation_cache  # jax 0.11.2 decides once per process whether the
+  # cache is used (the config switch is read only then): the decision itself is overridden here
+  with mock.patch.object(compilation_cache, "is_cache_used", return_value=False):
     return lowered.compile()
 
 
