@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.logsumexp import logsumexp
+from sharding.mesh import spec_axes
 from sharding.rules import logical_spec, per_device
 
 
@@ -50,7 +51,7 @@ def cross_entropy(h: jax.Array, w_head: jax.Array, targets: jax.Array, weights: 
     total, count = _local_cross_entropy(h, w, t, wt, chunk_size, logits_dtype)
     return total[None], count[None]
 
-  axes = tuple(a for e in tok if e is not None for a in ((e,) if isinstance(e, str) else e))
+  axes = spec_axes(tok)
   parts = per_device(local, (("batch", "length", None), None, tok, tok), (P(axes), P(axes)))
   total, count = parts(h, w_head, targets, weights)
   return jnp.sum(total), jnp.sum(count)

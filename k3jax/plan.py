@@ -377,7 +377,8 @@ def _traced_step(cfg: Config, mesh, seq_len: int, batch: int, target: str):
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
     a_params = jax.tree.map(sds, params, psh)
-    a_biases = jax.tree.map(lambda x: sds(x, rep), biases)
+    bias_sh = jax.tree.map(lambda _: rep, biases)
+    a_biases = jax.tree.map(sds, biases, bias_sh)
     a_opt = jax.eval_shape(tx.init, a_params)
     osh = mesh_lib.optimizer_shardings(a_opt, a_params)
     a_opt = jax.tree.map(sds, a_opt, osh)
@@ -387,7 +388,6 @@ def _traced_step(cfg: Config, mesh, seq_len: int, batch: int, target: str):
                "weights": jax.ShapeDtypeStruct((batch, seq_len), jnp.float32, sharding=bsh)}
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
     key = jax.eval_shape(lambda: jax.random.key(0))
-    bias_sh = jax.tree.map(lambda _: rep, biases)
     jitted = ts.jit_train_step(step_fn, donate=True, state_shardings=(psh, osh, bias_sh))
     return jitted.trace(a_params, a_opt, a_biases, step, key, a_batch)
 

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import pallas_kernels.moe as moe_ops
 from sharding import moonep as moonep_lib
 from sharding.context_parallel import axis_size
-from sharding.rules import logical_spec, token_spec
+from sharding.rules import logical_spec, per_device, token_spec
 _OPTIONS = {"moonep": True}
 
 
@@ -180,9 +180,8 @@ def local_experts(x, expert_ids, weights, w_gate_up, w_down, activation, *, impl
                            _gather_weight(w2, w2_spec), activation, implementation=implementation)
     return y.reshape(b, t, width)
 
-  fn = jax.shard_map(body, in_specs=(tok, tok, tok, w1_spec, w2_spec), out_specs=tok,
-                     check_vma=False)
-  return fn(x, expert_ids, weights, w_gate_up, w_down)
+  return per_device(body, (tok, tok, tok, w1_spec, w2_spec), tok)(x, expert_ids, weights,
+                                                                  w_gate_up, w_down)
 
 
 def routed_experts(x, expert_ids, weights, w_gate_up, w_down, activation, *, capacity_factor=0.0,
