@@ -71,12 +71,14 @@ def hlo_scopes(hlo_text: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def exclusive(path: str | None, need: int = 0, timeout_s: float = 420.0, pause_s: float = 15.0):
-  """Holds an exclusive ``flock`` on ``path`` (nothing when None) once the GPU has ``need`` bytes
-  for this process: free on the card (nvidia-smi) plus what its own allocator's pool holds
-  unused. Other processes of a one-GPU run keep their pools (their compiles' autotuning grows
-  them) until they exit, so while the memory is not there the lock is let go for ``pause_s``
-  (another process runs its steps and exits), at most ``timeout_s`` in all; then the steps run
-  anyway."""
+  """Holds an exclusive ``flock`` on ``path`` (nothing when None) once the card has ``need`` bytes
+  free (nvidia-smi). What this process's own allocator pool holds unused does not count: the
+  step's temporaries are one allocation, which the pool's scattered free chunks cannot serve, so
+  it takes a new region of the card (Training run 45: counted in, 130.6 GiB looked free and the
+  113.5 GiB allocation failed). Other processes of a one-GPU run keep their pools (their
+  compiles' autotuning grows them) until they exit, so while the memory is not there the lock is
+  let go for ``pause_s`` (another process runs its steps and exits), at most ``timeout_s`` in
+  all; then the steps run anyway."""
   if path is None:
     yield
     return
@@ -263,8 +265,7 @@ def main(argv=None):
 
 
 def device_memory_free() -> int | None:
-  """Bytes this process can still get on its (first visible) GPU: free on the card (nvidia-smi)
-  plus its own allocator's pool not in use; None without nvidia-smi."""
+  """Bytes free on the (first visible) GPU (nvidia-smi); None without nvidia-smi."""
   dev = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
   try:
     out = subprocess.run(["nvidia-smi", "-i", dev, "--query-gpu=memory.used,memory.total",
@@ -273,8 +274,7 @@ def device_memory_free() -> int | None:
     used, total = (int(float(x)) * 2**20 for x in out.strip().split(","))
   except (OSError, ValueError, subprocess.SubprocessError):
     return None
-  stats = jax.local_devices()[0].memory_stats() or {}
-  return total - used + max(stats.get("pool_bytes", 0) - stats.get("bytes_in_use", 0), 0)
+  return total - used
 
 
 def report_kernels(by_kind: dict, by_name: dict, by_device: dict, steps: int) -> None:

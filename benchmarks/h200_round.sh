@@ -7,7 +7,7 @@
 #   bash benchmarks/h200_round.sh both      # both: the kernel runs use the GPU while the steps compile
 #   bash benchmarks/h200_round.sh multi     # k3_1b, 50 steps: one GPU, data, expert, context, mixed
 #   bash benchmarks/h200_round.sh long      # k3_1b at long context (LONG, LONG_SET): one GPU, split
-#   bash benchmarks/h200_round.sh step      # k3_1b 16 x 4096 on one GPU, remat dots and dots_kernels
+#   bash benchmarks/h200_round.sh step      # k3_1b's step on one GPU (REMATS: none), profiled
 #   bash benchmarks/h200_round.sh peers     # KDA vs jla and fla at the three PERF.md shapes
 #   bash benchmarks/h200_round.sh flapeers  # the same with fla first at each shape (a call of its own)
 #   bash benchmarks/h200_round.sh kdasweep  # KDA variants and warp counts (ours only); KDA_BASE=DIR
@@ -76,14 +76,13 @@ kernels() {  # KDA variants, MLA decode kernels, MoE tilings, one after the othe
 multi() {
   XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout $LIMIT python3 benchmarks/multi_gpu.py \
     --config configs/k3_1b.yaml --layouts one,data,expert,context,context_experts --steps 50 \
-    --out "$R" train.batch_size=8 > "$R/multi.log" 2>&1
+    --out "$R" train.batch_size=8 train.grad_accum=1 > "$R/multi.log" 2>&1
 }
 
 long() {
   # Long context, "tokens:layouts" pairs (LONG), each with the overrides in LONG_SET. Measured on
   # 2026-12-01: one H200 holds 512K tokens with LONG_SET="model.remat=full
-  # model.kda.save_residuals=false" (99.1 GiB; since k3_1b's preset keeps its last layers out of
-  # the remat, add model.remat_skip=0); the 128K context split fits in 54 GiB per GPU.
+  # model.kda.save_residuals=false" (99.1 GiB); the 128K context split fits in 54 GiB per GPU.
   # JAX's allocator stops at 75% of the card unless XLA_PYTHON_CLIENT_MEM_FRACTION says more.
   local spec t
   for spec in ${LONG:-131072:context 262144:one,context}; do
@@ -91,12 +90,13 @@ long() {
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false \
       timeout $LIMIT python3 benchmarks/multi_gpu.py \
       --config configs/k3_1b.yaml --layouts ${spec#*:} --steps 4 --tag 1b_$(( t / 1024 ))k \
-      --out "$R" train.batch_size=1 data.seq_len=$t ${LONG_SET:-} > "$R/long_$(( t / 1024 ))k.log" 2>&1 &
+      --out "$R" train.batch_size=1 train.grad_accum=1 data.seq_len=$t ${LONG_SET:-} > "$R/long_$(( t / 1024 ))k.log" 2>&1 &
   done
 }
 
 step() {
-  # The one-GPU k3_1b step at 16 x 4096, profiled, under each remat policy (REMATS) and each
+  # The one-GPU k3_1b step at 16 x 4096, profiled, under each remat policy (REMATS, default the
+  # preset's none) and each
   # option (STEP_SETS, ';'-separated: '-' for the defaults, MODULE:NAME=VALUE for a kernel
   # option, else config overrides separated by spaces such as train.loss_chunk=4096), one per
   # GPU in turn (XLA's autotuning while another process compiles would otherwise disturb the
@@ -113,7 +113,7 @@ step() {
       --profile "$R/trace_base" --json "$R/1b_base.json" > "$R/1b_base.log" 2>&1) &
     i=1
   fi
-  for remat in ${REMATS:-dots dots_kernels}; do
+  for remat in ${REMATS:-none}; do
     IFS=';' read -ra sets <<< "${STEP_SETS:--}"
     for set in "${sets[@]}"; do
       gpu=$(( i % NGPU )); i=$(( i + 1 ))

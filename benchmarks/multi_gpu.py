@@ -2,7 +2,7 @@
 
   python benchmarks/multi_gpu.py --config configs/k3_tiny.yaml --steps 50 --out DIR [key=value ...]
   python benchmarks/multi_gpu.py --config configs/k3_1b.yaml --layouts one,context,context_experts \\
-      --steps 4 train.batch_size=1 data.seq_len=131072
+      --steps 4 train.batch_size=1 train.grad_accum=1 data.seq_len=131072
 
 Each layout is one ``benchmarks/bench_train.py`` process (the step ``train.py`` runs, same init
 and data), all started at once so that their compiles overlap; their steps run one layout at a

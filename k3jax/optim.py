@@ -167,9 +167,9 @@ NS_STEPS = 5
 #   as its added operand (XLA's GPU GEMM rewriter folds such an add into the cuBLAS call, as it
 #   does the LM head's ``dw +`` product: the step profile's ``badd`` kernels), so there is no
 #   pass over X. In bf16 its distance to a float64 iteration is that of "sums" on random
-#   matrices and 20% less on nearly low-rank ones. Not timed on the card yet: "sums" stays the
-#   default until benchmarks/optim.py has both side by side.
-NS_FORM = "sums"
+#   matrices and 20% less on nearly low-rank ones. k3_1b's whole update on an H200: 46.7 ms
+#   against 49.5 for "sums" (benchmarks/optim.py, both in one run: RESULTS.md, Training run 45).
+NS_FORM = "polynomial"
 _NS_DTYPE = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 
 

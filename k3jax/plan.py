@@ -9,7 +9,9 @@
   ``unsplit_params`` lists the leaves a rule asks to split over an axis that divides none of
   their dimensions (whole on every device of it), and ``warning`` names them when they hold
   more than 1% of the model (K3 on ``fsdp=2048``: the experts' ``w_down``, 1.8 TB per device);
-- ``activations``: per-device peak for ``model.remat`` and ``model.remat_skip``. With no expert,
+- ``activations``: per-device peak for ``model.remat`` and ``model.remat_skip``, of one
+  micro-batch (``--batch / train.grad_accum`` sequences: the step runs them one at a time, and
+  ``collectives`` counts each one's gathers and gradient reductions). With no expert,
   context or tensor split (``method: traced``) it is measured on the program itself: the residuals
   ``jax.vjp`` keeps from the forward to the backward of the loss (every layer under its remat
   policy, the kernels of ``--platform``, at the per-device batch), plus the larger of the two
@@ -457,22 +459,30 @@ def plan(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lower_lay
          compile_layers: int = -1, hlo_path: str | None = None) -> dict:
   devices = math.prod(sizes.values())
   tok_axes = math.prod(sizes[a] for a in ("data", "fsdp", "expert"))
-  if batch % tok_axes:
-    raise config_lib.ConfigError(f"--batch {batch} must be divisible by data*fsdp*expert = {tok_axes}")
+  accum = cfg.train.grad_accum
+  if batch % accum:
+    raise config_lib.ConfigError(f"--batch {batch} must be divisible by train.grad_accum = {accum}")
+  micro = batch // accum  # the step runs its micro-batches one after another
+  if micro % tok_axes:
+    raise config_lib.ConfigError(f"the micro-batch of {micro} sequences (--batch {batch} / "
+                                 f"train.grad_accum {accum}) must be divisible by "
+                                 f"data*fsdp*expert = {tok_axes}")
   if seq_len % (2 * sizes["context"]):
     raise config_lib.ConfigError(f"--seq-len {seq_len} must be divisible by 2*context = {2 * sizes['context']}")
   t0 = time.perf_counter()
   abstract = abstract_state(cfg)
   st = state_bytes(cfg, sizes, abstract)
   if all(sizes[a] == 1 for a in ("expert", "context", "tensor")):
-    act = traced_activations(cfg, batch // tok_axes, seq_len, platform, abstract)
+    act = traced_activations(cfg, micro // tok_axes, seq_len, platform, abstract)
   else:
-    act = activations(cfg, sizes, seq_len, batch)
-  coll = collectives(cfg, sizes, seq_len, batch, st)
+    act = activations(cfg, sizes, seq_len, micro)
+  # every micro-batch gathers the parameters again and reduces its own gradients
+  coll = {k: v * accum for k, v in collectives(cfg, sizes, seq_len, micro, st).items()}
   total = st["params"] + st["grads"] + st["optimizer"] + act["peak"]
   report = {
       "config": cfg.model.name, "mesh": sizes, "devices": devices, "seq_len": seq_len,
-      "batch": batch, "tokens_per_step": seq_len * batch, "moonep": cfg.mesh.moonep,
+      "batch": batch, "micro_batch": micro, "tokens_per_step": seq_len * batch,
+      "moonep": cfg.mesh.moonep,
       "total_params": st["total_params"],
       "per_device_bytes": {"params": st["params"], "grads": st["grads"],
                            "optimizer": st["optimizer"], "activations_peak": act["peak"],

@@ -140,7 +140,8 @@ def test_step_compiles_on_a_mesh(target, mesh):
   kernel left to the SPMD partitioner fails to compile; on GPU it compiles replicated, which
   the per-device batch in the kernels' shapes rules out."""
   sizes = plan.parse_mesh(mesh)
-  cfg = config_lib.load("configs/k3_1b.yaml", [f"mesh.{a}={s}" for a, s in sizes.items()])
+  cfg = config_lib.load("configs/k3_1b.yaml", [f"mesh.{a}={s}" for a, s in sizes.items()]
+                        + ["train.grad_accum=1"])  # the batch of 4 below in one micro-batch
   _devices(target, 1)
   batch, seq = 4, 256
   rep = plan.compile_step(cfg, sizes, seq, batch, 2, target)

@@ -97,6 +97,27 @@ def test_plan_report_tiny():
     plan.parse_mesh("pipeline=2")
 
 
+def test_plan_counts_one_micro_batch_of_activations_and_every_micro_batch_of_collectives():
+  """With ``train.grad_accum`` A the step runs A micro-batches one after another: activations
+  are those of one micro-batch (the plan of batch / A without accumulation), collectives A times
+  theirs; a batch the micro-batches cannot split over the token axes is a clear error."""
+  from k3jax import plan
+  sizes = plan.parse_mesh("data=2,expert=2,context=2")
+  load = lambda *o: config_lib.load("configs/k3_tiny.yaml", ["mesh.data=2", "mesh.expert=2",
+                                                             "mesh.context=2", *o])
+  acc3 = lambda: load("train.batch_size=12", "train.grad_accum=3")
+  acc = plan.plan(acc3(), sizes, 64, 12)
+  one = plan.plan(load(), sizes, 64, 4)
+  assert acc["micro_batch"] == 4 and acc["tokens_per_step"] == 3 * one["tokens_per_step"]
+  assert acc["per_device_bytes"]["activations_peak"] == one["per_device_bytes"]["activations_peak"]
+  for key, v in one["collectives_bytes_per_step"].items():
+    assert acc["collectives_bytes_per_step"][key] == pytest.approx(3 * v), key
+  with pytest.raises(ConfigError, match="micro-batch of 2 sequences"):
+    plan.plan(acc3(), sizes, 64, 6)
+  with pytest.raises(ConfigError, match="train.grad_accum = 3"):
+    plan.plan(acc3(), sizes, 64, 8)
+
+
 def test_plan_remat_skip_between_remat_and_none():
   """Layers taken out of the remat (``model.remat_skip``) raise the activation estimate from the
   remat policy's towards no remat, and their recompute's all-gathers leave the collectives."""
@@ -194,7 +215,8 @@ def test_plan_lowers_the_whole_step_with_the_targets_kernels(platform, kernels):
   kernel alone. k3_1b cut to 2 layers (one KDA, one MLA; its remat_skip cut too)."""
   from k3jax import plan
   sizes = plan.parse_mesh("fsdp=2,expert=2,context=2")
-  cfg = config_lib.load("configs/k3_1b.yaml", [f"mesh.{a}={s}" for a, s in sizes.items()])
+  cfg = config_lib.load("configs/k3_1b.yaml", [f"mesh.{a}={s}" for a, s in sizes.items()]
+                        + ["train.grad_accum=1"])  # the batch of 4 below in one micro-batch
   low = plan.lower_step(cfg, sizes, 512, 4, 2, platform)
   assert low["layers"] == 2 and set(low["kernel_calls"]) == kernels, low
   assert low["shard_map_collectives"]["all_to_all"] > 0  # the experts' dispatch and combine
