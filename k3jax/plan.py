@@ -64,7 +64,7 @@ from flax import nnx
 import pallas_kernels
 from k3jax import aot, config as config_lib
 from k3jax.config import Config, MeshConfig
-from sharding import mesh as mesh_lib
+from sharding import context_parallel, mesh as mesh_lib
 from sharding.expert_parallel import capacity
 from sharding.rules import logical_spec
 
@@ -237,10 +237,12 @@ def activations(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int) ->
   mla_layer = (n * a.num_heads * (2 * a.qk_head_dim + 2 * a.v_head_dim) * cb / tp
                + rows * seq_len * (a.kv_lora_rank + a.qk_rope_head_dim) * cb)
   if sizes["context"] > 1:
-    # the context-parallel MLA up-projects the gathered latents of the whole sequence into every
-    # head's keys and values (sharding/context_parallel.py): [rows, T, H, 192 + 128] at once
-    # (K3 at 1M tokens: 64 GB per layer, compiled for 2048 H200s on 2026-12-05)
-    mla_layer += rows * seq_len * a.num_heads * (a.qk_head_dim + a.v_head_dim) * cb / tp
+    # the context-parallel MLA up-projects the gathered latents into every head's keys and values
+    # one key block at a time (sharding/context_parallel.py: [rows, block, H, 192 + 128]) and keeps
+    # each block's output rows and log-sum-exps for the merge
+    kb = context_parallel.key_block(seq_len)
+    mla_layer += rows * kb * a.num_heads * (a.qk_head_dim + a.v_head_dim) * cb / tp
+    mla_layer += (seq_len // kb) * n * a.num_heads * (a.v_head_dim * cb + 4) / tp
   mo = m.moe
   width = mo.latent_dim or d
   r = sizes["expert"]

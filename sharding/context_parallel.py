@@ -16,7 +16,12 @@ queries are load-balanced for causal masking: the sequence is cut into ``2C`` ha
 ``r`` computes halves ``r`` and ``2C-1-r`` (one early, one late), exchanged with two
 ``ppermute``s and sent back after the attention. Each half attends the whole gathered sequence
 at its own (traced) offset through :func:`pallas_kernels.mla.mla_attention`, whose flash kernels
-skip the key blocks past the half's end and those holding none of its documents.
+skip the key blocks past the half's end and those holding none of its documents. Keys and values
+exist only ``KEY_BLOCK`` tokens at a time: the gathered latents are up-projected block by block
+(a ``lax.scan`` whose body runs again in the backward), each block's attention returns its
+rows' log-sum-exp, and the blocks' outputs are merged with softmax weights of those. Up-projecting
+the whole sequence at once took ``[B, S, H, 192 + 128]`` per layer (K3 at 1M tokens: 60 GiB, and
+as much for the gradients), more than an H200 holds.
 
 Both are single calls from the model layers and run only when the current mesh has a
 ``context`` axis larger than 1.
@@ -34,6 +39,9 @@ import pallas_kernels.mla as mla_ops
 from sharding.rules import logical_spec
 
 AXIS = "context"
+# Gathered keys up-projected at a time by the context-parallel MLA: K3's 96 heads of 192 + 128
+# dims at 131,072 keys are 7.5 GiB of bf16 keys and values (and as much for their gradients).
+KEY_BLOCK = 131072
 
 
 def axis_size(name: str = AXIS) -> int:
@@ -153,17 +161,45 @@ def _half_tables(c: int):
   return perm_a, perm_b, recv_a, recv_b
 
 
+def key_block(s: int, most: int = KEY_BLOCK) -> int:
+  """Keys per block for a gathered length ``s``: its largest divisor that is at most ``most``."""
+  return max(d for d in range(1, min(s, most) + 1) if s % d == 0)
+
+
+def _recomputed(f):
+  """``f`` whose backward runs it again (``jax.vjp``) from its saved inputs: what
+  ``jax.checkpoint`` does, also for Pallas TPU kernels in interpret mode, whose callbacks
+  ``checkpoint`` refuses to differentiate. f takes and returns pytrees of arrays."""
+  g = jax.custom_vjp(lambda *args: f(*args))
+  g.defvjp(lambda *args: (f(*args), args), lambda args, ct: jax.vjp(f, *args)[1](ct))
+  return g
+
+
+def _merge(o, lse):
+  """Attention over key blocks merged: o ``[nb, B, T, H, V]`` and lse ``[nb, B, T, H]`` (each
+  block's rows, ``-inf`` where a row sees none of its keys) -> ``[B, T, H, V]``, each block
+  weighted by ``exp(lse_b - logsumexp_b lse_b)`` (zeros for rows that see no key at all)."""
+  top = jax.lax.stop_gradient(jnp.max(lse, axis=0))
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  w = jnp.exp(lse - top)
+  total = jnp.sum(w, axis=0)
+  w = w / jnp.where(total > 0, total, 1.0)
+  acc = jnp.promote_types(o.dtype, jnp.float32)
+  return jnp.einsum("nbth,nbthv->bthv", w.astype(acc), o.astype(acc)).astype(o.dtype)
+
+
 def mla_attention(q, latent, w_kv, *, segment_ids=None, scale, nope_dim: int, balanced=True,
-                  implementation=None):
+                  implementation=None, block_keys: int = KEY_BLOCK):
   """Causal MLA attention with the sequence split over the ``context`` axis.
 
   q: ``[B, T, H, nope + rope]``; latent: ``[B, T, R + rope]`` (normalised ``c`` then the shared
   ``k_r``); w_kv: ``[R, H, nope + v]`` (``kv_b_proj`` per head: nope then v); segment_ids
-  ``[B, T]`` or None; implementation: :func:`pallas_kernels.mla.mla_attention`'s. Only the
-  latent crosses ranks. Each local query piece (with ``balanced``, the two zigzag halves) attends
-  the whole gathered sequence at its own offset, so the attention op's block tables skip the key
-  blocks past the piece's end and those holding none of its documents. Returns ``[B, T, H, v]``
-  in q's dtype.
+  ``[B, T]`` or None; implementation: :func:`pallas_kernels.mla.mla_attention`'s (with several key
+  blocks, one that returns the log-sum-exp: ``"cudnn"`` cannot). Only the latent crosses ranks.
+  Each local query piece (with ``balanced``, the two zigzag halves) attends the whole gathered
+  sequence at its own offset, so the attention op's block tables skip the key blocks past the
+  piece's end and those holding none of its documents; the gathered keys are up-projected
+  :func:`key_block` ``(T, block_keys)`` at a time. Returns ``[B, T, H, v]`` in q's dtype.
   """
   b, t, h, dq = q.shape
   r = w_kv.shape[0]
@@ -171,6 +207,8 @@ def mla_attention(q, latent, w_kv, *, segment_ids=None, scale, nope_dim: int, ba
   if t % (2 * c):
     raise ValueError(f"context-parallel MLA: sequence length {t} must be divisible by twice the "
                      f"context axis size ({2 * c})")
+  kb = key_block(t, block_keys)
+  nb = t // kb
   seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
   perm_a, perm_b, recv_a, recv_b = _half_tables(c)
   qs = logical_spec(("batch", "length", "heads", None))
@@ -181,30 +219,46 @@ def mla_attention(q, latent, w_kv, *, segment_ids=None, scale, nope_dim: int, ba
     idx = jax.lax.axis_index(AXIS)
     lat_all = jax.lax.all_gather(lat, AXIS, axis=1, tiled=True)  # [B, T, R + rope]
     seg_all = jax.lax.all_gather(seg, AXIS, axis=1, tiled=True)  # [B, T]
-    kv = jnp.einsum("btr,rhd->bthd", lat_all[..., :r], w.astype(lat_all.dtype))
-    k_r = jnp.broadcast_to(lat_all[:, :, None, r:], kv.shape[:3] + (lat_all.shape[-1] - r,))
-    keys = jnp.concatenate([kv[..., :nope_dim], k_r], -1)
-    vals = kv[..., nope_dim:]
+    if balanced:
+      half = q.shape[1] // 2
+      ha, hb = jnp.asarray(recv_a)[idx], jnp.asarray(recv_b)[idx]
+      pieces = [(jax.lax.ppermute(q[:, :half], AXIS, perm_a), ha * half),
+                (jax.lax.ppermute(q[:, half:], AXIS, perm_b), hb * half)]
+    else:
+      pieces = [(q, idx * q.shape[1])]  # query rows at global positions start .. start + len - 1
 
-    def attend(piece, start):  # query rows at global positions start .. start + len - 1
-      q_seg = jax.lax.dynamic_slice_in_dim(seg_all, start, piece.shape[1], axis=1)
-      return mla_ops.mla_attention(piece, keys, vals, segment_ids=q_seg, kv_segment_ids=seg_all,
-                                   q_offset=start, causal=True, scale=scale,
-                                   implementation=implementation)
+    qs, starts = [p for p, _ in pieces], [start for _, start in pieces]
 
+    def attend(qs, starts, w, seg_all, lat_b, seg_b, k0, lse=True):
+      """Every piece against the keys k0 .. k0 + kb - 1: [(o, lse)] (lse) or [o]."""
+      kv = jnp.einsum("btr,rhd->bthd", lat_b[..., :r], w.astype(lat_b.dtype))
+      k_r = jnp.broadcast_to(lat_b[:, :, None, r:], kv.shape[:3] + (lat_b.shape[-1] - r,))
+      keys = jnp.concatenate([kv[..., :nope_dim], k_r], -1)
+      return [mla_ops.mla_attention(
+          piece, keys, kv[..., nope_dim:], causal=True, scale=scale, return_lse=lse,
+          segment_ids=jax.lax.dynamic_slice_in_dim(seg_all, start, piece.shape[1], axis=1),
+          kv_segment_ids=seg_b, q_offset=start - k0, implementation=implementation)
+          for piece, start in zip(qs, starts)]
+
+    if nb == 1:
+      outs = attend(qs, starts, w, seg_all, lat_all, seg_all, jnp.int32(0), lse=False)
+    else:
+      rows = lat_all.shape[0]  # this device's
+      blocks = (lat_all.reshape(rows, nb, kb, -1).swapaxes(0, 1),
+                seg_all.reshape(rows, nb, kb).swapaxes(0, 1), jnp.arange(nb, dtype=jnp.int32) * kb)
+      step = _recomputed(attend)  # one block's keys and values at a time, in the backward too
+      _, per_block = jax.lax.scan(lambda carry, x: (carry, step(qs, starts, w, seg_all, *x)),
+                                  None, blocks)
+      outs = [_merge(o, lse) for o, lse in per_block]
     if not balanced:
-      return attend(q, idx * q.shape[1])
-    half = q.shape[1] // 2
-    ha, hb = jnp.asarray(recv_a)[idx], jnp.asarray(recv_b)[idx]
-    oa = attend(jax.lax.ppermute(q[:, :half], AXIS, perm_a), ha * half)
-    ob = attend(jax.lax.ppermute(q[:, half:], AXIS, perm_b), hb * half)
+      return outs[0]
     inv = lambda perm: [(d, s) for s, d in perm]
-    return jnp.concatenate([jax.lax.ppermute(oa, AXIS, inv(perm_a)),
-                            jax.lax.ppermute(ob, AXIS, inv(perm_b))], axis=1)
+    return jnp.concatenate([jax.lax.ppermute(outs[0], AXIS, inv(perm_a)),
+                            jax.lax.ppermute(outs[1], AXIS, inv(perm_b))], axis=1)
 
   fn = jax.shard_map(body, in_specs=(qs, ls, ws, logical_spec(("batch", "length"))),
                      out_specs=qs, check_vma=False)
   return fn(q, latent, w_kv, seg)
 
 
-__all__ = ["active", "axis_size", "kda", "mla_attention"]
+__all__ = ["active", "axis_size", "kda", "key_block", "mla_attention"]

@@ -16,13 +16,14 @@ from pallas_kernels.mla import (decode, fast_forward_pallas_grad, mla_attention,
 SMALL = prefill.Blocks(fwd_q=16, fwd_k=16, dkv_q=16, dkv_k=16, dq_q=16, dq_k=16)
 
 
-def np_attention(q, k, v, seg, causal, scale, do, kv_seg=None, off=None):
+def np_attention(q, k, v, seg, causal, scale, do, kv_seg=None, off=None, dlse=None):
   """Float64 attention and its gradients, one (batch, head) at a time: ``o, dq, dk, dv``.
-  Query i sits at key position ``off + i`` (default ``S - T``); kv_seg defaults to seg."""
+  Query i sits at key position ``off + i`` (default ``S - T``); kv_seg defaults to seg. With
+  ``dlse`` (``[B, T, H]``, the cotangent of each row's log-sum-exp) ``o, lse, dq, dk, dv``."""
   q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
   b, t, h, _ = q.shape
   s = k.shape[1]
-  o = np.zeros(do.shape)
+  o, lse = np.zeros(do.shape), np.full((b, t, h), -np.inf)
   dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
   i = np.arange(t)[:, None] + (s - t if off is None else off)
   j = np.arange(s)[None, :]
@@ -36,14 +37,18 @@ def np_attention(q, k, v, seg, causal, scale, do, kv_seg=None, off=None):
       logits = np.where(mask, qq @ kk.T * scale, -np.inf)
       top = np.where(mask.any(1, keepdims=True), logits.max(1, keepdims=True), 0.0)
       p = np.exp(logits - top) * mask
-      p /= np.maximum(p.sum(1, keepdims=True), 1e-300)
+      total = p.sum(1)
+      lse[bi, total > 0, hi] = (top[:, 0] + np.log(np.maximum(total, 1e-300)))[total > 0]
+      p /= np.maximum(total[:, None], 1e-300)
       o[bi, :, hi] = p @ vv
       dp = dd @ vv.T
       ds = p * (dp - (dp * p).sum(1, keepdims=True))
+      if dlse is not None:
+        ds += p * np.asarray(dlse, np.float64)[bi, :, hi, None]
       dq[bi, :, hi] = ds @ kk * scale
       dk[bi, :, hi] = ds.T @ qq * scale
       dv[bi, :, hi] = p.T @ dd
-  return o, dq, dk, dv
+  return (o, dq, dk, dv) if dlse is None else (o, lse, dq, dk, dv)
 
 
 def np_paged_decode(q, cache, table, lengths, r, scale):
@@ -167,6 +172,35 @@ def _check_window(backend, *, t, s, off, kv_seg, causal=True, h=1, seed=0):
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
 def test_prefill_window_at_traced_offset_into_longer_keys(backend):
   _check_window(backend, t=37, s=100, off=50, kv_seg=KV_DOCS, seed=10)
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu", "xla"])
+def test_log_sum_exp_output_and_its_gradient(impl):
+  """``return_lse``: each row's log-sum-exp (``-inf`` for the rows whose document has no key in
+  the window) and the gradients of a loss of both outputs, against the float64 loop, for a
+  query window at a traced offset into longer keys."""
+  t, s, off, h = 29, 80, 40, 2
+  q, k, v, do = _inputs(12, 2, t, s, h, 48, 32)
+  dl = jax.random.normal(jax.random.key(13), (2, t, h))
+  kv_seg = jnp.asarray(KV_DOCS[:, :s])
+  q_seg = kv_seg[:, off:off + t].at[0, 3:6].set(99)  # a document with no key: no visible key
+  scale = 48 ** -0.5
+  seen = np.asarray(q_seg != 99)[..., None]
+
+  @jax.jit
+  def run(q, k, v, off):
+    def f(q, k, v):
+      return mla_attention(q, k, v, segment_ids=q_seg, kv_segment_ids=kv_seg, q_offset=off,
+                           scale=scale, implementation=impl, return_lse=True)
+    (o, lse), vjp = jax.vjp(f, q, k, v)
+    return o, lse, *vjp((do, jnp.where(jnp.isfinite(lse), dl, 0.0)))
+
+  got = run(q, k, v, jnp.int32(off))
+  want = np_attention(q, k, v, np.asarray(q_seg), True, scale, do, kv_seg=np.asarray(kv_seg),
+                      off=off, dlse=np.where(seen, np.asarray(dl), 0.0))
+  assert np.isneginf(np.asarray(got[1])[~np.broadcast_to(seen, got[1].shape)]).all()
+  for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+    np.testing.assert_allclose(np.asarray(g), w, rtol=2e-4, atol=2e-4, err_msg=name)
 
 
 def test_prefill_gpu_window_single_token_and_not_causal():

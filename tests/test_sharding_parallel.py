@@ -60,10 +60,11 @@ def test_kda_context_parallel():
 
 def test_mla_context_parallel():
   """Values and gradients vs dense causal attention: balanced (zigzag: each half at its offset
-  into the gathered keys) and plain splits, through the XLA reference (float64) and the Pallas
-  GPU and TPU kernels (interpret mode, float32 accumulation)."""
+  into the gathered keys) and plain splits, the keys up-projected whole or in blocks merged by
+  their log-sum-exps, through the XLA reference (float64) and the Pallas GPU and TPU kernels
+  (interpret mode, float32 accumulation)."""
   out = _run("mla_context")
-  assert len(out) == 8
+  assert len(out) == 12
   for case, err in out.items():
     assert max(err.values()) < (TOL if case.endswith("/xla") else 1e-5), (case, err)
 

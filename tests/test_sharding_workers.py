@@ -210,15 +210,21 @@ def mla_context():
   ref = jax.jit(jax.value_and_grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2), has_aux=True))
   (_, o1), g1 = ref(q, lat, w)
   out = {}
-  for mname, sizes in (("context4", dict(data=2, context=4)), ("context8", dict(context=8))):
-    # balanced: each zigzag half at its offset into the gathered sequence; the reference and
-    # the Pallas kernels (interpret mode)
-    kernels = ((True, "pallas_gpu"), (False, "pallas_gpu"), (True, "pallas_tpu"))
-    for balanced, impl in ((True, "xla"), (False, "xla"),
-                           *(kernels if mname == "context8" else kernels[:1])):
+  kernels = ((True, "pallas_gpu"), (False, "pallas_gpu"), (True, "pallas_tpu"))
+  # balanced: each zigzag half at its offset into the gathered sequence; the reference and the
+  # Pallas kernels (interpret mode); key blocks of 8: the keys up-projected 8 at a time and the
+  # blocks' attention merged by their log-sum-exps (blocks wholly after a half, and rows whose
+  # document has no key in a block)
+  cases = [("context4", dict(data=2, context=4), None, ((True, "xla"), (False, "xla"), kernels[0])),
+           ("context8", dict(context=8), None, ((True, "xla"), (False, "xla"), *kernels)),
+           ("context4/blocks8", dict(data=2, context=4), 8, ((True, "xla"), (False, "xla"),
+                                                               kernels[0], kernels[2]))]
+  for mname, sizes, key_block, runs in cases:
+    for balanced, impl in runs:
+      blocks = {} if key_block is None else {"block_keys": key_block}
       fn = lambda q, lat, w: cp.mla_attention(q, lat, w, segment_ids=seg, scale=scale,
                                               nope_dim=nope, balanced=balanced,
-                                              implementation=impl)
+                                              implementation=impl, **blocks)
       with jax.set_mesh(_mesh(**sizes)):
         (_, o2), g2 = jax.jit(jax.value_and_grad(lambda *a: loss(fn, *a), argnums=(0, 1, 2),
                                                  has_aux=True))(q, lat, w)

@@ -34,28 +34,34 @@ def resolve(implementation: str | None) -> str:
 
 
 def mla_attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=None, causal=True,
-                  scale=None, implementation=None):
+                  scale=None, implementation=None, return_lse=False):
   """Softmax attention with MLA's shapes (query/key dim != value dim).
 
   q: ``[B, T, H, Dk]``; k: ``[B, S, H, Dk]``; v: ``[B, S, H, Dv]``; segment_ids: ``[B, T]`` (the
   queries') or None; kv_segment_ids: ``[B, S]`` (the keys'; default segment_ids, then T == S).
   q_offset: int or int32 scalar (may be traced), the key position of query row 0 (default
   ``S - T``: the last query with the last key); causal lets query i see keys ``j <= q_offset + i``.
-  Returns ``[B, T, H, Dv]`` in q's dtype (float32 accumulation).
+  Returns ``[B, T, H, Dv]`` in q's dtype (float32 accumulation); with ``return_lse`` also each
+  row's log-sum-exp of its visible scaled scores ``[B, T, H]`` float32 (``-inf`` where it sees no
+  key), differentiable (the XLA and Pallas implementations; ``"cudnn_fwd"`` then runs Pallas).
   """
   impl = resolve(implementation)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   masks = dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset)
   if impl == "xla":
-    return reference.attention(q, k, v, **masks, causal=causal, scale=scale)
+    return reference.attention(q, k, v, **masks, causal=causal, scale=scale,
+                               return_lse=return_lse)
   if impl == "cudnn":
+    if return_lse:
+      raise ValueError("mla_attention: return_lse needs the XLA or a Pallas implementation "
+                       "(cuDNN's log-sum-exp is not exposed)")
     return padded_dot_product_attention(q, k, v, **masks, causal=causal, scale=scale)
-  if (impl == "cudnn_fwd" and segment_ids is None and q_offset is None
+  if (impl == "cudnn_fwd" and not return_lse and segment_ids is None and q_offset is None
       and q.shape[1] == k.shape[1]):
     return fast_forward_pallas_grad(q, k, v, bool(causal), float(scale), "cudnn")
   from pallas_kernels.mla import prefill
   return prefill.mla_attention(q, k, v, **masks, causal=causal, scale=scale,
-                               backend=_pallas_backend(impl))
+                               backend=_pallas_backend(impl), return_lse=return_lse)
 
 
 def _pallas_backend(impl: str) -> str:

@@ -18,6 +18,9 @@ the blocks that intersect the query block's documents.
 
 Softmax runs in base 2 (scores pre-multiplied by ``scale * log2(e)``); the forward saves the
 base-2 log-sum-exp ``[B, H, T]`` (``+inf`` for rows that see no key, so their probabilities are 0).
+With ``return_lse`` it is also an output (natural log, ``-inf`` for those rows), differentiable:
+its cotangent ``g`` enters the backward as ``delta - g`` (``dS = P (dP - delta + g)``), so
+attention over key blocks can be merged outside the kernel (``sharding.context_parallel``).
 """
 
 from __future__ import annotations
@@ -378,10 +381,12 @@ def _gpu_fwd(q, k, v, qseg, kseg, off, st: _Static):
       interpret=st.interpret, name="mla_fwd")(rows, off[None], q, k, v, *seg_args)
 
 
-def _gpu_bwd(q, k, v, qseg, kseg, off, o, lse, do, st: _Static):
+def _gpu_bwd(q, k, v, qseg, kseg, off, o, lse, do, dlse, st: _Static):
+  """dlse: the cotangent of the base-2 log-sum-exp ``[B, H, Tp]``."""
   b, tp, h, dk = q.shape
   sp, dv = k.shape[1], v.shape[-1]
-  delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+  delta = (jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+           - dlse * LOG2E)
   segmented = qseg is not None
   bsel = (lambda bi: bi) if segmented else (lambda bi: 0)
   parts = dict(dk_parts=_pow2_parts(dk), dv_parts=_pow2_parts(dv), segmented=segmented)
@@ -598,11 +603,12 @@ def _tpu_fwd(q, k, v, qseg, kseg, off, st: _Static):
       (b, h, nq, nk), st, "mla_fwd")
 
 
-def _tpu_bwd(q, k, v, qseg, kseg, off, o, lse, do, st: _Static):
-  """All in TPU layout ``[B, H, T, D]``; lse ``[B, H, Tp, 1]``."""
+def _tpu_bwd(q, k, v, qseg, kseg, off, o, lse, do, dlse, st: _Static):
+  """All in TPU layout ``[B, H, T, D]``; lse and its cotangent dlse ``[B, H, Tp, 1]``."""
   b, h, tp, dk = q.shape
   sp, dv = k.shape[2], v.shape[-1]
-  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), -1, keepdims=True)
+  delta = (jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), -1, keepdims=True)
+           - dlse * LOG2E)
   segmented = qseg is not None
   seg_args = _tpu_seg_args(qseg, kseg)
   tables = functools.partial(block_tables, qseg, kseg, t=st.t, s=st.s, tp=tp, sp=sp,
@@ -667,22 +673,24 @@ def _forward(q, k, v, qseg, kseg, off, st: _Static):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _attention(q, k, v, qseg, kseg, off, st: _Static):
   """Padded q ``[B, Tp, H, Dk]``, k ``[B, Sp, H, Dk]``, v ``[B, Sp, H, Dv]``, segment ids
-  ``[B, Tp]`` / ``[B, Sp]`` (or None), off int32 ``[]`` -> ``[B, Tp, H, Dv]``."""
-  return _forward(q, k, v, qseg, kseg, off, st)[0]
+  ``[B, Tp]`` / ``[B, Sp]`` (or None), off int32 ``[]`` -> (``[B, Tp, H, Dv]``, the base-2
+  log-sum-exp in the backend's layout: GPU ``[B, H, Tp]``, TPU ``[B, H, Tp, 1]``)."""
+  return _forward(q, k, v, qseg, kseg, off, st)
 
 
 def _attention_fwd(q, k, v, qseg, kseg, off, st: _Static):
   o, lse = _forward(q, k, v, qseg, kseg, off, st)
-  return o, (q, k, v, qseg, kseg, off, o, lse)
+  return (o, lse), (q, k, v, qseg, kseg, off, o, lse)
 
 
-def _attention_bwd(st: _Static, res, do):
+def _attention_bwd(st: _Static, res, cts):
   q, k, v, qseg, kseg, off, o, lse = res
+  do, dlse = cts
   if st.backend == "gpu":
-    dq, dk, dv = _gpu_bwd(q, k, v, qseg, kseg, off, o, lse, do, st)
+    dq, dk, dv = _gpu_bwd(q, k, v, qseg, kseg, off, o, lse, do, dlse, st)
   else:
     dq, dk, dv = map(_to_tpu, _tpu_bwd(*map(_to_tpu, (q, k, v)), qseg, kseg, off, _to_tpu(o),
-                                       lse, _to_tpu(do), st))
+                                       lse, _to_tpu(do), dlse, st))
   return dq, dk, dv, None, None, None
 
 
@@ -695,9 +703,10 @@ def _pad_seq(x, n, mode="constant"):
 
 
 def mla_attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=None, causal=True,
-                  scale, backend, blocks=None, interpret=None):
+                  scale, backend, blocks=None, interpret=None, return_lse=False):
   """Flash attention over q ``[B, T, H, Dk]``, k ``[B, S, H, Dk]``, v ``[B, S, H, Dv]`` ->
-  ``[B, T, H, Dv]`` (q's dtype).
+  ``[B, T, H, Dv]`` (q's dtype); with ``return_lse`` also each row's log-sum-exp of its visible
+  scaled scores ``[B, T, H]`` float32 (``-inf`` where it sees no key), differentiable.
 
   Query i may see key j iff (not causal or ``j <= q_offset + i``) and the segment ids agree;
   rows that see no key give zeros. q_offset: int or int32 scalar array (may be traced), the key
@@ -746,9 +755,12 @@ def mla_attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=No
     kv = segment_ids if kv_segment_ids is None else kv_segment_ids
     qseg = _pad_seq(segment_ids.astype(jnp.int32), tp, mode="edge")
     kseg = _pad_seq(kv.astype(jnp.int32), sp, mode="edge")
-  o = _attention(_pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp), qseg, kseg,
-                 off.astype(jnp.int32), st)
-  return o[:, :t]
+  o, lse = _attention(_pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp), qseg, kseg,
+                      off.astype(jnp.int32), st)
+  if not return_lse:
+    return o[:, :t]
+  lse = (lse if backend == "gpu" else lse[..., 0])[:, :, :t].transpose(0, 2, 1)  # [B, T, H]
+  return o[:, :t], jnp.where(lse == jnp.inf, -jnp.inf, lse / LOG2E)
 
 
 __all__ = ["mla_attention", "Blocks", "GPU_BLOCKS", "TPU_BLOCKS", "block_tables"]

@@ -26,18 +26,26 @@ def attention_mask(t: int, s: int, segment_ids=None, causal=True, *, kv_segment_
 
 
 def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=None, causal=True,
-              scale):
+              scale, return_lse=False):
   """q ``[B,T,H,Dk]``, k ``[B,S,H,Dk]``, v ``[B,S,H,Dv]`` -> ``[B,T,H,Dv]`` (mask: see
-  ``attention_mask``; rows that see no key give zeros)."""
+  ``attention_mask``; rows that see no key give zeros); with ``return_lse`` also each row's
+  log-sum-exp of its visible scaled scores ``[B,T,H]`` (``-inf`` where it sees no key)."""
   acc = jnp.promote_types(q.dtype, jnp.float32)
   s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=acc) * scale
   mask = attention_mask(q.shape[1], k.shape[1], segment_ids, causal,
                         kv_segment_ids=kv_segment_ids, q_offset=q_offset)[:, None]
   s = jnp.where(mask, s, -jnp.inf)
-  p = jax.nn.softmax(s, axis=-1)
-  p = jnp.where(mask, p, 0.0)  # rows with no visible key give zeros, not NaN
+  top = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  e = jnp.where(mask, jnp.exp(s - top), 0.0)
+  total = jnp.sum(e, axis=-1, keepdims=True)
+  seen = total > 0
+  p = e / jnp.where(seen, total, 1.0)  # rows with no visible key give zeros, not NaN
   o = jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v, preferred_element_type=acc)
-  return o.astype(q.dtype)
+  if not return_lse:
+    return o.astype(q.dtype)
+  lse = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)[..., 0]
+  return o.astype(q.dtype), lse.transpose(0, 2, 1)
 
 
 def paged_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale):
