@@ -227,9 +227,9 @@ def mla_attention(q, latent, w_kv, *, segment_ids=None, scale, nope_dim: int, ba
     else:
       pieces = [(q, idx * q.shape[1])]  # query rows at global positions start .. start + len - 1
 
-    qs, starts = [p for p, _ in pieces], [start for _, start in pieces]
+    queries, starts = [p for p, _ in pieces], [start for _, start in pieces]
 
-    def attend(qs, starts, w, seg_all, lat_b, seg_b, k0, lse=True):
+    def attend(queries, starts, w, seg_all, lat_b, seg_b, k0, lse=True):
       """Every piece against the keys k0 .. k0 + kb - 1: [(o, lse)] (lse) or [o]."""
       kv = jnp.einsum("btr,rhd->bthd", lat_b[..., :r], w.astype(lat_b.dtype))
       k_r = jnp.broadcast_to(lat_b[:, :, None, r:], kv.shape[:3] + (lat_b.shape[-1] - r,))
@@ -238,17 +238,17 @@ def mla_attention(q, latent, w_kv, *, segment_ids=None, scale, nope_dim: int, ba
           piece, keys, kv[..., nope_dim:], causal=True, scale=scale, return_lse=lse,
           segment_ids=jax.lax.dynamic_slice_in_dim(seg_all, start, piece.shape[1], axis=1),
           kv_segment_ids=seg_b, q_offset=start - k0, implementation=implementation)
-          for piece, start in zip(qs, starts)]
+          for piece, start in zip(queries, starts)]
 
     if nb == 1:
-      outs = attend(qs, starts, w, seg_all, lat_all, seg_all, jnp.int32(0), lse=False)
+      outs = attend(queries, starts, w, seg_all, lat_all, seg_all, jnp.int32(0), lse=False)
     else:
       rows = lat_all.shape[0]  # this device's
       blocks = (lat_all.reshape(rows, nb, kb, -1).swapaxes(0, 1),
                 seg_all.reshape(rows, nb, kb).swapaxes(0, 1), jnp.arange(nb, dtype=jnp.int32) * kb)
       step = _recomputed(attend)  # one block's keys and values at a time, in the backward too
-      _, per_block = jax.lax.scan(lambda carry, x: (carry, step(qs, starts, w, seg_all, *x)),
-                                  None, blocks)
+      _, per_block = jax.lax.scan(
+          lambda carry, x: (carry, step(queries, starts, w, seg_all, *x)), None, blocks)
       outs = [_merge(o, lse) for o, lse in per_block]
     if not balanced:
       return outs[0]
