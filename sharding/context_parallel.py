@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels.kda as kda_ops
 import pallas_kernels.mla as mla_ops
+from pallas_kernels.mla import reference as mla_reference
 from sharding.rules import logical_spec
 
 AXIS = "context"
@@ -175,19 +176,6 @@ def _recomputed(f):
   return g
 
 
-def _merge(o, lse):
-  """Attention over key blocks merged: o ``[nb, B, T, H, V]`` and lse ``[nb, B, T, H]`` (each
-  block's rows, ``-inf`` where a row sees none of its keys) -> ``[B, T, H, V]``, each block
-  weighted by ``exp(lse_b - logsumexp_b lse_b)`` (zeros for rows that see no key at all)."""
-  top = jax.lax.stop_gradient(jnp.max(lse, axis=0))
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
-  w = jnp.exp(lse - top)
-  total = jnp.sum(w, axis=0)
-  w = w / jnp.where(total > 0, total, 1.0)
-  acc = jnp.promote_types(o.dtype, jnp.float32)
-  return jnp.einsum("nbth,nbthv->bthv", w.astype(acc), o.astype(acc)).astype(o.dtype)
-
-
 def mla_attention(q, latent, w_kv, *, segment_ids=None, scale, nope_dim: int, balanced=True,
                   implementation=None, block_keys: int = KEY_BLOCK):
   """Causal MLA attention with the sequence split over the ``context`` axis.
@@ -249,7 +237,7 @@ def mla_attention(q, latent, w_kv, *, segment_ids=None, scale, nope_dim: int, ba
       step = _recomputed(attend)  # one block's keys and values at a time, in the backward too
       _, per_block = jax.lax.scan(
           lambda carry, x: (carry, step(queries, starts, w, seg_all, *x)), None, blocks)
-      outs = [_merge(o, lse) for o, lse in per_block]
+      outs = [mla_reference.merge_partials(o, lse, 0) for o, lse in per_block]
     if not balanced:
       return outs[0]
     inv = lambda perm: [(d, s) for s, d in perm]

@@ -25,6 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import default_backend, num_sms, wgmma
+from pallas_kernels.mla import reference
 from pallas_kernels.mla.prefill import (LOG2E, _dot_nt, _finish, _gpu_params, _pow2_parts,
                                         _scores, _softmax_step)
 
@@ -52,12 +53,7 @@ MGPU_WAVES = 8
 
 def _merge(o_part, lse_part):
   """``[N, S, R, Dv]`` partial outputs and base-2 lse ``[N, S, R]`` -> ``[N, R, Dv]``."""
-  if o_part.shape[1] == 1:
-    return o_part[:, 0]
-  mx = lse_part.max(1, keepdims=True)
-  w = jnp.exp2(lse_part - jnp.where(mx == -jnp.inf, 0.0, mx))
-  den = w.sum(1)
-  return (o_part * w[..., None]).sum(1) / jnp.where(den > 0, den, 1.0)[..., None]
+  return reference.merge_partials(o_part, lse_part, 1, base2=True)
 
 
 # --------------------------------------------------------------------------- GPU (Triton)

@@ -48,6 +48,25 @@ def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=None, 
   return o.astype(q.dtype), lse.transpose(0, 2, 1)
 
 
+def merge_partials(o, lse, axis: int, *, base2: bool = False):
+  """Attention over disjoint key sets merged into attention over all of them: o, partial outputs
+  each normalised over its own keys, with the parts along ``axis``, and lse, their rows'
+  log-sum-exps (o's shape less its last dim; natural log, or base 2 with ``base2``; ``-inf``
+  where a part sees no key). Each part is weighted by ``exp(lse - logsumexp(lse))`` over the
+  parts; rows that see no key at all give zeros. Computed in float32 (or wider), returned in o's
+  dtype; differentiable in o and lse (the split-K decode's combine and the context-parallel
+  MLA's key blocks)."""
+  if o.shape[axis] == 1:
+    return jnp.squeeze(o, axis)
+  top = jax.lax.stop_gradient(jnp.max(lse, axis=axis, keepdims=True))
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  w = (jnp.exp2 if base2 else jnp.exp)(lse - top)
+  total = jnp.sum(w, axis=axis, keepdims=True)
+  acc = jnp.promote_types(o.dtype, jnp.float32)
+  w = (w / jnp.where(total > 0, total, 1.0)).astype(acc)
+  return jnp.sum(w[..., None] * o.astype(acc), axis=axis).astype(o.dtype)
+
+
 def paged_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale):
   """q ``[N,Tn,H,R+Dr]``, cache ``[P,ps,R+Dr]`` -> ``[N,Tn,H,R]`` (see ``mla_decode``)."""
   n, tn = q.shape[:2]
