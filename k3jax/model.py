@@ -100,13 +100,46 @@ def _apply_layer(layer, x, blocks, segment_ids, valid, cache, decode, lengths):
                lengths=lengths)
 
 
+def _tie_cotangents(f):
+  """``f`` (pytrees of arrays in and out) whose backward hands out all its input cotangents at
+  once (``lax.optimization_barrier``); the same values as ``f``'s own VJP."""
+  g = jax.custom_vjp(f)
+
+  def bwd(vjp, ct):
+    leaves, tree = jax.tree.flatten(vjp(ct))
+    real = [i for i, v in enumerate(leaves) if v.dtype != jax.dtypes.float0]
+    for i, v in zip(real, jax.lax.optimization_barrier([leaves[i] for i in real])):
+      leaves[i] = v
+    return tree.unflatten(leaves)
+
+  g.defvjp(lambda *args: jax.vjp(f, *args), bwd)
+  return g
+
+
+def _tied(fn):
+  """``fn`` (an :func:`_apply_layer`) whose backward yields the layer's parameter gradients with
+  its input gradients (``model.layer_grad_barrier``): the layer below starts its backward only
+  once this layer's weight gradients (the grouped matmuls' ``tgmm``, the per-channel gradients
+  summed over tokens, their reductions over the mesh) are done, so none of their operands
+  stays live into it."""
+  def call(layer, x, blocks, segment_ids, valid, cache, decode, lengths):
+    graphdef, state = nnx.split(layer)
+    pure = lambda state, x, blocks, segment_ids, valid: fn(
+        nnx.merge(graphdef, state), x, blocks, segment_ids, valid, cache, decode, lengths)
+    return _tie_cotangents(pure)(state, x, blocks, segment_ids, valid)
+  return call
+
+
 def layer_call(cfg: ModelConfig, i: int, cache=None):
   """What :meth:`K3Model.hidden` calls for layer ``i``: ``f(layer, x, blocks, segment_ids, valid,
   cache, decode, lengths)``, under ``cfg.remat``'s policy when layer ``i`` is a remat layer and
   there is no decode cache."""
+  fn = _apply_layer
   if cfg.is_remat(i) and cache is None:
-    return nnx.remat(_apply_layer, policy=_REMAT_POLICIES[cfg.remat], static_argnums=(6,))
-  return _apply_layer
+    fn = nnx.remat(_apply_layer, policy=_REMAT_POLICIES[cfg.remat], static_argnums=(6,))
+  if cfg.layer_grad_barrier and cache is None:
+    fn = _tied(fn)
+  return fn
 
 
 class K3Model(nnx.Module):

@@ -129,7 +129,7 @@ def state_bytes(cfg: Config, sizes: dict[str, int], abstract=None) -> dict:
     per_leaf.append({"path": mesh_lib.path_key(path), "bytes": _nbytes(x),
                      "local": _nbytes(x) / split, "axes": axes,
                      "expert": bool(n and n[0] == "expert")})
-  tx, _ = make_optimizer(cfg, params)
+  tx, _ = make_optimizer(cfg, params, names)
   opt = jax.eval_shape(tx.init, params)
   by_path = {leaf["path"]: leaf for leaf in per_leaf}
   opt_local = 0.0
@@ -375,7 +375,7 @@ def _traced_step(cfg: Config, mesh, seq_len: int, batch: int, target: str):
   in_mesh = (jax.sharding.use_abstract_mesh if isinstance(mesh, jax.sharding.AbstractMesh)
              else jax.set_mesh)
   with in_mesh(mesh), pallas_kernels.target_platform(target):
-    tx, schedule = make_optimizer(cfg, params)
+    tx, schedule = make_optimizer(cfg, params, names)
     step_fn = ts.make_train_step(cfg, graphdef, tx, schedule)
     psh = mesh_lib.pure_shardings(params, mesh, names)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels.moe as moe_ops
+from pallas_kernels.moe.reference import move_rows
 from sharding import moonep as moonep_lib
 from sharding.context_parallel import axis_size
 from sharding.rules import logical_spec, per_device, token_spec
@@ -85,6 +86,14 @@ def _rank_within(keys, num_keys):
   return jnp.zeros((m,), jnp.int32).at[order].set(rank_sorted)
 
 
+def _inverse(index, size: int):
+  """``[size]`` inverse of the partial map ``index [P]`` (``index >= size``: dropped): P where
+  nothing lands."""
+  p = index.shape[0]
+  return jnp.full((size,), p, jnp.int32).at[index].set(jnp.arange(p, dtype=jnp.int32),
+                                                        mode="drop")
+
+
 def moe_dispatch(x, expert_ids, weights, w_gate_up, w_down, activation, *, capacity_factor=0.0,
                  implementation=None, moonep: bool | None = None):
   """Routed experts over the expert axis: same contract as :func:`pallas_kernels.moe.expert_mlp`.
@@ -107,6 +116,9 @@ def moe_dispatch(x, expert_ids, weights, w_gate_up, w_down, activation, *, capac
   slots = er if moonep else 0
 
   def body(x, ids, wts, w1, w2):
+    # The weights' gathers wait for this layer's tokens: XLA otherwise starts every layer's at
+    # the top of the step (K3 at 1M, 16 layers: 24 GB of gathered expert weights live at once).
+    x, w1, w2 = jax.lax.optimization_barrier((x, w1, w2))
     w1 = _gather_weight(w1, w1_spec)  # [er, L, 2F]
     w2 = _gather_weight(w2, w2_spec)  # [er, F, L]
     n, width = x.shape
@@ -123,9 +135,12 @@ def moe_dispatch(x, expert_ids, weights, w_gate_up, w_down, activation, *, capac
     cap = capacity(n, k, r, er, capacity_factor, moonep)
     pos = _rank_within(dest, r)
     keep = pos < cap
-    pos = jnp.where(keep, pos, cap)  # out of bounds: dropped by the scatters below
-    rows = jnp.take(x, jnp.arange(n * k) // k, axis=0)
-    send = jnp.zeros((r, cap, width), x.dtype).at[dest, pos].set(rows, mode="drop")
+    pos = jnp.where(keep, pos, cap)  # out of bounds: dropped by the scatter below
+    m = r * cap
+    slot = jnp.where(keep, dest * cap + pos, m)  # [n*k]: each (token, choice)'s send slot
+    slot_src = _inverse(slot, m)  # [m]: the (token, choice) in each slot, n*k if none
+    rows = jnp.broadcast_to(x[:, None], (n, k, width)).reshape(n * k, width)
+    send = move_rows(rows, slot_src, slot).reshape(r, cap, width)
     groups = er + slots
     send_g = jnp.full((r, cap), groups, jnp.int32).at[dest, pos].set(group, mode="drop")
     recv = jax.lax.all_to_all(send, ax, 0, 0)  # [R, C, L]: row block s from source s
@@ -138,19 +153,19 @@ def moe_dispatch(x, expert_ids, weights, w_gate_up, w_down, activation, *, capac
           jnp.where(mine[..., None, None], w[local], 0).astype(w.dtype), ax, 0, 0), axis=0)
       w1 = jnp.concatenate([w1, fetch(w1)], axis=0)
       w2 = jnp.concatenate([w2, fetch(w2)], axis=0)
-    m = r * cap
     budget = min(m, n * k) if moonep else m  # MoonEP: exactly the balanced share
     iota = jnp.arange(m, dtype=jnp.int32)
     sg, order = jax.lax.sort((recv_g, iota), num_keys=1, is_stable=True)
     order = order[:budget]
-    xs = jnp.take(recv.reshape(m, width), order, axis=0)
+    unorder = _inverse(order, m)
+    xs = move_rows(recv.reshape(m, width), order, unorder)
     sizes = jnp.zeros((groups + 1,), jnp.int32).at[sg].add(1)[:groups]
     h = moe_ops.gmm(xs, w1.astype(x.dtype), sizes, implementation=implementation)
     h = activation(h).astype(x.dtype)
     y = moe_ops.gmm(h, w2.astype(x.dtype), sizes, implementation=implementation)
-    back = jnp.zeros((m, width), y.dtype).at[order].set(y).reshape(r, cap, width)
+    back = move_rows(y, unorder, order).reshape(r, cap, width)
     back = jax.lax.all_to_all(back, ax, 0, 0)
-    out = back.at[dest, pos].get(mode="fill", fill_value=0)  # [n*k, L], dropped slots 0
+    out = move_rows(back.reshape(m, width), slot, slot_src)  # [n*k, L], dropped slots 0
     acc = jnp.promote_types(x.dtype, jnp.float32)
     return jnp.einsum("nkd,nk->nd", out.reshape(n, k, width).astype(acc),
                       wts.astype(acc)).astype(x.dtype)

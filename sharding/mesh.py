@@ -203,8 +203,9 @@ def names_tree(model_cfg, *filters, model=None):
   has built it already."""
   from flax import nnx
   from k3jax.model import K3Model
-  if model is None:
-    model = nnx.eval_shape(lambda: K3Model(model_cfg, rngs=nnx.Rngs(0)))
+  if model is None:  # outside any mesh context: the names are not laid out on a mesh's axes
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+      model = nnx.eval_shape(lambda: K3Model(model_cfg, rngs=nnx.Rngs(0)))
   filters = filters or (nnx.Param,)
   states = nnx.split(model, *filters, ...)[1:1 + len(filters)]
   trees = [nnx.to_pure_dict(jax.tree.map(lambda v: v.replace(_Names(var_names(v))), st,

@@ -310,3 +310,33 @@ def test_remat_dots_kernels_keeps_the_expert_activation(monkeypatch, remat, runs
   counts = _grad_kernel_counts(cfg)
   n_moe = sum(cfg.model.is_moe(i) for i in range(cfg.model.num_layers))
   assert counts["glu_fwd"] == runs * n_moe and counts["glu_bwd"] == n_moe
+
+
+def test_layer_grad_barrier_keeps_the_gradients():
+  """``model.layer_grad_barrier`` only orders the backward: one ``optimization_barrier`` per
+  decoder layer in the gradient, and the same loss and gradients as without it."""
+  from k3jax.latent_moe import RouterBias
+  from k3jax.train_step import _loss
+  rng = np.random.default_rng(7)
+  b, t = 2, 24
+  batch = {"input_ids": rng.integers(0, 200, (b, t)), "targets": rng.integers(0, 200, (b, t)),
+           "segment_ids": np.repeat([[1] * 10 + [2] * 14], b, 0),
+           "positions": np.tile(np.r_[np.arange(10), np.arange(14)], (b, 1)),
+           "weights": rng.uniform(0.5, 1.0, (b, t))}
+  batch = {k: jnp.asarray(v, jnp.float32 if k == "weights" else jnp.int32)
+           for k, v in batch.items()}
+  out = {}
+  for on in (True, False):
+    cfg = tiny_config(*SMALL, f"model.layer_grad_barrier={on}")
+    graphdef, params, biases = nnx.split(K3Model(cfg.model, rngs=nnx.Rngs(0)), nnx.Param,
+                                         RouterBias)
+    params, biases = nnx.to_pure_dict(params), nnx.to_pure_dict(biases)
+    grad = jax.value_and_grad(lambda p: _loss(graphdef, p, biases, batch)[0])
+    jaxpr = jax.make_jaxpr(grad)(params)
+    out[on] = jax.jit(grad)(params)
+    barriers = str(jaxpr).count("optimization_barrier")
+    assert barriers == (cfg.model.num_layers if on else 0), barriers
+  (l1, g1), (l0, g0) = out[True], out[False]
+  np.testing.assert_allclose(l1, l0, rtol=1e-6)
+  for a, c in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-7)

@@ -146,3 +146,29 @@ def test_kernels_lower_for_cuda(monkeypatch, cfg):
   fn = lambda x, order: permute_gpu.expand(x, order, order, k, cfg)
   text = jax.jit(fn).trace(x, order).lower(lowering_platforms=("cuda",)).as_text()
   assert f'name = "{permute_gpu.EXPAND_KERNEL}"' in text
+
+
+@pytest.mark.parametrize("m, p", [(9, 6), (6, 9), (1, 1)])
+def test_move_rows_partial_map_and_its_transpose(m, p):
+  """``reference.move_rows`` over a partial map (some targets empty, some sources unused) vs a
+  float64 loop: rows land where the map sends them, zeros elsewhere; the cotangent of each
+  source row is the cotangent of the one place it landed (zero if none)."""
+  rng = np.random.default_rng(m * 10 + p)
+  src = rng.permutation(m)[:min(m, p) - (1 if min(m, p) > 1 else 0)]  # sources that land
+  dst = rng.permutation(p)[:len(src)]
+  index = np.full(p, m, np.int32)  # out of range: an empty row
+  inverse = np.full(m, p, np.int32)
+  index[dst], inverse[src] = src, dst
+  y = rng.normal(size=(m, 3))
+  g = rng.normal(size=(p, 3))
+  want = np.zeros((p, 3))
+  want_grad = np.zeros((m, 3))
+  for q in range(p):
+    if index[q] < m:
+      want[q] = y[index[q]]
+      want_grad[index[q]] += g[q]
+  with jax.enable_x64():
+    out, vjp = jax.vjp(lambda y: reference.move_rows(y, jnp.asarray(index), jnp.asarray(inverse)),
+                       jnp.asarray(y))
+    np.testing.assert_array_equal(np.asarray(out), want)
+    np.testing.assert_array_equal(np.asarray(vjp(jnp.asarray(g))[0]), want_grad)

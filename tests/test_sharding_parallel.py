@@ -79,9 +79,11 @@ def test_moe_sorts_only_local_tokens():
 
 def test_expert_parallel_dispatch():
   """Skewed routing (three hot experts) so MoonEP must place redundant copies; the gradients of
-  the expert weights include the copies' gradients reduced back to their home rank."""
+  the expert weights include the copies' gradients reduced back to their home rank. With a
+  capacity, the dropped (token, expert) pairs add nothing and get no gradient."""
   out = _run("expert_dispatch")
-  assert len(out) == 4
+  assert len(out) == 5
+  assert out["expert8/capacity0.5"].pop("dropped") > 0
   for case, err in out.items():
     assert err["y"] < TOL and err["grad"] < GRAD_TOL, (case, err)
 
@@ -89,6 +91,12 @@ def test_expert_parallel_dispatch():
 def test_muon_update_on_meshes_matches_one_device():
   out = _run("muon_sharded")
   assert out["expert"] < 1e-4 and out["fsdp"] < 1e-4, out
+  # On fsdp=8 every matrix's rows or columns are split: all-to-alls hand each device whole
+  # matrices, its eighth of them (and zero matrices padding each stack to a multiple of 8), for
+  # Newton-Schulz; on data=2,expert=4 the experts' matrices are whole where they lie and every
+  # device iterates those of its own experts, the rest as on fsdp.
+  assert out["matrices"] // 8 < out["fsdp_iterated"] < out["matrices"] // 6, out
+  assert out["expert_iterated"] < out["matrices"], out
 
 
 def test_quantile_balancing_histogram_across_ranks():

@@ -264,6 +264,28 @@ def expert_dispatch():
                                                  has_aux=True))(x, wts, w1, w2)
       out[f"{mname}/moonep={moonep}"] = {"y": _max_rel(y1, y2),
                                          "grad": max(_max_rel(a, c) for a, c in zip(g1, g2))}
+  # Capacity 0.5 on expert=8 (plain dispatch): each of the 8 ranks sends at most 2 of its 8
+  # tokens' 32 pairs to each rank, in token-major order; a dropped pair adds nothing, i.e. the
+  # dropless MLP with its routing weight zeroed (and its weight's gradient zero).
+  er, cap, local = e // 8, 2, n // 8
+  keep = np.zeros((n, k), bool)
+  for dev in range(8):
+    seen = np.zeros(8, int)
+    for i in range(dev * local, (dev + 1) * local):
+      for j in range(k):
+        d = int(ids[i, j]) // er
+        keep[i, j], seen[d] = seen[d] < cap, seen[d] + 1
+  kept = jnp.asarray(keep, wts.dtype)
+  (_, y1), g1 = jax.jit(jax.value_and_grad(
+      lambda x, w, w1, w2: loss(moe_ops.expert_mlp, x, w * kept, w1, w2), argnums=(0, 1, 2, 3),
+      has_aux=True))(x, wts, w1, w2)
+  fn = lambda *a: ep.moe_dispatch(*a, moonep=False, capacity_factor=0.5)
+  with jax.set_mesh(_mesh(expert=8)):
+    (_, y2), g2 = jax.jit(jax.value_and_grad(lambda *a: loss(fn, *a), argnums=(0, 1, 2, 3),
+                                             has_aux=True))(x, wts, w1, w2)
+  out["expert8/capacity0.5"] = {"y": _max_rel(y1, y2),
+                                "grad": max(_max_rel(a, c) for a, c in zip(g1, g2)),
+                                "dropped": int((~keep).sum())}
   return out
 
 
@@ -296,7 +318,8 @@ def conv_sharded():
 def muon_sharded():
   """One Muon update of the tiny preset's parameters (float32, Newton-Schulz in float32) with
   the parameters split over expert and FSDP meshes vs one device: the stacked Newton-Schulz of
-  same-shaped leaves must give every leaf its own update on any layout."""
+  same-shaped leaves must give every leaf its own update on any layout; and how many matrices
+  Newton-Schulz iterates per device (all 255 on one device)."""
   from flax import nnx
   from k3jax import optim
   from k3jax.config import load
@@ -307,21 +330,27 @@ def muon_sharded():
   params = nnx.to_pure_dict(params)
   rng = np.random.default_rng(6)
   grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), params)
-  tx, _ = optim.make_optimizer(cfg, params)
+  names = mesh_lib.names_tree(cfg.model)
+  tx, _ = optim.make_optimizer(cfg, params, names)
 
   def update(p, g):
     return tx.update(g, tx.init(p), p)[0]
 
+  iterated = []  # matrices per Newton-Schulz call, as traced (per device inside shard_map)
+  iterate = optim._iterate
+  optim._iterate = lambda y, dtype: iterated.append(y.shape[0]) or iterate(y, dtype)
   with jax.default_matmul_precision("highest"):
     ref = jax.jit(update)(params, grads)
-  names = mesh_lib.names_tree(cfg.model)
-  out = {}
+  out = {"matrices": sum(iterated)}
   for name, sizes in (("expert", dict(data=2, expert=4)), ("fsdp", dict(data=1, fsdp=8))):
+    iterated.clear()
     mesh = mesh_lib.make_mesh(MeshConfig(**{"data": 1, **sizes}))
     with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
       got = jax.jit(update)(mesh_lib.shard_params(params, mesh, names),
                             mesh_lib.shard_params(grads, mesh, names))
     out[name] = max(jax.tree.leaves(jax.tree.map(_max_rel, ref, got)))
+    out[name + "_iterated"] = sum(iterated)
+  optim._iterate = iterate
   return out
 
 
