@@ -150,7 +150,7 @@ class _Placement:
     """The view's PartitionSpec on the current mesh, the parameter laid out as
     :func:`sharding.mesh.shard_params` lays it out; None where the view would split a sharded
     dimension unevenly."""
-    from sharding.mesh import fit_spec
+    from sharding.mesh import fit_spec, spec_axes
     from sharding.rules import logical_spec
     mesh = jax.sharding.get_abstract_mesh()
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
@@ -162,7 +162,7 @@ class _Placement:
     if self.view == self.shape:
       return jax.sharding.PartitionSpec(*spec)
     i = next(i for i, (a, b) in enumerate(zip(self.shape, self.view)) if a != b)  # split in two
-    if self.view[i] % math.prod(sizes[a] for a in _entry_axes(spec[i])):
+    if self.view[i] % math.prod(sizes[a] for a in spec_axes([spec[i]])):
       return None
     return jax.sharding.PartitionSpec(*(spec[:i] + (spec[i], None) + spec[i + 1:]))
 
@@ -290,10 +290,6 @@ def newton_schulz(xs: list[jax.Array], dims: list[MuonDimensionNumbers], dtype,
   return out
 
 
-def _entry_axes(entry) -> tuple[str, ...]:
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def mesh_newton_schulz(xs: list[jax.Array], dims: list[MuonDimensionNumbers], specs: list,
                        dtype, rms: float) -> list[jax.Array]:
   """:func:`newton_schulz` of leaves laid out on the current mesh by ``specs`` (PartitionSpecs
@@ -305,6 +301,7 @@ def mesh_newton_schulz(xs: list[jax.Array], dims: list[MuonDimensionNumbers], sp
   experts). Newton-Schulz commutes with permuting a matrix's rows and columns, so the order the
   exchange puts them in does not matter. Leaves whose matrices are whole on every device take
   :func:`newton_schulz` as they lie."""
+  from sharding.mesh import spec_axes
   mesh = jax.sharding.get_abstract_mesh()
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   groups: dict[tuple, list[int]] = {}
@@ -313,7 +310,7 @@ def mesh_newton_schulz(xs: list[jax.Array], dims: list[MuonDimensionNumbers], sp
     spec = tuple(spec) + (None,) * (x.ndim - len(spec))
     _, red, out = _dims(x.ndim, d)
     m, n = (math.prod(x.shape[a] for a in ax) for ax in (red, out))
-    rows, cols = (tuple(a for dim in ax for a in _entry_axes(spec[dim])) for ax in (red, out))
+    rows, cols = (spec_axes([spec[dim] for dim in ax]) for ax in (red, out))
     if m > n:
       rows, cols = cols, rows
     if rows or cols:
