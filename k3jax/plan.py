@@ -234,15 +234,18 @@ def activations(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int) ->
   kda_layer = 2 * kda_proj * cb + kda_op
   a = m.mla
   rows = batch / math.prod(sizes[x] for x in ("data", "fsdp", "expert"))
+  latent = a.kv_lora_rank + a.qk_rope_head_dim
   mla_layer = (n * a.num_heads * (2 * a.qk_head_dim + 2 * a.v_head_dim) * cb / tp
-               + rows * seq_len * (a.kv_lora_rank + a.qk_rope_head_dim) * cb)
+               + n * latent * cb)
   if sizes["context"] > 1:
-    # the context-parallel MLA up-projects the gathered latents into every head's keys and values
-    # one key block at a time (sharding/context_parallel.py: [rows, block, H, 192 + 128]) and keeps
-    # each block's output rows and log-sum-exps for the merge
+    # the context-parallel MLA gathers all ranks' latents and up-projects them into every head's
+    # keys and values one key block at a time (sharding/context_parallel.py: [rows, block, H,
+    # 192 + 128]), merging the blocks into a float32 output and log-sum-exp; the backward gathers
+    # the latents again (only the rank's own are kept)
     kb = context_parallel.key_block(seq_len)
+    mla_layer += rows * seq_len * latent * cb
     mla_layer += rows * kb * a.num_heads * (a.qk_head_dim + a.v_head_dim) * cb / tp
-    mla_layer += (seq_len // kb) * n * a.num_heads * (a.v_head_dim * cb + 4) / tp
+    mla_layer += n * a.num_heads * (a.v_head_dim + 1) * 4 / tp
   mo = m.moe
   width = mo.latent_dim or d
   r = sizes["expert"]

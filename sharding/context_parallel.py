@@ -5,8 +5,8 @@ runs the KDA op twice on its piece: once from a zero state (its outputs ``o0`` a
 once on zero values from the identity state, which gives ``M`` as the final state and
 ``P_t = scale * q_t^T M_t`` as the outputs. The ``(M, N)`` of all ranks are all-gathered (a fixed
 ``[K, K + V]`` per head, independent of the sequence length), prefix-composed with a
-log-depth parallel scan (:func:`prefix_compose`) and each rank reads its exact incoming state ``S_in``; then
-``o = o0 + P S_in``. A document that starts inside a piece zeroes ``M`` from there on (the op
+log-depth parallel scan (:func:`prefix_compose`) and each rank reads its exact incoming state
+``S_in``; then ``o = o0 + P S_in``. A document that starts inside a piece zeroes ``M`` from there on (the op
 restarts the state); one that starts exactly at a piece boundary zeroes ``M`` and ``S_in``.
 Gradients flow through the collectives by autodiff.
 
@@ -17,17 +17,22 @@ queries are load-balanced for causal masking: the sequence is cut into ``2C`` ha
 ``ppermute``s and sent back after the attention. Each half attends the whole gathered sequence
 at its own (traced) offset through :func:`pallas_kernels.mla.mla_attention`, whose flash kernels
 skip the key blocks past the half's end and those holding none of its documents. Keys and values
-exist only ``KEY_BLOCK`` tokens at a time: the gathered latents are up-projected block by block
-(a ``lax.scan`` whose body runs again in the backward), each block's attention returns its
-rows' log-sum-exp, and the blocks' outputs are merged with softmax weights of those. Up-projecting
-the whole sequence at once took ``[B, S, H, 192 + 128]`` per layer (K3 at 1M tokens: 60 GiB, and
-as much for the gradients), more than an H200 holds.
+exist only ``KEY_BLOCK`` tokens at a time: the gathered latents are up-projected block by block,
+and each block's attention is merged into the running output by log-sum-exps. The backward
+(a custom VJP) gathers the latents again, rebuilds each block's keys and values and runs the
+attention's backward kernels with the whole output and log-sum-exp, as ring attention does: no
+block's output is kept or recomputed, and of the gathered sequence only the rank's own latents
+are saved. Up-projecting the whole sequence at once took ``[B, S, H, 192 + 128]`` per layer (K3
+at 1M tokens: 60 GiB, and as much for the gradients), more than an H200 holds.
 
 Both are single calls from the model layers and run only when the current mesh has a
 ``context`` axis larger than 1.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -167,13 +172,114 @@ def key_block(s: int, most: int = KEY_BLOCK) -> int:
   return max(d for d in range(1, min(s, most) + 1) if s % d == 0)
 
 
-def _recomputed(f):
-  """``f`` whose backward runs it again (``jax.vjp``) from its saved inputs: what
-  ``jax.checkpoint`` does, also for Pallas TPU kernels in interpret mode, whose callbacks
-  ``checkpoint`` refuses to differentiate. f takes and returns pytrees of arrays."""
-  g = jax.custom_vjp(lambda *args: f(*args))
-  g.defvjp(lambda *args: (f(*args), args), lambda args, ct: jax.vjp(f, *args)[1](ct))
-  return g
+class _Blocks(NamedTuple):
+  """The static side of :func:`_gathered_attention`: keys per block and the attention's."""
+  keys: int
+  nope_dim: int
+  scale: float
+  implementation: str | None
+
+
+def _keys_values(cfg: _Blocks, w, lat_b):
+  """Latents ``[B, kb, R + rope]`` and w ``[R, H, nope + v]`` -> keys ``[B, kb, H, nope + rope]``
+  (the shared rope part broadcast over heads) and values ``[B, kb, H, v]``."""
+  r = w.shape[0]
+  kv = jnp.einsum("btr,rhd->bthd", lat_b[..., :r], w.astype(lat_b.dtype))
+  k_r = jnp.broadcast_to(lat_b[:, :, None, r:], kv.shape[:3] + (lat_b.shape[-1] - r,))
+  return jnp.concatenate([kv[..., :cfg.nope_dim], k_r], -1), kv[..., cfg.nope_dim:]
+
+
+def _block(cfg: _Blocks, lat_all, seg_all, i):
+  """Key block i of the gathered sequence: latents ``[B, kb, D]``, segment ids ``[B, kb]`` and
+  its first key's position."""
+  k0 = i * cfg.keys
+  return (jax.lax.dynamic_slice_in_dim(lat_all, k0, cfg.keys, axis=1),
+          jax.lax.dynamic_slice_in_dim(seg_all, k0, cfg.keys, axis=1), k0)
+
+
+def _block_masks(cfg: _Blocks, piece, start, seg_all, seg_b, k0):
+  return dict(segment_ids=jax.lax.dynamic_slice_in_dim(seg_all, start, piece.shape[1], axis=1),
+              kv_segment_ids=seg_b, q_offset=start - k0, causal=True, scale=cfg.scale,
+              implementation=cfg.implementation)
+
+
+def _over_blocks(cfg: _Blocks, t: int, step, first):
+  """``step(i, carry)`` for key blocks 1 .. nb - 1 from the carry ``first`` (block 0's): a loop
+  whose carries start from data, not from zeros. (XLA makes every layer's zero-filled loop
+  buffers in one fusion at the start, all live at once: 6.4 GB at 16 of K3's layers at 1M.)"""
+  nb = t // cfg.keys
+  return first if nb == 1 else jax.lax.fori_loop(1, nb, step, first)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gathered_attention(cfg: _Blocks, queries, starts, w, seg_all, lat):
+  """Each query piece ``[B, Tq, H, nope + rope]`` (at global position ``starts[i]``) attends the
+  whole sequence, whose latents the ranks hold in pieces ``lat [B, T/C, R + rope]``; inside a
+  ``shard_map`` over :data:`AXIS`. Returns the pieces' outputs ``[B, Tq, H, v]``.
+
+  Forward: the gathered latents are up-projected ``cfg.keys`` at a time and each block's
+  attention is merged into the running output by log-sum-exps. Backward: the latents are
+  gathered again and each block's keys and values rebuilt; the attention's backward kernels run
+  with the whole output and log-sum-exp (``mla_attention_grad``: no block's own forward or output
+  is kept or recomputed); each block's latent gradient replaces its latents in the gathered
+  buffer, which is reduce-scattered back to the ranks. Saved for the backward: the queries,
+  outputs and log-sum-exps and the rank's own latents."""
+  return _gathered_attention_fwd(cfg, queries, starts, w, seg_all, lat)[0]
+
+
+def _gathered_attention_fwd(cfg: _Blocks, queries, starts, w, seg_all, lat):
+  lat_all = jax.lax.all_gather(lat, AXIS, axis=1, tiled=True)  # [B, T, D]
+  acc = jnp.promote_types(queries[0].dtype, jnp.float32)
+
+  def attend(i):
+    lat_b, seg_b, k0 = _block(cfg, lat_all, seg_all, i)
+    keys, values = _keys_values(cfg, w, lat_b)
+    return [mla_ops.mla_attention(piece, keys, values, return_lse=True,
+                                  **_block_masks(cfg, piece, start, seg_all, seg_b, k0))
+            for piece, start in zip(queries, starts)]
+
+  def step(i, carry):
+    return [mla_reference.merge_partials(jnp.stack([o, o_b.astype(acc)]), jnp.stack([lse, lse_b]),
+                                         0, return_lse=True)
+            for (o, lse), (o_b, lse_b) in zip(carry, attend(i))]
+
+  first = [(o.astype(acc), lse.astype(acc)) for o, lse in attend(0)]
+  final = _over_blocks(cfg, lat_all.shape[1], step, first)
+  outs = tuple(o.astype(p.dtype) for (o, _), p in zip(final, queries))
+  return outs, (queries, starts, w, seg_all, lat, outs, tuple(lse for _, lse in final))
+
+
+def _gathered_attention_bwd(cfg: _Blocks, res, douts):
+  queries, starts, w, seg_all, lat, outs, lses = res
+  acc = jnp.promote_types(queries[0].dtype, jnp.float32)
+
+  def grads(i, buf):
+    """Block i's shares of the queries' and w's gradients, and buf with block i's latents
+    (still unread there) replaced by their gradient."""
+    lat_b, seg_b, k0 = _block(cfg, buf, seg_all, i)
+    (keys, values), pull = jax.vjp(functools.partial(_keys_values, cfg), w, lat_b)
+    dkeys, dvalues, dqs = 0.0, 0.0, []
+    for piece, start, o, lse, do in zip(queries, starts, outs, lses, douts):
+      dq_b, dk_b, dv_b = mla_ops.mla_attention_grad(
+          piece, keys, values, o, lse, do, **_block_masks(cfg, piece, start, seg_all, seg_b, k0))
+      dqs.append(dq_b.astype(acc))
+      dkeys, dvalues = dkeys + dk_b.astype(acc), dvalues + dv_b.astype(acc)
+    dw_b, dlat_b = pull((dkeys.astype(keys.dtype), dvalues.astype(values.dtype)))
+    return dqs, dw_b.astype(acc), jax.lax.dynamic_update_slice_in_dim(buf, dlat_b, k0, axis=1)
+
+  def step(i, carry):
+    dqs, dw, buf = carry
+    dqs_b, dw_b, buf = grads(i, buf)
+    return [a + b for a, b in zip(dqs, dqs_b)], dw + dw_b, buf
+
+  lat_all = jax.lax.all_gather(lat, AXIS, axis=1, tiled=True)  # [B, T, D]
+  dqs, dw, dlat = _over_blocks(cfg, lat_all.shape[1], step, grads(0, lat_all))
+  dlat = jax.lax.psum_scatter(dlat, AXIS, scatter_dimension=1, tiled=True)
+  return (tuple(dq.astype(p.dtype) for dq, p in zip(dqs, queries)), None, dw.astype(w.dtype),
+          None, dlat.astype(lat.dtype))
+
+
+_gathered_attention.defvjp(_gathered_attention_fwd, _gathered_attention_bwd)
 
 
 def mla_attention(q, latent, w_kv, *, segment_ids=None, scale, nope_dim: int, balanced=True,
@@ -182,22 +288,21 @@ def mla_attention(q, latent, w_kv, *, segment_ids=None, scale, nope_dim: int, ba
 
   q: ``[B, T, H, nope + rope]``; latent: ``[B, T, R + rope]`` (normalised ``c`` then the shared
   ``k_r``); w_kv: ``[R, H, nope + v]`` (``kv_b_proj`` per head: nope then v); segment_ids
-  ``[B, T]`` or None; implementation: :func:`pallas_kernels.mla.mla_attention`'s (with several key
-  blocks, one that returns the log-sum-exp: ``"cudnn"`` cannot). Only the latent crosses ranks.
-  Each local query piece (with ``balanced``, the two zigzag halves) attends the whole gathered
-  sequence at its own offset, so the attention op's block tables skip the key blocks past the
-  piece's end and those holding none of its documents; the gathered keys are up-projected
-  :func:`key_block` ``(T, block_keys)`` at a time. Returns ``[B, T, H, v]`` in q's dtype.
+  ``[B, T]`` or None; implementation: :func:`pallas_kernels.mla.mla_attention`'s (one that
+  returns the log-sum-exp and has ``mla_attention_grad``: ``"cudnn"`` has neither). Only the
+  latent crosses ranks. Each local query piece (with ``balanced``, the two zigzag halves) attends
+  the whole gathered sequence at its own offset, so the attention op's block tables skip the key
+  blocks past the piece's end and those holding none of its documents; the gathered keys are
+  up-projected :func:`key_block` ``(T, block_keys)`` at a time, forward and backward
+  (:func:`_gathered_attention`). Returns ``[B, T, H, v]`` in q's dtype.
   """
-  b, t, h, dq = q.shape
-  r = w_kv.shape[0]
+  t = q.shape[1]
   c = axis_size()
   if t % (2 * c):
     raise ValueError(f"context-parallel MLA: sequence length {t} must be divisible by twice the "
                      f"context axis size ({2 * c})")
-  kb = key_block(t, block_keys)
-  nb = t // kb
-  seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+  cfg = _Blocks(key_block(t, block_keys), nope_dim, float(scale), implementation)
+  seg = jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
   perm_a, perm_b, recv_a, recv_b = _half_tables(c)
   qs = logical_spec(("batch", "length", "heads", None))
   ls = logical_spec(("batch", "length", None))
@@ -205,39 +310,16 @@ def mla_attention(q, latent, w_kv, *, segment_ids=None, scale, nope_dim: int, ba
 
   def body(q, lat, w, seg):
     idx = jax.lax.axis_index(AXIS)
-    lat_all = jax.lax.all_gather(lat, AXIS, axis=1, tiled=True)  # [B, T, R + rope]
     seg_all = jax.lax.all_gather(seg, AXIS, axis=1, tiled=True)  # [B, T]
     if balanced:
       half = q.shape[1] // 2
       ha, hb = jnp.asarray(recv_a)[idx], jnp.asarray(recv_b)[idx]
-      pieces = [(jax.lax.ppermute(q[:, :half], AXIS, perm_a), ha * half),
-                (jax.lax.ppermute(q[:, half:], AXIS, perm_b), hb * half)]
-    else:
-      pieces = [(q, idx * q.shape[1])]  # query rows at global positions start .. start + len - 1
-
-    queries, starts = [p for p, _ in pieces], [start for _, start in pieces]
-
-    def attend(queries, starts, w, seg_all, lat_b, seg_b, k0, lse=True):
-      """Every piece against the keys k0 .. k0 + kb - 1: [(o, lse)] (lse) or [o]."""
-      kv = jnp.einsum("btr,rhd->bthd", lat_b[..., :r], w.astype(lat_b.dtype))
-      k_r = jnp.broadcast_to(lat_b[:, :, None, r:], kv.shape[:3] + (lat_b.shape[-1] - r,))
-      keys = jnp.concatenate([kv[..., :nope_dim], k_r], -1)
-      return [mla_ops.mla_attention(
-          piece, keys, kv[..., nope_dim:], causal=True, scale=scale, return_lse=lse,
-          segment_ids=jax.lax.dynamic_slice_in_dim(seg_all, start, piece.shape[1], axis=1),
-          kv_segment_ids=seg_b, q_offset=start - k0, implementation=implementation)
-          for piece, start in zip(queries, starts)]
-
-    if nb == 1:
-      outs = attend(queries, starts, w, seg_all, lat_all, seg_all, jnp.int32(0), lse=False)
-    else:
-      rows = lat_all.shape[0]  # this device's
-      blocks = (lat_all.reshape(rows, nb, kb, -1).swapaxes(0, 1),
-                seg_all.reshape(rows, nb, kb).swapaxes(0, 1), jnp.arange(nb, dtype=jnp.int32) * kb)
-      step = _recomputed(attend)  # one block's keys and values at a time, in the backward too
-      _, per_block = jax.lax.scan(
-          lambda carry, x: (carry, step(queries, starts, w, seg_all, *x)), None, blocks)
-      outs = [mla_reference.merge_partials(o, lse, 0) for o, lse in per_block]
+      queries = (jax.lax.ppermute(q[:, :half], AXIS, perm_a),
+                 jax.lax.ppermute(q[:, half:], AXIS, perm_b))
+      starts = (ha * half, hb * half)
+    else:  # query rows at global positions start .. start + len - 1
+      queries, starts = (q,), (idx * q.shape[1],)
+    outs = _gathered_attention(cfg, queries, starts, w, seg_all, lat)
     if not balanced:
       return outs[0]
     inv = lambda perm: [(d, s) for s, d in perm]

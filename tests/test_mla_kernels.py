@@ -4,6 +4,7 @@ offset into longer keys with separate key segment ids), paged decode (ragged len
 page tables, several new tokens), block skipping, and TPU / GPU lowering."""
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mla import (decode, fast_forward_pallas_grad, mla_attention,
-                                padded_dot_product_attention, prefill, reference)
+                                mla_attention_grad, padded_dot_product_attention, prefill,
+                                reference)
 
 SMALL = prefill.Blocks(fwd_q=16, fwd_k=16, dkv_q=16, dkv_k=16, dq_q=16, dq_k=16)
 
@@ -201,6 +203,37 @@ def test_log_sum_exp_output_and_its_gradient(impl):
   assert np.isneginf(np.asarray(got[1])[~np.broadcast_to(seen, got[1].shape)]).all()
   for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want):
     np.testing.assert_allclose(np.asarray(g), w, rtol=2e-4, atol=2e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu", "xla"])
+def test_backward_over_key_blocks_sums_to_the_whole_gradient(impl):
+  """``mla_attention_grad`` per key block, given the whole attention's output and log-sum-exp:
+  the blocks' dq sum to the float64 loop's dq over all keys, and each block's dk, dv are that
+  loop's rows for its keys. A traced offset into longer keys, packed documents, a block edge
+  inside a document, rows whose document has no key in a block, and rows with no key at all."""
+  t, s, off, h, cut = 29, 80, 40, 2, 52
+  q, k, v, do = _inputs(14, 2, t, s, h, 48, 32)
+  kv_seg = jnp.asarray(KV_DOCS[:, :s])
+  q_seg = kv_seg[:, off:off + t].at[0, 3:6].set(99)  # a document with no key
+  scale = 48 ** -0.5
+  o, lse, dq, dk, dv = np_attention(q, k, v, np.asarray(q_seg), True, scale, do,
+                                    kv_seg=np.asarray(kv_seg), off=off,
+                                    dlse=np.zeros((2, t, h)))
+  o_in, lse_in = jnp.asarray(o, jnp.float32), jnp.asarray(lse, jnp.float32)
+
+  @functools.partial(jax.jit, static_argnums=(0, 1))
+  def part(lo, hi, off):
+    return mla_attention_grad(q, k[:, lo:hi], v[:, lo:hi], o_in, lse_in, do, segment_ids=q_seg,
+                              kv_segment_ids=kv_seg[:, lo:hi], q_offset=off - lo, scale=scale,
+                              implementation=impl)
+
+  parts = [(0, cut), (cut, s)]
+  got = [part(lo, hi, jnp.int32(off)) for lo, hi in parts]
+  np.testing.assert_allclose(np.asarray(got[0][0] + got[1][0]), dq, rtol=2e-4, atol=2e-4)
+  for (lo, hi), (_, dk_part, dv_part) in zip(parts, got):
+    np.testing.assert_allclose(np.asarray(dk_part), dk[:, lo:hi], rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(dv_part), dv[:, lo:hi], rtol=2e-4, atol=2e-4)
+  assert np.abs(np.asarray(got[1][0])).max() > 0.1  # both blocks carry a share of dq
 
 
 def test_prefill_gpu_window_single_token_and_not_causal():

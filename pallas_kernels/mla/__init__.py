@@ -1,4 +1,6 @@
-"""MLA attention ops: ``mla_attention`` (training/prefill) and ``mla_decode`` (paged latent cache).
+"""MLA attention ops: ``mla_attention`` (training/prefill), ``mla_attention_grad`` (its backward
+over one block of a larger key set: blockwise and ring attention) and ``mla_decode`` (paged
+latent cache).
 
 ``implementation``: ``"xla"`` (reference), ``"pallas_gpu"``, ``"pallas_tpu"``, ``"pallas"`` (the
 current platform's), ``"cudnn"`` (GPU, values padded to the query dim; prefill only),
@@ -62,6 +64,27 @@ def mla_attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=No
   from pallas_kernels.mla import prefill
   return prefill.mla_attention(q, k, v, **masks, causal=causal, scale=scale,
                                backend=_pallas_backend(impl), return_lse=return_lse)
+
+
+def mla_attention_grad(q, k, v, o, lse, do, *, segment_ids=None, kv_segment_ids=None,
+                       q_offset=None, causal=True, scale=None, implementation=None):
+  """The backward of attention over one block of a larger key set, without its forward: each
+  query row's softmax is normalised by lse ``[B, T, H]`` (natural log over the whole set,
+  ``-inf`` where the row sees no key) and o ``[B, T, H, Dv]`` is the output over the whole set,
+  do its cotangent. Returns ``(dq, dk, dv)``: this block's share of dq (summed over the blocks,
+  the whole dq) and the block's exact dk and dv. Masks and shapes as :func:`mla_attention`'s;
+  ``"cudnn"`` has no such entry point (``"cudnn_fwd"`` runs the Pallas kernels)."""
+  impl = resolve(implementation)
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  masks = dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
+               causal=causal, scale=scale)
+  if impl == "xla":
+    return reference.attention_grad(q, k, v, o, lse, do, **masks)
+  if impl == "cudnn":
+    raise ValueError("mla_attention_grad: needs the XLA or a Pallas implementation (cuDNN's "
+                     "backward takes no outside log-sum-exp)")
+  from pallas_kernels.mla import prefill
+  return prefill.mla_attention_grad(q, k, v, o, lse, do, **masks, backend=_pallas_backend(impl))
 
 
 def _pallas_backend(impl: str) -> str:
@@ -131,5 +154,5 @@ def mla_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, implementa
                            backend=_pallas_backend(impl))
 
 
-__all__ = ["mla_attention", "mla_decode", "padded_dot_product_attention",
+__all__ = ["mla_attention", "mla_attention_grad", "mla_decode", "padded_dot_product_attention",
            "fast_forward_pallas_grad", "resolve", "IMPLEMENTATIONS"]

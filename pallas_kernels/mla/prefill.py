@@ -702,44 +702,32 @@ def _pad_seq(x, n, mode="constant"):
                                            [(0, 0)] * (x.ndim - 2), mode=mode)
 
 
-def mla_attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=None, causal=True,
-                  scale, backend, blocks=None, interpret=None, return_lse=False):
-  """Flash attention over q ``[B, T, H, Dk]``, k ``[B, S, H, Dk]``, v ``[B, S, H, Dv]`` ->
-  ``[B, T, H, Dv]`` (q's dtype); with ``return_lse`` also each row's log-sum-exp of its visible
-  scaled scores ``[B, T, H]`` float32 (``-inf`` where it sees no key), differentiable.
-
-  Query i may see key j iff (not causal or ``j <= q_offset + i``) and the segment ids agree;
-  rows that see no key give zeros. q_offset: int or int32 scalar array (may be traced), the key
-  position of query row 0; default ``S - T`` (the last query with the last key). segment_ids
-  ``[B, T]``: the queries' ids; kv_segment_ids ``[B, S]``: the keys' (default segment_ids, which
-  then needs S == T; only with segment_ids). ``backend``: "gpu" (Triton) or "tpu" (Mosaic);
-  interpret mode by default off the matching platform. ``blocks`` overrides the tile sizes
-  (``Blocks``). Gradients flow to q, k, v only."""
+def _setup(q, k, v, *, segment_ids, kv_segment_ids, q_offset, causal, scale, backend, blocks,
+           interpret, name):
+  """Checks one call's inputs; returns its static description and the padded query and key
+  lengths, segment ids and the int32 query offset."""
   if backend not in ("gpu", "tpu"):
-    raise ValueError(f"mla_attention: unknown Pallas backend {backend!r}; expected 'gpu' or 'tpu'")
+    raise ValueError(f"{name}: unknown Pallas backend {backend!r}; expected 'gpu' or 'tpu'")
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-    raise ValueError(f"mla_attention: q, k, v must be [B, T, H, D]; got {q.shape}, {k.shape}, "
-                     f"{v.shape}")
+    raise ValueError(f"{name}: q, k, v must be [B, T, H, D]; got {q.shape}, {k.shape}, {v.shape}")
   b, t, h, dk = q.shape
   s, dv = k.shape[1], v.shape[-1]
   if k.shape != (b, s, h, dk) or v.shape[:3] != (b, s, h):
-    raise ValueError(f"mla_attention: shapes disagree: q {q.shape}, k {k.shape}, v {v.shape}")
+    raise ValueError(f"{name}: shapes disagree: q {q.shape}, k {k.shape}, v {v.shape}")
   if dk % 16 or dv % 16:
-    raise ValueError(f"mla_attention: head dims must be multiples of 16; got Dk={dk}, Dv={dv}")
+    raise ValueError(f"{name}: head dims must be multiples of 16; got Dk={dk}, Dv={dv}")
   if kv_segment_ids is not None and segment_ids is None:
-    raise ValueError("mla_attention: kv_segment_ids needs segment_ids (the queries' ids)")
+    raise ValueError(f"{name}: kv_segment_ids needs segment_ids (the queries' ids)")
   if segment_ids is not None and (segment_ids.shape != (b, t) or
                                   (kv_segment_ids is None and s != t)):
-    raise ValueError(f"mla_attention: segment_ids must be [B, T] (with S == T unless "
-                     f"kv_segment_ids is given); got {segment_ids.shape} for q {q.shape}, "
-                     f"k {k.shape}")
+    raise ValueError(f"{name}: segment_ids must be [B, T] (with S == T unless kv_segment_ids is "
+                     f"given); got {segment_ids.shape} for q {q.shape}, k {k.shape}")
   if kv_segment_ids is not None and kv_segment_ids.shape != (b, s):
-    raise ValueError(f"mla_attention: kv_segment_ids must be [B, S] = {(b, s)}; got "
+    raise ValueError(f"{name}: kv_segment_ids must be [B, S] = {(b, s)}; got "
                      f"{kv_segment_ids.shape}")
   off = jnp.asarray(s - t if q_offset is None else q_offset)
   if off.ndim != 0 or not jnp.issubdtype(off.dtype, jnp.integer):
-    raise ValueError(f"mla_attention: q_offset must be an integer scalar; got {off.dtype} "
-                     f"{off.shape}")
+    raise ValueError(f"{name}: q_offset must be an integer scalar; got {off.dtype} {off.shape}")
   if interpret is None:
     interpret = default_backend() != backend
   blk = (blocks or (GPU_BLOCKS if backend == "gpu" else TPU_BLOCKS)).fitted(t, s)
@@ -755,12 +743,60 @@ def mla_attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=No
     kv = segment_ids if kv_segment_ids is None else kv_segment_ids
     qseg = _pad_seq(segment_ids.astype(jnp.int32), tp, mode="edge")
     kseg = _pad_seq(kv.astype(jnp.int32), sp, mode="edge")
-  o, lse = _attention(_pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp), qseg, kseg,
-                      off.astype(jnp.int32), st)
+  return st, tp, sp, qseg, kseg, off.astype(jnp.int32)
+
+
+def mla_attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=None, causal=True,
+                  scale, backend, blocks=None, interpret=None, return_lse=False):
+  """Flash attention over q ``[B, T, H, Dk]``, k ``[B, S, H, Dk]``, v ``[B, S, H, Dv]`` ->
+  ``[B, T, H, Dv]`` (q's dtype); with ``return_lse`` also each row's log-sum-exp of its visible
+  scaled scores ``[B, T, H]`` float32 (``-inf`` where it sees no key), differentiable.
+
+  Query i may see key j iff (not causal or ``j <= q_offset + i``) and the segment ids agree;
+  rows that see no key give zeros. q_offset: int or int32 scalar array (may be traced), the key
+  position of query row 0; default ``S - T`` (the last query with the last key). segment_ids
+  ``[B, T]``: the queries' ids; kv_segment_ids ``[B, S]``: the keys' (default segment_ids, which
+  then needs S == T; only with segment_ids). ``backend``: "gpu" (Triton) or "tpu" (Mosaic);
+  interpret mode by default off the matching platform. ``blocks`` overrides the tile sizes
+  (``Blocks``). Gradients flow to q, k, v only."""
+  st, tp, sp, qseg, kseg, off = _setup(
+      q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
+      causal=causal, scale=scale, backend=backend, blocks=blocks, interpret=interpret,
+      name="mla_attention")
+  t = q.shape[1]
+  o, lse = _attention(_pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp), qseg, kseg, off, st)
   if not return_lse:
     return o[:, :t]
   lse = (lse if backend == "gpu" else lse[..., 0])[:, :, :t].transpose(0, 2, 1)  # [B, T, H]
   return o[:, :t], jnp.where(lse == jnp.inf, -jnp.inf, lse / LOG2E)
 
 
-__all__ = ["mla_attention", "Blocks", "GPU_BLOCKS", "TPU_BLOCKS", "block_tables"]
+def mla_attention_grad(q, k, v, o, lse, do, *, segment_ids=None, kv_segment_ids=None,
+                       q_offset=None, causal=True, scale, backend, blocks=None, interpret=None):
+  """The backward kernels alone, for keys that are one block of a larger set: ``(dq, dk, dv)``
+  of attention over k, v when each query row's softmax is normalised by lse ``[B, T, H]``
+  (natural log over the whole set, ``-inf`` where the row sees no key) and o ``[B, T, H, Dv]``
+  is the output over the whole set, do its cotangent (the semantics of
+  ``reference.attention_grad``). Arguments otherwise as :func:`mla_attention`'s."""
+  st, tp, sp, qseg, kseg, off = _setup(
+      q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
+      causal=causal, scale=scale, backend=backend, blocks=blocks, interpret=interpret,
+      name="mla_attention_grad")
+  b, t, h, _ = q.shape
+  s, dv = k.shape[1], v.shape[-1]
+  if o.shape != (b, t, h, dv) or do.shape != o.shape or lse.shape != (b, t, h):
+    raise ValueError(f"mla_attention_grad: expected o and do [B, T, H, Dv] = {(b, t, h, dv)} and "
+                     f"lse [B, T, H]; got {o.shape}, {do.shape}, {lse.shape}")
+  # the kernels' base-2 lse [B, H, Tp] (TPU: [..., 1]); +inf for rows that see nothing
+  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * LOG2E).transpose(0, 2, 1)
+  lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, tp - t)), constant_values=jnp.inf)
+  if backend == "tpu":
+    lse2 = lse2[..., None]
+  res = (_pad_seq(q, tp), _pad_seq(k, sp), _pad_seq(v, sp), qseg, kseg, off, _pad_seq(o, tp), lse2)
+  dq, dk, dv_, *_ = _attention_bwd(st, res, (_pad_seq(do.astype(q.dtype), tp),
+                                             jnp.zeros_like(lse2)))
+  return dq[:, :t], dk[:, :s], dv_[:, :s]
+
+
+__all__ = ["mla_attention", "mla_attention_grad", "Blocks", "GPU_BLOCKS", "TPU_BLOCKS",
+           "block_tables"]

@@ -48,23 +48,55 @@ def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=None, 
   return o.astype(q.dtype), lse.transpose(0, 2, 1)
 
 
-def merge_partials(o, lse, axis: int, *, base2: bool = False):
+def attention_grad(q, k, v, o, lse, do, *, segment_ids=None, kv_segment_ids=None, q_offset=None,
+                   causal=True, scale):
+  """The gradients ``(dq, dk, dv)`` through attention over a part of the keys: k ``[B,S,H,Dk]``
+  and v ``[B,S,H,Dv]`` are one block of a larger key set over which each query row's softmax is
+  normalised, lse ``[B,T,H]`` (natural log, ``-inf`` where the row sees no key at all) is that
+  normaliser and o ``[B,T,H,Dv]`` the output over all of it, do its cotangent. Summing dq over
+  the blocks gives the whole attention's dq; dk and dv are exact for this block (the backward of
+  ring and blockwise attention, whose blocks need no partial outputs of their own). Masks as
+  ``attention``'s."""
+  acc = jnp.promote_types(q.dtype, jnp.float32)
+  s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=acc) * scale
+  mask = attention_mask(q.shape[1], k.shape[1], segment_ids, causal,
+                        kv_segment_ids=kv_segment_ids, q_offset=q_offset)[:, None]
+  lse = lse.astype(acc).transpose(0, 2, 1)[..., None]  # [B, H, T, 1]
+  p = jnp.where(mask & jnp.isfinite(lse), jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)), 0.0)
+  do = do.astype(acc)
+  delta = jnp.einsum("bthd,bthd->bht", do, o.astype(acc))[..., None]
+  ds = p * (jnp.einsum("bthd,bshd->bhts", do, v.astype(acc)) - delta)
+  dq = jnp.einsum("bhts,bshd->bthd", ds, k.astype(acc)) * scale
+  dk = jnp.einsum("bhts,bthd->bshd", ds, q.astype(acc)) * scale
+  dv = jnp.einsum("bhts,bthd->bshd", p, do)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def merge_partials(o, lse, axis: int, *, base2: bool = False, return_lse: bool = False):
   """Attention over disjoint key sets merged into attention over all of them: o, partial outputs
   each normalised over its own keys, with the parts along ``axis``, and lse, their rows'
   log-sum-exps (o's shape less its last dim; natural log, or base 2 with ``base2``; ``-inf``
   where a part sees no key). Each part is weighted by ``exp(lse - logsumexp(lse))`` over the
   parts; rows that see no key at all give zeros. Computed in float32 (or wider), returned in o's
-  dtype; differentiable in o and lse (the split-K decode's combine and the context-parallel
-  MLA's key blocks)."""
+  dtype; with ``return_lse`` also the merged log-sum-exp (float32 or wider, ``-inf`` where no
+  part sees a key). Differentiable in o and lse (the split-K decode's combine and the
+  context-parallel MLA's online merge over key blocks)."""
   if o.shape[axis] == 1:
-    return jnp.squeeze(o, axis)
+    merged = jnp.squeeze(o, axis)
+    return (merged, jnp.squeeze(lse, axis)) if return_lse else merged
   top = jax.lax.stop_gradient(jnp.max(lse, axis=axis, keepdims=True))
   top = jnp.where(jnp.isfinite(top), top, 0.0)
   w = (jnp.exp2 if base2 else jnp.exp)(lse - top)
   total = jnp.sum(w, axis=axis, keepdims=True)
   acc = jnp.promote_types(o.dtype, jnp.float32)
-  w = (w / jnp.where(total > 0, total, 1.0)).astype(acc)
-  return jnp.sum(w[..., None] * o.astype(acc), axis=axis).astype(o.dtype)
+  seen = total > 0
+  merged = jnp.sum((w / jnp.where(seen, total, 1.0)).astype(acc)[..., None] * o.astype(acc),
+                   axis=axis).astype(o.dtype)
+  if not return_lse:
+    return merged
+  log = jnp.log2 if base2 else jnp.log
+  lse = jnp.where(seen, top + log(jnp.where(seen, total, 1.0)), -jnp.inf)
+  return merged, jnp.squeeze(lse, axis).astype(jnp.promote_types(lse.dtype, jnp.float32))
 
 
 def paged_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale):
