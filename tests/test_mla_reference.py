@@ -1,9 +1,11 @@
-"""The XLA MLA references against NumPy loops: causal and segment masks, paged decode."""
+"""The XLA MLA references against NumPy loops: causal and segment masks, paged decode, the merge
+of partial attention by log-sum-exps."""
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from pallas_kernels.mla import mla_attention, mla_decode
+from pallas_kernels.mla import mla_attention, mla_decode, reference
 
 
 def _np_attention(q, k, v, seg, scale):
@@ -50,3 +52,29 @@ def test_paged_decode_ragged_lengths_and_page_tables():
         p = np.exp(s - s.max())
         p /= p.sum()
         np.testing.assert_allclose(got[n, i, hi], p @ kv[:pos + 1, :r], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("base2", [False, True])
+def test_merge_partials_and_its_log_sum_exp(base2):
+  """Parts merged by their log-sum-exps (float32) against a float64 loop: each row's weights
+  ``b**(lse_i - L)`` with ``L = log_b sum_i b**lse_i``; a part that sees no key (``-inf``) adds
+  nothing, a row no part sees gives zeros and ``-inf``."""
+  rng = np.random.default_rng(5)
+  o = rng.normal(size=(3, 4, 6, 8))  # parts along axis 1
+  lse = rng.normal(size=(3, 4, 6)) * 3
+  lse[0, 1, 2] = -np.inf
+  lse[1, :, 4] = -np.inf
+  got_o, got_lse = reference.merge_partials(jnp.asarray(o), jnp.asarray(lse), 1, base2=base2,
+                                            return_lse=True)
+  b = 2.0 if base2 else np.e
+  want_o, want_lse = np.zeros((3, 6, 8)), np.full((3, 6), -np.inf)
+  for i in range(3):
+    for r in range(6):
+      seen = np.isfinite(lse[i, :, r])
+      if seen.any():
+        want_lse[i, r] = np.log(sum(b ** lse[i, p, r] for p in np.flatnonzero(seen))) / np.log(b)
+        for p in np.flatnonzero(seen):
+          want_o[i, r] += b ** (lse[i, p, r] - want_lse[i, r]) * o[i, p, r]
+  np.testing.assert_allclose(np.asarray(got_lse), want_lse, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(got_o), want_o, rtol=1e-5, atol=1e-6)
+  assert np.isneginf(np.asarray(got_lse)[1, 4]) and not np.asarray(got_o)[1, 4].any()
