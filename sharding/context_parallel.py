@@ -206,7 +206,7 @@ def _block_masks(cfg: _Blocks, piece, start, seg_all, seg_b, k0):
 def _over_blocks(cfg: _Blocks, t: int, step, first):
   """``step(i, carry)`` for key blocks 1 .. nb - 1 from the carry ``first`` (block 0's): a loop
   whose carries start from data, not from zeros. (XLA makes every layer's zero-filled loop
-  buffers in one fusion at the start, all live at once: 6.4 GB at 16 of K3's layers at 1M.)"""
+  buffers in one fusion at the start, all live at once: 9.7 GB at 16 of K3's layers at 1M.)"""
   nb = t // cfg.keys
   return first if nb == 1 else jax.lax.fori_loop(1, nb, step, first)
 

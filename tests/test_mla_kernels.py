@@ -234,6 +234,8 @@ def test_backward_over_key_blocks_sums_to_the_whole_gradient(impl):
     np.testing.assert_allclose(np.asarray(dk_part), dk[:, lo:hi], rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(np.asarray(dv_part), dv[:, lo:hi], rtol=2e-4, atol=2e-4)
   assert np.abs(np.asarray(got[1][0])).max() > 0.1  # both blocks carry a share of dq
+  with pytest.raises(ValueError, match="expected o and do"):
+    mla_attention_grad(q, k, v, o_in, lse_in[:, :-1], do, scale=scale, implementation=impl)
 
 
 def test_prefill_gpu_window_single_token_and_not_causal():

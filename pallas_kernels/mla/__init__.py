@@ -75,6 +75,11 @@ def mla_attention_grad(q, k, v, o, lse, do, *, segment_ids=None, kv_segment_ids=
   the whole dq) and the block's exact dk and dv. Masks and shapes as :func:`mla_attention`'s;
   ``"cudnn"`` has no such entry point (``"cudnn_fwd"`` runs the Pallas kernels)."""
   impl = resolve(implementation)
+  want = q.shape[:3] + v.shape[-1:]
+  if q.ndim != 4 or v.ndim != 4 or o.shape != want or do.shape != want or lse.shape != want[:3]:
+    raise ValueError(f"mla_attention_grad: expected o and do [B, T, H, Dv] = {want} and lse "
+                     f"[B, T, H] for q {q.shape}, v {v.shape}; got {o.shape}, {do.shape}, "
+                     f"{lse.shape}")
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   masks = dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
                causal=causal, scale=scale)
