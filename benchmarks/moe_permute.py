@@ -82,7 +82,7 @@ def check(name, fb, want, args):
 def expansion(args, n, k, d, dtype, reps, left, no_sweep):
   """``x[order // k]`` by XLA (the reference's gather) and by the kernel: check, time, sweep."""
   order = args[1]
-  inverse = reference.inverse_permutation(order)
+  inverse = reference.inverse_map(order)
   x = jax.random.normal(jax.random.key(1), (n, d), jnp.float32).astype(dtype)
   traffic = {"expand": (n * k + n) * d * dtype.itemsize + 4 * n * k}
   xla = jax.jit(lambda x, o, i: jnp.take(x, o // k, axis=0))

@@ -304,7 +304,7 @@ def mesh_newton_schulz(xs: list[jax.Array], dims: list[MuonDimensionNumbers], sp
   from sharding.mesh import spec_axes
   mesh = jax.sharding.get_abstract_mesh()
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  groups: dict[tuple, list[int]] = {}
+  groups: dict[tuple, list[tuple[int, bool]]] = {}  # (leaf, its matrices are tall)
   plain = []
   for i, (x, d, spec) in enumerate(zip(xs, dims, specs)):
     spec = tuple(spec) + (None,) * (x.ndim - len(spec))
@@ -314,7 +314,7 @@ def mesh_newton_schulz(xs: list[jax.Array], dims: list[MuonDimensionNumbers], sp
     if m > n:
       rows, cols = cols, rows
     if rows or cols:
-      groups.setdefault((min(m, n), max(m, n), rows, cols), []).append(i)
+      groups.setdefault((min(m, n), max(m, n), rows, cols), []).append((i, m > n))
     else:
       plain.append(i)
   out_leaves: list = [None] * len(xs)
@@ -325,8 +325,8 @@ def mesh_newton_schulz(xs: list[jax.Array], dims: list[MuonDimensionNumbers], sp
     k = math.prod(sizes[a] for a in rows + cols)
 
     def body(*local, members=members, rows=rows, cols=cols, k=k, n=n):
-      views = [_matrices(x, dims[i], transpose=_tall(xs[i], dims[i]))
-               for x, i in zip(local, members)]
+      # transposed as the whole matrices are (the local pieces' shapes may say otherwise)
+      views = [_matrices(x, dims[i], transpose=tall) for x, (i, tall) in zip(local, members)]
       counts = [y.shape[0] for y, _, _ in views]
       y = jnp.concatenate([y for y, _, _ in views])
       b = y.shape[0]
@@ -342,10 +342,10 @@ def mesh_newton_schulz(xs: list[jax.Array], dims: list[MuonDimensionNumbers], sp
         start += c
       return tuple(done)
 
-    in_specs = tuple(specs[i] for i in members)
+    in_specs = tuple(specs[i] for i, _ in members)
     done = jax.shard_map(body, in_specs=in_specs, out_specs=in_specs, check_vma=False)(
-        *[xs[i] for i in members])
-    for i, x in zip(members, done):
+        *[xs[i] for i, _ in members])
+    for (i, _), x in zip(members, done):
       out_leaves[i] = x
   return out_leaves
 
@@ -371,12 +371,6 @@ def _split(y: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
   y = y.reshape(y.shape[:dim] + (k, y.shape[dim] // k) + y.shape[dim + 1:])
   y = jax.lax.all_to_all(jnp.moveaxis(y, dim, 0), axes, 0, 0, tiled=True)
   return y.reshape((-1,) + y.shape[2:])
-
-
-def _tall(x, dims: MuonDimensionNumbers) -> bool:
-  """Whether x's matrices under ``dims`` are tall (``m > n``): transposed to be wide."""
-  _, red, out = _dims(x.ndim, dims)
-  return math.prod(x.shape[a] for a in red) > math.prod(x.shape[a] for a in out)
 
 
 def _orthogonalise(dims_fn, dtype, rms: float, specs_fn=None) -> optax.GradientTransformation:

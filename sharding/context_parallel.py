@@ -6,9 +6,9 @@ once on zero values from the identity state, which gives ``M`` as the final stat
 ``P_t = scale * q_t^T M_t`` as the outputs. The ``(M, N)`` of all ranks are all-gathered (a fixed
 ``[K, K + V]`` per head, independent of the sequence length), prefix-composed with a
 log-depth parallel scan (:func:`prefix_compose`) and each rank reads its exact incoming state
-``S_in``; then ``o = o0 + P S_in``. A document that starts inside a piece zeroes ``M`` from there on (the op
-restarts the state); one that starts exactly at a piece boundary zeroes ``M`` and ``S_in``.
-Gradients flow through the collectives by autodiff.
+``S_in``; then ``o = o0 + P S_in``. A document that starts inside a piece zeroes ``M`` from
+there on (the op restarts the state); one that starts exactly at a piece boundary zeroes ``M``
+and ``S_in``. Gradients flow through the collectives by autodiff.
 
 MLA (SPEC section 3): the normalised latent ``[c, k_r]`` (kv_lora + rope values per token: 576
 for K3) is all-gathered along the context axis and expanded to keys and values locally. The
@@ -197,10 +197,17 @@ def _block(cfg: _Blocks, lat_all, seg_all, i):
           jax.lax.dynamic_slice_in_dim(seg_all, k0, cfg.keys, axis=1), k0)
 
 
-def _block_masks(cfg: _Blocks, piece, start, seg_all, seg_b, k0):
-  return dict(segment_ids=jax.lax.dynamic_slice_in_dim(seg_all, start, piece.shape[1], axis=1),
-              kv_segment_ids=seg_b, q_offset=start - k0, causal=True, scale=cfg.scale,
-              implementation=cfg.implementation)
+def _piece_segments(queries, starts, seg_all):
+  """Each query piece's segment ids ``[B, Tq]``, cut from the gathered ``seg_all [B, T]``."""
+  return [jax.lax.dynamic_slice_in_dim(seg_all, start, piece.shape[1], axis=1)
+          for piece, start in zip(queries, starts)]
+
+
+def _block_masks(cfg: _Blocks, qseg, start, seg_b, k0):
+  """The attention op's masks for a piece (segment ids ``qseg``, from ``start``) against the
+  key block from ``k0`` with segment ids ``seg_b``."""
+  return dict(segment_ids=qseg, kv_segment_ids=seg_b, q_offset=start - k0, causal=True,
+              scale=cfg.scale, implementation=cfg.implementation)
 
 
 def _over_blocks(cfg: _Blocks, t: int, step, first):
@@ -230,13 +237,14 @@ def _gathered_attention(cfg: _Blocks, queries, starts, w, seg_all, lat):
 def _gathered_attention_fwd(cfg: _Blocks, queries, starts, w, seg_all, lat):
   lat_all = jax.lax.all_gather(lat, AXIS, axis=1, tiled=True)  # [B, T, D]
   acc = jnp.promote_types(queries[0].dtype, jnp.float32)
+  qsegs = _piece_segments(queries, starts, seg_all)
 
   def attend(i):
     lat_b, seg_b, k0 = _block(cfg, lat_all, seg_all, i)
     keys, values = _keys_values(cfg, w, lat_b)
     return [mla_ops.mla_attention(piece, keys, values, return_lse=True,
-                                  **_block_masks(cfg, piece, start, seg_all, seg_b, k0))
-            for piece, start in zip(queries, starts)]
+                                  **_block_masks(cfg, qseg, start, seg_b, k0))
+            for piece, qseg, start in zip(queries, qsegs, starts)]
 
   def step(i, carry):
     return [mla_reference.merge_partials(jnp.stack([o, o_b.astype(acc)]), jnp.stack([lse, lse_b]),
@@ -252,6 +260,7 @@ def _gathered_attention_fwd(cfg: _Blocks, queries, starts, w, seg_all, lat):
 def _gathered_attention_bwd(cfg: _Blocks, res, douts):
   queries, starts, w, seg_all, lat, outs, lses = res
   acc = jnp.promote_types(queries[0].dtype, jnp.float32)
+  qsegs = _piece_segments(queries, starts, seg_all)
 
   def grads(i, buf):
     """Block i's shares of the queries' and w's gradients, and buf with block i's latents
@@ -259,9 +268,9 @@ def _gathered_attention_bwd(cfg: _Blocks, res, douts):
     lat_b, seg_b, k0 = _block(cfg, buf, seg_all, i)
     (keys, values), pull = jax.vjp(functools.partial(_keys_values, cfg), w, lat_b)
     dkeys, dvalues, dqs = 0.0, 0.0, []
-    for piece, start, o, lse, do in zip(queries, starts, outs, lses, douts):
+    for piece, qseg, start, o, lse, do in zip(queries, qsegs, starts, outs, lses, douts):
       dq_b, dk_b, dv_b = mla_ops.mla_attention_grad(
-          piece, keys, values, o, lse, do, **_block_masks(cfg, piece, start, seg_all, seg_b, k0))
+          piece, keys, values, o, lse, do, **_block_masks(cfg, qseg, start, seg_b, k0))
       dqs.append(dq_b.astype(acc))
       dkeys, dvalues = dkeys + dk_b.astype(acc), dvalues + dv_b.astype(acc)
     dw_b, dlat_b = pull((dkeys.astype(keys.dtype), dvalues.astype(values.dtype)))

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels.moe as moe_ops
-from pallas_kernels.moe.reference import move_rows
+from pallas_kernels.moe.reference import inverse_map, move_rows
 from sharding import moonep as moonep_lib
 from sharding.context_parallel import axis_size
 from sharding.rules import logical_spec, per_device, token_spec
@@ -86,14 +86,6 @@ def _rank_within(keys, num_keys):
   return jnp.zeros((m,), jnp.int32).at[order].set(rank_sorted)
 
 
-def _inverse(index, size: int):
-  """``[size]`` inverse of the partial map ``index [P]`` (``index >= size``: dropped): P where
-  nothing lands."""
-  p = index.shape[0]
-  return jnp.full((size,), p, jnp.int32).at[index].set(jnp.arange(p, dtype=jnp.int32),
-                                                        mode="drop")
-
-
 def moe_dispatch(x, expert_ids, weights, w_gate_up, w_down, activation, *, capacity_factor=0.0,
                  implementation=None, moonep: bool | None = None):
   """Routed experts over the expert axis: same contract as :func:`pallas_kernels.moe.expert_mlp`.
@@ -138,7 +130,7 @@ def moe_dispatch(x, expert_ids, weights, w_gate_up, w_down, activation, *, capac
     pos = jnp.where(keep, pos, cap)  # out of bounds: dropped by the scatter below
     m = r * cap
     slot = jnp.where(keep, dest * cap + pos, m)  # [n*k]: each (token, choice)'s send slot
-    slot_src = _inverse(slot, m)  # [m]: the (token, choice) in each slot, n*k if none
+    slot_src = inverse_map(slot, m)  # [m]: the (token, choice) in each slot, n*k if none
     rows = jnp.broadcast_to(x[:, None], (n, k, width)).reshape(n * k, width)
     send = move_rows(rows, slot_src, slot).reshape(r, cap, width)
     groups = er + slots
@@ -157,7 +149,7 @@ def moe_dispatch(x, expert_ids, weights, w_gate_up, w_down, activation, *, capac
     iota = jnp.arange(m, dtype=jnp.int32)
     sg, order = jax.lax.sort((recv_g, iota), num_keys=1, is_stable=True)
     order = order[:budget]
-    unorder = _inverse(order, m)
+    unorder = inverse_map(order, m)
     xs = move_rows(recv.reshape(m, width), order, unorder)
     sizes = jnp.zeros((groups + 1,), jnp.int32).at[sg].add(1)[:groups]
     h = moe_ops.gmm(xs, w1.astype(x.dtype), sizes, implementation=implementation)

@@ -151,8 +151,9 @@ def test_kernels_lower_for_cuda(monkeypatch, cfg):
 @pytest.mark.parametrize("m, p", [(9, 6), (6, 9), (1, 1)])
 def test_move_rows_partial_map_and_its_transpose(m, p):
   """``reference.move_rows`` over a partial map (some targets empty, some sources unused) vs a
-  float64 loop: rows land where the map sends them, zeros elsewhere; the cotangent of each
-  source row is the cotangent of the one place it landed (zero if none)."""
+  float64 loop, its inverse by ``reference.inverse_map``: rows land where the map sends them,
+  zeros elsewhere; the cotangent of each source row is the cotangent of the one place it landed
+  (zero if none)."""
   rng = np.random.default_rng(m * 10 + p)
   src = rng.permutation(m)[:min(m, p) - (1 if min(m, p) > 1 else 0)]  # sources that land
   dst = rng.permutation(p)[:len(src)]
@@ -167,6 +168,7 @@ def test_move_rows_partial_map_and_its_transpose(m, p):
     if index[q] < m:
       want[q] = y[index[q]]
       want_grad[index[q]] += g[q]
+  np.testing.assert_array_equal(np.asarray(reference.inverse_map(jnp.asarray(index), m)), inverse)
   with jax.enable_x64():
     out, vjp = jax.vjp(lambda y: reference.move_rows(y, jnp.asarray(index), jnp.asarray(inverse)),
                        jnp.asarray(y))

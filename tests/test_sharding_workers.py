@@ -339,18 +339,20 @@ def muon_sharded():
   iterated = []  # matrices per Newton-Schulz call, as traced (per device inside shard_map)
   iterate = optim._iterate
   optim._iterate = lambda y, dtype: iterated.append(y.shape[0]) or iterate(y, dtype)
-  with jax.default_matmul_precision("highest"):
-    ref = jax.jit(update)(params, grads)
-  out = {"matrices": sum(iterated)}
-  for name, sizes in (("expert", dict(data=2, expert=4)), ("fsdp", dict(data=1, fsdp=8))):
-    iterated.clear()
-    mesh = mesh_lib.make_mesh(MeshConfig(**{"data": 1, **sizes}))
-    with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
-      got = jax.jit(update)(mesh_lib.shard_params(params, mesh, names),
-                            mesh_lib.shard_params(grads, mesh, names))
-    out[name] = max(jax.tree.leaves(jax.tree.map(_max_rel, ref, got)))
-    out[name + "_iterated"] = sum(iterated)
-  optim._iterate = iterate
+  try:
+    with jax.default_matmul_precision("highest"):
+      ref = jax.jit(update)(params, grads)
+    out = {"matrices": sum(iterated)}
+    for name, sizes in (("expert", dict(data=2, expert=4)), ("fsdp", dict(data=1, fsdp=8))):
+      iterated.clear()
+      mesh = mesh_lib.make_mesh(MeshConfig(**{"data": 1, **sizes}))
+      with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+        got = jax.jit(update)(mesh_lib.shard_params(params, mesh, names),
+                              mesh_lib.shard_params(grads, mesh, names))
+      out[name] = max(jax.tree.leaves(jax.tree.map(_max_rel, ref, got)))
+      out[name + "_iterated"] = sum(iterated)
+  finally:
+    optim._iterate = iterate
   return out
 
 

@@ -87,7 +87,7 @@ def sort_pairs(expert_ids):
   flat = expert_ids.reshape(-1).astype(jnp.int32)
   iota = jnp.arange(n * k, dtype=jnp.int32)
   _, order = jax.lax.sort((flat, iota), num_keys=1, is_stable=True)
-  return order, inverse_permutation(order)
+  return order, inverse_map(order)
 
 
 def expert_counts(expert_ids, num_experts, valid=None):
@@ -100,17 +100,22 @@ def expert_counts(expert_ids, num_experts, valid=None):
   return jnp.sum(hit, axis=(0, 1), dtype=jnp.int32)
 
 
-def inverse_permutation(order):
-  """The inverse permutation of ``order`` (one scatter of an iota)."""
-  iota = jnp.arange(order.shape[0], dtype=order.dtype)
-  return jnp.zeros_like(order).at[order].set(iota, unique_indices=True)
+def inverse_map(index, size: int | None = None):
+  """``[size]`` inverse of the map ``index [P]`` (one scatter of an iota): ``inverse[index[p]] =
+  p``; entries of index ``>= size`` (dropped rows) land nowhere, and positions nothing lands on
+  get P. With size None (= P) and a permutation, its inverse permutation."""
+  p = index.shape[0]
+  iota = jnp.arange(p, dtype=index.dtype)
+  if size is None:  # a permutation: every index distinct
+    return jnp.full((p,), p, index.dtype).at[index].set(iota, unique_indices=True)
+  return jnp.full((size,), p, index.dtype).at[index].set(iota, mode="drop")
 
 
 def unpermute(y, order, weights):
   """Inverse of :func:`permute`: ``y [N*k, D]`` in sorted order, weighted sum over each token's k
   experts with ``weights [N, k]`` (float32 accumulation, or float64 for float64 inputs). Returns ``[N, D]`` in y's dtype."""
   n, k = weights.shape
-  pairs = move_rows(y, inverse_permutation(order), order)  # pair order
+  pairs = move_rows(y, inverse_map(order), order)  # pair order
   acc = jnp.promote_types(y.dtype, jnp.float32)
   out = jnp.einsum("nkd,nk->nd", pairs.reshape(n, k, -1).astype(acc), weights.astype(acc))
   return out.astype(y.dtype)
