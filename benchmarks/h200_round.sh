@@ -95,8 +95,8 @@ long() {
 }
 
 step() {
-  # The one-GPU k3_1b step at 16 x 4096, profiled, under each remat policy (REMATS, default the
-  # preset's none) and each
+  # The one-GPU k3_1b step (the preset: 32 x 4096 as two micro-batches of 16), profiled, under
+  # each remat policy (REMATS, default the preset's none) and each
   # option (STEP_SETS, ';'-separated: '-' for the defaults, MODULE:NAME=VALUE for a kernel
   # option, else config overrides separated by spaces such as train.loss_chunk=4096), one per
   # GPU in turn (XLA's autotuning while another process compiles would otherwise disturb the

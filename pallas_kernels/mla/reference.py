@@ -25,15 +25,22 @@ def attention_mask(t: int, s: int, segment_ids=None, causal=True, *, kv_segment_
   return mask
 
 
+def _scores(q, k, segment_ids, kv_segment_ids, q_offset, causal, scale):
+  """The scaled scores ``[B, H, T, S]`` (float32 or wider) and ``attention_mask``'s mask
+  ``[B or 1, 1, T, S]``."""
+  acc = jnp.promote_types(q.dtype, jnp.float32)
+  s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=acc) * scale
+  return s, attention_mask(q.shape[1], k.shape[1], segment_ids, causal,
+                           kv_segment_ids=kv_segment_ids, q_offset=q_offset)[:, None]
+
+
 def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=None, causal=True,
               scale, return_lse=False):
   """q ``[B,T,H,Dk]``, k ``[B,S,H,Dk]``, v ``[B,S,H,Dv]`` -> ``[B,T,H,Dv]`` (mask: see
   ``attention_mask``; rows that see no key give zeros); with ``return_lse`` also each row's
   log-sum-exp of its visible scaled scores ``[B,T,H]`` (``-inf`` where it sees no key)."""
   acc = jnp.promote_types(q.dtype, jnp.float32)
-  s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=acc) * scale
-  mask = attention_mask(q.shape[1], k.shape[1], segment_ids, causal,
-                        kv_segment_ids=kv_segment_ids, q_offset=q_offset)[:, None]
+  s, mask = _scores(q, k, segment_ids, kv_segment_ids, q_offset, causal, scale)
   s = jnp.where(mask, s, -jnp.inf)
   top = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
   top = jnp.where(jnp.isfinite(top), top, 0.0)
@@ -58,9 +65,7 @@ def attention_grad(q, k, v, o, lse, do, *, segment_ids=None, kv_segment_ids=None
   ring and blockwise attention, whose blocks need no partial outputs of their own). Masks as
   ``attention``'s."""
   acc = jnp.promote_types(q.dtype, jnp.float32)
-  s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=acc) * scale
-  mask = attention_mask(q.shape[1], k.shape[1], segment_ids, causal,
-                        kv_segment_ids=kv_segment_ids, q_offset=q_offset)[:, None]
+  s, mask = _scores(q, k, segment_ids, kv_segment_ids, q_offset, causal, scale)
   lse = lse.astype(acc).transpose(0, 2, 1)[..., None]  # [B, H, T, 1]
   p = jnp.where(mask & jnp.isfinite(lse), jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)), 0.0)
   do = do.astype(acc)
