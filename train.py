@@ -6,8 +6,8 @@ run directory resumes from its latest complete checkpoint, exactly where it stop
 
 The loop, step by step:
   config -> data (grain, packed rows) -> model (NNX, split into pure param / router-bias dicts)
-  -> optimizer -> restore the latest checkpoint if any -> for each step: next batch, one jitted
-  train step, metrics, eval every ``train.eval_every`` steps, an async checkpoint every
+  -> optimizer -> restore the latest checkpoint if any -> for each step: next batch, the train
+  step (compiled ahead of time once per stage, so nothing recompiles it), metrics, eval every ``train.eval_every`` steps, an async checkpoint every
   ``checkpoint.every`` steps -> a final checkpoint. SIGTERM / SIGINT finish the current step,
   save a checkpoint and exit with status 128 + signal number.
 """
@@ -260,7 +260,9 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
 
   signals = _Signals()
   record: dict = {}
-  last_time, last_step, compile_s = time.perf_counter(), step, None
+  compiled: dict[int, object] = {}  # seq_len -> the step's executable: one compile per stage
+  compile_s = None  # the last compile's seconds, logged with the step after it
+  last_time, last_step = time.perf_counter(), step
   contexts: list[float] = []  # mean attention context of each step's rows since the last log
   in_mesh = jax.set_mesh(mesh)
   in_mesh.__enter__()
@@ -273,20 +275,28 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
       host_batch = next(it)
       contexts.append(flops_lib.mean_causal_context(host_batch["segment_ids"]))
       batch = place(host_batch, batch_sharding)
-      t0 = time.perf_counter()
       try:
-        params, opt_state, biases, out = step_fn(params, opt_state, biases, jnp.int32(step), rng,
-                                                 batch)
+        if stage.seq_len not in compiled:
+          compiled[stage.seq_len], times = step_lib.compile_train_step(
+              step_fn, params, opt_state, biases, rng,
+              step_lib.batch_spec(cfg.train.batch_size, stage.seq_len, batch_sharding))
+          compile_s = times["trace_s"] + times["lower_s"] + times["compile_s"]
+          temp = times["temp_bytes"]
+          metrics.say(f"compiled the step for {cfg.train.batch_size} x {stage.seq_len} tokens in "
+                      f"{compile_s:.1f} s (trace {times['trace_s']:.1f} + lower "
+                      f"{times['lower_s']:.1f} + compile {times['compile_s']:.1f})"
+                      + ("" if temp is None else f", {temp / 2**30:.1f} GiB of temporaries "
+                         "per device"))
+          last_time, last_step = time.perf_counter(), step  # tokens/s: steps, not compiles
+          contexts[:] = contexts[-1:]
+        params, opt_state, biases, out = compiled[stage.seq_len](
+            params, opt_state, biases, jnp.int32(step), rng, batch)
       except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
           raise
         raise TrainError(out_of_memory(cfg, stage.seq_len, step + 1, e)) from e
       step += 1
       out = jax.device_get(out)
-      if compile_s is None:
-        compile_s = time.perf_counter() - t0
-        last_time, last_step = time.perf_counter(), step
-        metrics.say(f"first step (compile + run) took {compile_s:.1f} s")
       if out["nonfinite"]:
         nonfinite_run += 1
         metrics.say(f"step {step}: non-finite loss or gradient, update skipped "
@@ -310,8 +320,8 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
                   "mfu": (fpt * tps / peak) if (peak and tps) else None,
                   "target_tokens": out["tokens"], "nonfinite": out["nonfinite"],
                   "moe_load_max_mean": out["moe_load_max_mean"], "seq_len": stage.seq_len}
-        if step == 1:
-          record["compile_s"] = compile_s
+        if compile_s is not None:
+          record["compile_s"], compile_s = compile_s, None
         metrics.write(record)
         metrics.say(f"step {step:6d}  loss {float(out['loss']):.4f}  grad_norm "
                     f"{float(out['grad_norm']):.3f}  lr {float(out['lr']):.2e}"

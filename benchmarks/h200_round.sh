@@ -95,7 +95,7 @@ long() {
 }
 
 step() {
-  # The one-GPU k3_1b step (the preset: 32 x 4096 as two micro-batches of 16), profiled, under
+  # The one-GPU k3_1b step (the preset: 128 x 4096 as eight micro-batches of 16), profiled, under
   # each remat policy (REMATS, default the preset's none) and each
   # option (STEP_SETS, ';'-separated: '-' for the defaults, MODULE:NAME=VALUE for a kernel
   # option, else config overrides separated by spaces such as train.loss_chunk=4096), one per

@@ -389,10 +389,7 @@ def _traced_step(cfg: Config, mesh, seq_len: int, batch: int, target: str):
     a_opt = jax.eval_shape(tx.init, a_params)
     osh = mesh_lib.optimizer_shardings(a_opt, a_params)
     a_opt = jax.tree.map(sds, a_opt, osh)
-    bsh = mesh_lib.batch_sharding(mesh)
-    tok = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=bsh)
-    a_batch = {"input_ids": tok, "targets": tok, "segment_ids": tok, "positions": tok,
-               "weights": jax.ShapeDtypeStruct((batch, seq_len), jnp.float32, sharding=bsh)}
+    a_batch = ts.batch_spec(batch, seq_len, mesh_lib.batch_sharding(mesh))
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
     key = jax.eval_shape(lambda: jax.random.key(0))
     jitted = ts.jit_train_step(step_fn, donate=True, state_shardings=(psh, osh, bias_sh))

@@ -72,23 +72,23 @@ def test_default_path_trains_and_logs(full_run):
 def test_resume_after_crash_skips_a_corrupt_checkpoint_and_is_bitwise_exact(
     full_run, tmp_path, monkeypatch, capsys):
   run_dir = tmp_path / "crash"
-  real = train_step.jit_train_step
+  real = train_step.compile_train_step
 
-  def crashing(fn, **kw):  # the 6th call dies: step 5 done but not checkpointed
-    jitted, calls = real(fn, **kw), [0]
+  def crashing(*args, **kw):  # the 6th call dies: step 5 done but not checkpointed
+    (compiled, times), calls = real(*args, **kw), [0]
 
     def step(*args):
       calls[0] += 1
       if calls[0] == 6:
         raise RuntimeError("simulated crash")
-      return jitted(*args)
-    return step
+      return compiled(*args)
+    return step, times
 
-  monkeypatch.setattr(train_step, "jit_train_step", crashing)
+  monkeypatch.setattr(train_step, "compile_train_step", crashing)
   argv = ["--no-progress", "--run-dir", str(run_dir), f"train.steps={STEPS}", *SMALL]
   with pytest.raises(RuntimeError, match="simulated crash"):
     train.main(argv)
-  monkeypatch.setattr(train_step, "jit_train_step", real)
+  monkeypatch.setattr(train_step, "compile_train_step", real)
   ckpts = run_dir / "checkpoints"
   assert sorted(int(p.name) for p in ckpts.iterdir()) == [2, 4]
   # Break the newest checkpoint and leave the debris of an interrupted save.
@@ -125,17 +125,13 @@ def test_resume_with_another_optimizer_layout_stops_and_moves_nothing(full_run, 
 
 
 def test_out_of_memory_gives_a_clear_error(tmp_path, monkeypatch, capsys):
-  real = train_step.jit_train_step
-
-  def oom(fn, **kw):
-    real(fn, **kw)
-
+  def oom(*args, **kw):
     def step(*args):
       raise jax.errors.JaxRuntimeError(
           "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 110.64GiB.\nmore detail")
-    return step
+    return step, {"trace_s": 0.0, "lower_s": 0.0, "compile_s": 0.0, "temp_bytes": None}
 
-  monkeypatch.setattr(train_step, "jit_train_step", oom)
+  monkeypatch.setattr(train_step, "compile_train_step", oom)
   argv = ["--no-progress", "--run-dir", str(tmp_path / "oom"), "train.steps=2", *SMALL]
   assert train.main(argv) == 2
   err = capsys.readouterr().err
@@ -241,6 +237,30 @@ def test_stages_switch_packing_length(root):
   assert got == [(0, 3, 32), (3, 10, 64)]
   assert train.stage_at(train.stages(cfg), 2).seq_len == 32
   assert train.stage_at(train.stages(cfg), 3).seq_len == 64
+
+
+def test_the_step_compiles_once_per_stage(tmp_path, monkeypatch, capsys):
+  """Each stage's step is compiled ahead of time once, before its first step; its compile time
+  goes to metrics.jsonl with that step, and tokens/s leaves the compile out."""
+  real, compiles = train_step.compile_train_step, []
+
+  def counted(*args, **kw):
+    compiles.append(args[-1]["input_ids"].shape)
+    return real(*args, **kw)
+
+  monkeypatch.setattr(train_step, "compile_train_step", counted)
+  run_dir = tmp_path / "stages"
+  assert train.main(["--no-progress", "--run-dir", str(run_dir), "train.steps=5", *SMALL,
+                     "checkpoint.every=10",
+                     "train.stages=[{seq_len: 32, steps: 2}, {seq_len: 64, steps: 3}]"]) == 0
+  assert compiles == [(2, 32), (2, 64)]
+  steps = [r for r in metrics.read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+  assert [r["step"] for r in steps if "compile_s" in r] == [1, 3]
+  assert all(r["compile_s"] > 0 for r in steps if "compile_s" in r)
+  assert [r["seq_len"] for r in steps] == [32, 32, 64, 64, 64]
+  assert all(r["tokens_per_s"] > 0 for r in steps)
+  out = capsys.readouterr().out
+  assert "compiled the step for 2 x 32 tokens in" in out and "stage 1: seq_len 64 from step 2" in out
 
 
 @pytest.mark.parametrize("env, want", [(None, "0.92"), ("0.5", "0.5")])
