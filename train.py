@@ -7,9 +7,10 @@ run directory resumes from its latest complete checkpoint, exactly where it stop
 The loop, step by step:
   config -> data (grain, packed rows) -> model (NNX, split into pure param / router-bias dicts)
   -> optimizer -> restore the latest checkpoint if any -> for each step: next batch, the train
-  step (compiled ahead of time once per stage, so nothing recompiles it), metrics, eval every ``train.eval_every`` steps, an async checkpoint every
-  ``checkpoint.every`` steps -> a final checkpoint. SIGTERM / SIGINT finish the current step,
-  save a checkpoint and exit with status 128 + signal number.
+  step (compiled ahead of time once per stage, so nothing recompiles it), metrics, eval every
+  ``train.eval_every`` steps, an async checkpoint every ``checkpoint.every`` steps -> a final
+  checkpoint. SIGTERM / SIGINT finish the current step, save a checkpoint and exit with status
+  128 + signal number.
 """
 
 from __future__ import annotations
@@ -277,16 +278,15 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
       batch = place(host_batch, batch_sharding)
       try:
         if stage.seq_len not in compiled:
-          compiled[stage.seq_len], times = step_lib.compile_train_step(
+          compiled[stage.seq_len], report = step_lib.compile_train_step(
               step_fn, params, opt_state, biases, rng,
               step_lib.batch_spec(cfg.train.batch_size, stage.seq_len, batch_sharding))
-          compile_s = times["trace_s"] + times["lower_s"] + times["compile_s"]
-          temp = times["temp_bytes"]
-          metrics.say(f"compiled the step for {cfg.train.batch_size} x {stage.seq_len} tokens in "
-                      f"{compile_s:.1f} s (trace {times['trace_s']:.1f} + lower "
-                      f"{times['lower_s']:.1f} + compile {times['compile_s']:.1f})"
-                      + ("" if temp is None else f", {temp / 2**30:.1f} GiB of temporaries "
-                         "per device"))
+          compile_s = report.total_s
+          mem = report.memory
+          temps = "" if mem is None else f"; {mem.temp_size_in_bytes / 2**30:.1f} GiB of " \
+                                         "temporaries per device"
+          metrics.say(f"compiled the step for {cfg.train.batch_size} x {stage.seq_len} tokens: "
+                      f"{report}{temps}")
           last_time, last_step = time.perf_counter(), step  # tokens/s: steps, not compiles
           contexts[:] = contexts[-1:]
         params, opt_state, biases, out = compiled[stage.seq_len](

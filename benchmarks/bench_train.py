@@ -175,15 +175,13 @@ def main(argv=None):
       traced.lower(lowering_platforms=(args.lower,))
       print(f"trace {t_trace:.1f} s, lower for {args.lower} {time.perf_counter() - t0 - t_trace:.1f} s")
       return
-    compiled, times = step_lib.compile_train_step(fn, params, opt_state, biases, rng, batch_spec)
-    t_compile = times["trace_s"] + times["lower_s"] + times["compile_s"]
-    print(f"compile: trace {times['trace_s']:.1f} s + lower {times['lower_s']:.1f} s + compile "
-          f"{times['compile_s']:.1f} s = {t_compile:.1f} s", flush=True)
-    result["compile_s"] = t_compile
+    compiled, report = step_lib.compile_train_step(fn, params, opt_state, biases, rng, batch_spec)
+    print(f"compile: {report}", flush=True)
+    result["compile_s"] = report.total_s
     if args.hlo:
       with gzip.open(args.hlo, "wt") as f:
         f.write(compiled.as_text())
-    mem = compiled.memory_analysis()
+    mem = report.memory
     if mem is not None:
       result["compiled_temp_gib"] = mem.temp_size_in_bytes / 2**30
       result["compiled_argument_gib"] = mem.argument_size_in_bytes / 2**30

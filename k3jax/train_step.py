@@ -18,6 +18,7 @@ Metrics: ``loss``, ``grad_norm``, ``lr``, ``nonfinite``, ``tokens`` (tokens with
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Any, Callable
@@ -134,7 +135,8 @@ def make_eval_step(graphdef, train: TrainConfig = TrainConfig()) -> Callable:
 def jit_train_step(step_fn: Callable, *, donate: bool, state_shardings: tuple | None = None
                    ) -> Callable:
   """jax.jit of the step; donates params, optimizer state and biases when ``donate``;
-  ``state_shardings`` (of params, optimizer state, biases) pins the outputs to the inputs' layout."""
+  ``state_shardings`` (of params, optimizer state, biases) pins the outputs to the inputs'
+  layout."""
   out = None if state_shardings is None else (*state_shardings, None)
   return jax.jit(step_fn, donate_argnums=(0, 1, 2) if donate else (), out_shardings=out)
 
@@ -147,16 +149,32 @@ def batch_spec(batch: int, seq_len: int, sharding=None) -> dict[str, jax.ShapeDt
           for k in ("input_ids", "targets", "segment_ids", "positions", "weights")}
 
 
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+  """Seconds spent tracing, lowering and compiling a step, and XLA's memory analysis of the
+  executable (None where the backend gives none)."""
+  trace_s: float
+  lower_s: float
+  compile_s: float
+  memory: Any = None
+
+  @property
+  def total_s(self) -> float:
+    return self.trace_s + self.lower_s + self.compile_s
+
+  def __str__(self) -> str:
+    return (f"trace {self.trace_s:.1f} s + lower {self.lower_s:.1f} s + compile "
+            f"{self.compile_s:.1f} s = {self.total_s:.1f} s")
+
+
 def compile_train_step(jitted: Callable, params, opt_state, biases, rng,
-                       batch: dict[str, jax.ShapeDtypeStruct]) -> tuple[Callable, dict[str, float]]:
+                       batch: dict[str, jax.ShapeDtypeStruct]) -> tuple[Callable, CompileReport]:
   """The jitted step traced, lowered and compiled ahead of time for this state (arrays: their
   shardings are the executable's) and ``batch`` (:func:`batch_spec`), under the current mesh.
 
-  Returns the executable and ``{"trace_s", "lower_s", "compile_s", "temp_bytes"}``
-  (``temp_bytes`` None where the backend reports no memory analysis). Calling the executable
-  never compiles again (arguments laid out otherwise raise an error instead): through
-  ``jax.jit``'s own dispatch, step 2 of a k3_1b run on an H200 took 151 s, as long as a second
-  lowering and compile (benchmarks/RESULTS.md, Training run 48)."""
+  Calling the executable never compiles again (arguments laid out otherwise raise an error
+  instead): through ``jax.jit``'s own dispatch, step 2 of a k3_1b run on an H200 took 151 s, as
+  long as a second lowering and compile (benchmarks/RESULTS.md, Training run 48)."""
   t0 = time.perf_counter()
   traced = jitted.trace(params, opt_state, biases, jnp.int32(0), rng, batch)
   t1 = time.perf_counter()
@@ -164,9 +182,7 @@ def compile_train_step(jitted: Callable, params, opt_state, biases, rng,
   t2 = time.perf_counter()
   compiled = lowered.compile()
   t3 = time.perf_counter()
-  mem = compiled.memory_analysis()
-  return compiled, {"trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2,
-                    "temp_bytes": None if mem is None else mem.temp_size_in_bytes}
+  return compiled, CompileReport(t1 - t0, t2 - t1, t3 - t2, compiled.memory_analysis())
 
 
 def abstract_like(tree: Any) -> Any:

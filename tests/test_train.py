@@ -75,14 +75,14 @@ def test_resume_after_crash_skips_a_corrupt_checkpoint_and_is_bitwise_exact(
   real = train_step.compile_train_step
 
   def crashing(*args, **kw):  # the 6th call dies: step 5 done but not checkpointed
-    (compiled, times), calls = real(*args, **kw), [0]
+    (compiled, report), calls = real(*args, **kw), [0]
 
     def step(*args):
       calls[0] += 1
       if calls[0] == 6:
         raise RuntimeError("simulated crash")
       return compiled(*args)
-    return step, times
+    return step, report
 
   monkeypatch.setattr(train_step, "compile_train_step", crashing)
   argv = ["--no-progress", "--run-dir", str(run_dir), f"train.steps={STEPS}", *SMALL]
@@ -129,7 +129,7 @@ def test_out_of_memory_gives_a_clear_error(tmp_path, monkeypatch, capsys):
     def step(*args):
       raise jax.errors.JaxRuntimeError(
           "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 110.64GiB.\nmore detail")
-    return step, {"trace_s": 0.0, "lower_s": 0.0, "compile_s": 0.0, "temp_bytes": None}
+    return step, train_step.CompileReport(0.0, 0.0, 0.0)
 
   monkeypatch.setattr(train_step, "compile_train_step", oom)
   argv = ["--no-progress", "--run-dir", str(tmp_path / "oom"), "train.steps=2", *SMALL]
@@ -260,7 +260,8 @@ def test_the_step_compiles_once_per_stage(tmp_path, monkeypatch, capsys):
   assert [r["seq_len"] for r in steps] == [32, 32, 64, 64, 64]
   assert all(r["tokens_per_s"] > 0 for r in steps)
   out = capsys.readouterr().out
-  assert "compiled the step for 2 x 32 tokens in" in out and "stage 1: seq_len 64 from step 2" in out
+  assert "compiled the step for 2 x 32 tokens: trace" in out
+  assert "stage 1: seq_len 64 from step 2" in out
 
 
 @pytest.mark.parametrize("env, want", [(None, "0.92"), ("0.5", "0.5")])
