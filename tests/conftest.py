@@ -22,3 +22,16 @@ def tiny_config(*overrides: str):
   """The tiny preset, shrunk further where a test does not need its full size."""
   from k3jax import config
   return config.load(ROOT / "configs" / "k3_tiny.yaml", list(overrides))
+
+
+@pytest.fixture
+def h200_lowering(monkeypatch):
+  """Builds Pallas kernels for an H200 on this CPU host: Triton sees the H200's description and
+  kernels are selected and lowered for 'gpu' (no interpret mode). Lower with
+  ``lowering_platforms=("cuda",)``; nothing built inside can run here."""
+  import pallas_kernels
+  gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+  monkeypatch.setattr(gpu_info, "get_gpu_info",
+                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+  with pallas_kernels.target_platform("gpu"):
+    yield
