@@ -49,6 +49,22 @@ def set_module_option(spec: str) -> None:
   setattr(mod, name, ast.literal_eval(value))
 
 
+def replace_options(config, specs):
+  """``config`` (a frozen dataclass of kernel options) with each ``NAME=VALUE`` of ``specs``
+  replaced, VALUE a Python literal (``warps={'kda_chunk_a': 4}``, ``recurrence='triton'``);
+  ValueError naming an option ``config`` does not have."""
+  import ast
+  fields = {f.name for f in dataclasses.fields(config)}
+  changes = {}
+  for spec in specs:
+    name, sep, value = spec.partition("=")
+    if not sep or name not in fields:
+      raise ValueError(f"--set {spec!r}: {type(config).__name__} has no option {name!r}; "
+                       f"expected one of {sorted(fields)}")
+    changes[name] = ast.literal_eval(value)
+  return dataclasses.replace(config, **changes)
+
+
 def median_ms(fn, *args, reps: int = 15, inner: int = 5) -> float:
   """Median milliseconds per call of ``fn(*args)``: ``reps`` samples of ``inner`` back-to-back
   calls (launch overhead hidden), after one warm-up call, each sample synchronised."""
