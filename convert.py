@@ -5,7 +5,7 @@
 
 The architecture comes from config.json (model_type kimi_linear or kimi_k3). Tensors stream one
 at a time (one expert at a time for the routed experts), the output is written to a temporary
-directory next to the destination and renamed only when complete. See k3jax/hf_convert.py.
+directory next to the destination and renamed only when complete. See k3jax/convert/.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from k3jax import hf_convert
+from k3jax.convert import ConversionError, hf_to_orbax, orbax_to_hf
 
 
 def _mesh(text: str | None) -> dict[str, int] | None:
@@ -24,7 +24,7 @@ def _mesh(text: str | None) -> dict[str, int] | None:
   for item in text.split(","):
     axis, _, size = item.partition("=")
     if axis not in ("data", "fsdp", "expert", "context", "tensor") or not size.isdigit():
-      raise hf_convert.ConversionError(
+      raise ConversionError(
           f"--mesh: expected axis=size pairs over data/fsdp/expert/context/tensor, got {item!r}")
     out[axis] = int(size)
   return out
@@ -51,12 +51,12 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   try:
     if args.cmd == "hf-to-orbax":
-      stats = hf_convert.hf_to_orbax(args.src, args.dst, dtype=args.dtype, mesh=_mesh(args.mesh),
-                                     progress=not args.no_progress)
+      stats = hf_to_orbax(args.src, args.dst, dtype=args.dtype, mesh=_mesh(args.mesh),
+                          progress=not args.no_progress)
     else:
-      stats = hf_convert.orbax_to_hf(args.src, args.dst, config=args.config, experts=args.experts,
-                                     progress=not args.no_progress)
-  except hf_convert.ConversionError as e:
+      stats = orbax_to_hf(args.src, args.dst, config=args.config, experts=args.experts,
+                          progress=not args.no_progress)
+  except ConversionError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(json.dumps({"command": args.cmd, "src": args.src, "dst": args.dst, **stats}))

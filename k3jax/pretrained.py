@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax import hf_convert
+from k3jax import convert as hf_convert
 from k3jax.model import K3Model
 
 

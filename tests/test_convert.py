@@ -7,17 +7,21 @@ import dataclasses
 import json
 from pathlib import Path
 
+import chex
 import jax
 import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from numerics import max_rel_err
 from safetensors.numpy import save_file
 
 import convert
 from k3jax import generate
 from k3jax import config as config_lib
-from k3jax import hf_convert
+from k3jax.convert import (ConversionError, SafetensorsReader, block_shape, config_from_hf,
+                           config_to_hf, hf_to_orbax, load_orbax_params, mesh_shard_shape,
+                           mxfp4_dequantize, mxfp4_quantize, orbax_to_hf, plan, read_hf_config)
 from k3jax.pretrained import from_pretrained
 from sharding.rules import named_sharding
 
@@ -40,21 +44,22 @@ def test_mxfp4_dequantize_by_hand():
   packed[0, 2] = 0x7B  # even: code 11 (-1.5), odd: code 7 (+6.0)
   packed[0, 16] = 0x5C  # group 2: even code 12 (-2.0), odd code 5 (+3.0)
   scale = np.array([[128, 125]], np.uint8)  # 2 ** 1, 2 ** -2
-  w = hf_convert.mxfp4_dequantize(packed, scale)
-  assert w.shape == (1, 64) and w.dtype == np.float32
+  w = mxfp4_dequantize(packed, scale)
+  chex.assert_shape(w, (1, 64))
+  chex.assert_type(w, np.float32)
   expect = np.zeros(64, np.float32)
   expect[:6] = [1.0, 2.0, -0.0, -12.0, -3.0, 12.0]
   expect[32:34] = [-0.5, 0.75]
   np.testing.assert_array_equal(w[0], expect)
   assert np.signbit(w[0, 2])  # code 8 is -0.0
   # exact in bfloat16 too, where a direct exponent-field path is used
-  np.testing.assert_array_equal(hf_convert.mxfp4_dequantize(packed, scale, BF16).astype(np.float32), w)
+  np.testing.assert_array_equal(mxfp4_dequantize(packed, scale, BF16).astype(np.float32), w)
   rng = np.random.default_rng(3)
   packed = rng.integers(0, 256, (16, 64), dtype=np.uint8)
   for lo, hi in ((2, 253), (0, 255)):  # inside and outside the direct path's scale range
     scale = rng.integers(lo, hi, (16, 4), dtype=np.uint8)
-    w = hf_convert.mxfp4_dequantize(packed, scale)
-    np.testing.assert_array_equal(w.astype(BF16), hf_convert.mxfp4_dequantize(packed, scale, BF16))
+    w = mxfp4_dequantize(packed, scale)
+    np.testing.assert_array_equal(w.astype(BF16), mxfp4_dequantize(packed, scale, BF16))
 
 
 def _quantizer_style_mxfp4(rng, rows, cols):
@@ -71,8 +76,8 @@ def _quantizer_style_mxfp4(rng, rows, cols):
 def test_mxfp4_quantize_inverts_dequantize_bit_exactly():
   rng = np.random.default_rng(0)
   packed, scale = _quantizer_style_mxfp4(rng, 24, 96)
-  w = hf_convert.mxfp4_dequantize(packed, scale)
-  p2, s2 = hf_convert.mxfp4_quantize(w.astype(BF16))
+  w = mxfp4_dequantize(packed, scale)
+  p2, s2 = mxfp4_quantize(w.astype(BF16))
   np.testing.assert_array_equal(p2, packed)
   np.testing.assert_array_equal(s2, scale)
 
@@ -80,8 +85,8 @@ def test_mxfp4_quantize_inverts_dequantize_bit_exactly():
 def test_mxfp4_quantize_rounds_to_nearest_code():
   rng = np.random.default_rng(1)
   w = rng.standard_normal((8, 64)).astype(np.float32)
-  packed, scale = hf_convert.mxfp4_quantize(w)
-  back = hf_convert.mxfp4_dequantize(packed, scale)
+  packed, scale = mxfp4_quantize(w)
+  back = mxfp4_dequantize(packed, scale)
   # reference: per group, the scale puts amax in [3.5, 7); values round to the nearest code
   grid = np.array([0, .5, 1, 1.5, 2, 3, 4, 6])
   for r in range(8):
@@ -94,8 +99,8 @@ def test_mxfp4_quantize_rounds_to_nearest_code():
 
 
 def test_mxfp4_rejects_nan_scale():
-  with pytest.raises(hf_convert.ConversionError, match="NaN"):
-    hf_convert.mxfp4_dequantize(np.zeros((1, 16), np.uint8), np.full((1, 1), 255, np.uint8))
+  with pytest.raises(ConversionError, match="NaN"):
+    mxfp4_dequantize(np.zeros((1, 16), np.uint8), np.full((1, 1), 255, np.uint8))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,9 +110,9 @@ def test_mxfp4_rejects_nan_scale():
 @pytest.mark.parametrize("yaml_name", ["k3.yaml", "kimi_linear_48b.yaml"])
 def test_config_round_trip(yaml_name):
   cfg = config_lib.load(ROOT / "configs" / yaml_name).model
-  hf = hf_convert.config_to_hf(cfg)
+  hf = config_to_hf(cfg)
   assert hf["model_type"] == cfg.arch
-  back = hf_convert.config_from_hf(json.loads(json.dumps(hf)), name=cfg.name)
+  back = config_from_hf(json.loads(json.dumps(hf)), name=cfg.name)
   # training-only fields an HF config does not carry
   back = dataclasses.replace(back, remat=cfg.remat,
                              moe=dataclasses.replace(back.moe, balancing=cfg.moe.balancing),
@@ -118,13 +123,13 @@ def test_config_round_trip(yaml_name):
 
 def test_config_from_released_kimi_linear_fields():
   hf = json.loads((GOLDEN / "config.json").read_text())
-  cfg = hf_convert.config_from_hf(hf)
+  cfg = config_from_hf(hf)
   assert cfg.arch == "kimi_linear" and cfg.mla_layers == (3,) and cfg.dense_layers == (0,)
   assert cfg.kda.gate == "softplus" and cfg.kda.output_gate == "low_rank"
   assert cfg.moe.routed_scaling_factor == 2.446 and not cfg.attn_res.enabled
   bad = dict(hf, num_expert_group=4, tie_word_embeddings=True)
-  with pytest.raises(hf_convert.ConversionError, match="grouped routing.*tie_word|tie_word.*grouped"):
-    hf_convert.config_from_hf(bad)
+  with pytest.raises(ConversionError, match="grouped routing.*tie_word|tie_word.*grouped"):
+    config_from_hf(bad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,7 +242,7 @@ def k3_dir(tmp_path_factory):
 
 
 def _read_all(directory: Path) -> dict[str, tuple[str, tuple, bytes]]:
-  r = hf_convert.SafetensorsReader(directory)
+  r = SafetensorsReader(directory)
   try:
     return {n: (t.dtype, t.shape, r.read(n).tobytes()) for n, t in r.tensors.items()}
   finally:
@@ -252,7 +257,7 @@ def test_k3_loads_and_runs(k3_dir, tmp_path):
   assert cfg.attn_res.enabled and cfg.attn_res.block_size == 2 and cfg.mla.output_gate
   # spot-check the mapping against the raw tensors
   m = "language_model.model.layers.1.block_sparse_moe.experts.3."
-  deq = {n: hf_convert.mxfp4_dequantize(tensors[m + n + ".weight_packed"], tensors[m + n + ".weight_scale"])
+  deq = {n: mxfp4_dequantize(tensors[m + n + ".weight_packed"], tensors[m + n + ".weight_scale"])
          for n in ("w1", "w3", "w2")}
   gate_up = np.asarray(model.layers[1].mlp.experts.w_gate_up[...][3])
   np.testing.assert_array_equal(gate_up, np.concatenate([deq["w1"].T, deq["w3"].T], 1))
@@ -267,7 +272,9 @@ def test_k3_loads_and_runs(k3_dir, tmp_path):
                                 tensors["language_model.model.layers.1.block_sparse_moe.gate.e_score_correction_bias"])
   ids = np.random.default_rng(0).integers(0, 128, (2, 12)).astype(np.int32)
   logits = np.asarray(forward(model, ids))
-  assert logits.shape == (2, 12, 128) and logits.dtype == np.float32 and np.isfinite(logits).all()
+  chex.assert_shape(logits, (2, 12, 128))
+  chex.assert_type(logits, np.float32)
+  chex.assert_tree_all_finite(logits)
 
   # HF -> Orbax (laid out for a mesh) -> same model, and Orbax -> HF bit-identical
   orbax_dir, back = tmp_path / "k3_orbax", tmp_path / "k3_back"
@@ -284,7 +291,7 @@ def test_k3_loads_and_runs(k3_dir, tmp_path):
   assert (back / "tokenizer_config.json").is_file()
   # experts written as plain bf16 instead: no quantization_config, same model
   plain = tmp_path / "k3_plain"
-  hf_convert.orbax_to_hf(orbax_dir, plain, experts="bf16", progress=False)
+  orbax_to_hf(orbax_dir, plain, experts="bf16", progress=False)
   cfg_json = json.loads((plain / "config.json").read_text())
   assert "quantization_config" not in cfg_json and "quantization_config" not in cfg_json["text_config"]
   np.testing.assert_array_equal(np.asarray(forward(from_pretrained(plain, dtype="float32"), ids)), logits)
@@ -292,8 +299,8 @@ def test_k3_loads_and_runs(k3_dir, tmp_path):
 
 def test_mesh_layout_chunks_follow_shards(k3_dir):
   src, _ = k3_dir
-  cfg = hf_convert.config_from_hf(hf_convert.read_hf_config(src))
-  params = {p.path: p for p in hf_convert.plan(cfg, "language_model.")}
+  cfg = config_from_hf(read_hf_config(src))
+  params = {p.path: p for p in plan(cfg, "language_model.")}
   mesh = {"fsdp": 2, "expert": 2}
   abstract = jax.sharding.AbstractMesh((2, 2), ("fsdp", "expert"))
   checked = 0
@@ -302,15 +309,15 @@ def test_mesh_layout_chunks_follow_shards(k3_dir):
       want = named_sharding(abstract, p.names).shard_shape(p.shape)
     except ValueError:  # indivisible at this tiny size: the converter keeps such a dim whole
       continue
-    assert hf_convert.mesh_shard_shape(p, mesh) == want, p.path
+    assert mesh_shard_shape(p, mesh) == want, p.path
     checked += 1
   assert checked > len(params) // 2
   gu = params["layers.1.mlp.experts.w_gate_up"]
-  shard = hf_convert.mesh_shard_shape(gu, mesh)
+  shard = mesh_shard_shape(gu, mesh)
   assert shard[0] == 2  # experts split over "expert"
-  assert hf_convert.block_shape(gu, 2, shard) == (1,) + shard[1:]  # one expert per block
+  assert block_shape(gu, 2, shard) == (1,) + shard[1:]  # one expert per block
   lm = params["lm_head.kernel"]  # linear: blocks cut along the HF row (our last) axis
-  assert hf_convert.block_shape(lm, 4, None, max_bytes=64 * 32 * 4) == (64, 32)
+  assert block_shape(lm, 4, None, max_bytes=64 * 32 * 4) == (64, 32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,8 +336,8 @@ def test_validation_lists_every_problem_and_leaves_nothing(k3_dir, tmp_path):
   save_file(t, str(bad / "model.safetensors"))
   (bad / "config.json").write_text((src / "config.json").read_text())
   dst = tmp_path / "out"
-  with pytest.raises(hf_convert.ConversionError) as e:
-    hf_convert.hf_to_orbax(bad, dst, progress=False)
+  with pytest.raises(ConversionError) as e:
+    hf_to_orbax(bad, dst, progress=False)
   msg = str(e.value)
   for needle in ("1 missing", "layers.0.self_attn.o_proj.weight", "layers.2.self_attn.kv_b_proj.weight: BF16[7, 32]",
                  "1 unexpected", "layers.1.self_attn.extra.weight"):
@@ -341,8 +348,8 @@ def test_validation_lists_every_problem_and_leaves_nothing(k3_dir, tmp_path):
   t["language_model.model.layers.2.self_attn.kv_b_proj.weight"] = tensors["language_model.model.layers.2.self_attn.kv_b_proj.weight"]
   t["language_model.model.layers.0.self_attn.o_proj.weight"] = tensors["language_model.model.layers.0.self_attn.o_proj.weight"]
   save_file(t, str(bad / "model.safetensors"))
-  with pytest.raises(hf_convert.ConversionError, match="padding after the first 2 heads"):
-    hf_convert.hf_to_orbax(bad, dst, progress=False)
+  with pytest.raises(ConversionError, match="padding after the first 2 heads"):
+    hf_to_orbax(bad, dst, progress=False)
   assert not dst.exists() and not list(tmp_path.glob(".out.tmp-*"))
   assert convert.main(["hf-to-orbax", "--src", str(bad), "--dst", str(dst), "--no-progress"]) == 2
 
@@ -357,7 +364,7 @@ def test_kimi_linear_golden_logits_and_greedy(tmp_path):
   assert model.cfg.param_dtype == "float32"
   logits = np.asarray(forward(model, io["input_ids"]))
   ref = io["logits"]
-  rel = np.abs(logits - ref).max() / np.abs(ref).max()
+  rel = max_rel_err(logits, ref)
   assert rel < 1e-4, rel
   # greedy through the cached decode path (prefill, then KDA-state / MLA-latent steps)
   prompt, want = io["prompt"], io["greedy"]
@@ -365,25 +372,24 @@ def test_kimi_linear_golden_logits_and_greedy(tmp_path):
   np.testing.assert_array_equal(got, want)
 
 
-def test_kimi_linear_round_trip_bit_identical(tmp_path, monkeypatch):
+def test_kimi_linear_round_trip_bit_identical(tmp_path):
   orbax_dir, back = tmp_path / "kl_orbax", tmp_path / "kl_back"
   # tiny blocks, so that large-tensor streaming (many blocks per tensor) runs both ways
-  monkeypatch.setattr(hf_convert, "ROW_BLOCK_BYTES", 8192)
-  stats = hf_convert.hf_to_orbax(GOLDEN, orbax_dir, progress=False, max_block_bytes=8192)
+  stats = hf_to_orbax(GOLDEN, orbax_dir, progress=False, max_block_bytes=8192)
   assert stats["read_bytes"] > 0 and stats["peak_rss_bytes"] > 0
-  hf_convert.orbax_to_hf(orbax_dir, back, progress=False)
+  orbax_to_hf(orbax_dir, back, progress=False, max_block_bytes=8192)
   assert _read_all(back) == _read_all(GOLDEN)
   assert json.loads((back / "config.json").read_text()) == json.loads((GOLDEN / "config.json").read_text())
-  with pytest.raises(hf_convert.ConversionError, match="already exists"):
-    hf_convert.orbax_to_hf(orbax_dir, back, progress=False)
+  with pytest.raises(ConversionError, match="already exists"):
+    orbax_to_hf(orbax_dir, back, progress=False)
   # the Orbax tree restores as plain arrays
-  cfg, flat = hf_convert.load_orbax_params(orbax_dir)
+  cfg, flat = load_orbax_params(orbax_dir)
   assert cfg.arch == "kimi_linear" and flat["layers.1.mlp.experts.w_gate_up"].shape == (8, 64, 64)
 
 
 def test_from_pretrained_sharded_restore(tmp_path):
   orbax_dir = tmp_path / "kl_orbax"
-  hf_convert.hf_to_orbax(GOLDEN, orbax_dir, progress=False, mesh={"expert": 1})
+  hf_to_orbax(GOLDEN, orbax_dir, progress=False, mesh={"expert": 1})
   mesh = jax.make_mesh((1,), ("expert",))
   model = from_pretrained(orbax_dir, mesh=mesh)
   w = model.layers[1].mlp.experts.w_gate_up[...]

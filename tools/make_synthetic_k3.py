@@ -21,7 +21,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from k3jax.hf_convert import MXFP4_GROUP, SafetensorsWriter
+from k3jax.convert import MXFP4_GROUP, SafetensorsWriter
 
 D, V, DENSE, F, LATENT, SHARED = 7168, 163840, 33792, 3072, 3584, 2
 KDA_H, KDA_D, CONV = 96, 128, 4
