@@ -14,6 +14,7 @@ from k3jax.config import ModelConfig
 from k3jax.convert.errors import ConversionError
 from k3jax.convert.mxfp4 import mxfp4_shapes
 
+
 # kinds: "copy" (same layout), "linear" (torch [out, in] -> [in, out]), "conv" ([C, 1, W] ->
 # [W, C]), "row" ([1, d] -> [d]), "a_log" (any of [H], [1, 1, H, 1], or [P >= H] zero padded ->
 # [H]), "gate_up" (per expert w1, w3 [F, L] -> [E, L, 2F]), "down" (per expert w2 [L, F] ->

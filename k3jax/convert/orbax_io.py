@@ -16,6 +16,7 @@ from k3jax.config import ModelConfig
 from k3jax.convert.errors import ConversionError
 from k3jax.convert.hf_config import config_from_hf
 
+
 _IN_FLIGHT_BYTES = 192 << 20  # written blocks not yet committed, per array
 
 

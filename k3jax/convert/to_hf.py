@@ -20,6 +20,7 @@ from k3jax.convert.orbax_io import OrbaxReader, load_orbax_config
 from k3jax.convert.output import Progress, conversion_stats, staged_dir
 from k3jax.convert.safetensors_io import ST_DTYPES, SafetensorsWriter
 
+
 def _from_ours(p: Param, base: str, hf_shape: tuple[int, ...], reader: OrbaxReader,
                expert: int | None = None, half: int | None = None) -> np.ndarray:
   """The HF tensor ``base`` (float, before the HF dtype cast) from our parameter ``p``."""

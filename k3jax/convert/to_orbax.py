@@ -31,6 +31,7 @@ from k3jax.convert.orbax_io import LazyArray, nest_paths, register_lazy_handler
 from k3jax.convert.output import Progress, conversion_stats, staged_dir
 from k3jax.convert.safetensors_io import ST_DTYPES, SafetensorsReader
 
+
 def _a_log(x: np.ndarray, heads: int, name: str) -> np.ndarray:
   """The first ``heads`` entries of an ``A_log`` tensor, whose padding must be zero."""
   flat = x.reshape(-1)
