@@ -12,6 +12,7 @@ GB/s counts one read of the input. Rows go to ``$OUT/logsumexp_bench.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -26,9 +27,9 @@ from pallas_kernels.logsumexp import gpu, logsumexp  # noqa: E402
 from timing import Rows, median_ms  # noqa: E402
 
 ROWS = Rows("logsumexp_bench.json")
-SWEEP = [dict(ROWS=4, ROWS_BF16=8), dict(ROWS=16, ROWS_BF16=16), dict(COLS=1024),
-         dict(COLS=4096), dict(SPLITS=4), dict(SPLITS=16), dict(STAGES=2), dict(STAGES=4),
-         dict(WARPS=8)]
+# Changes of the default tiling timed with --sweep (a change to the default itself is skipped).
+SWEEP = [dict(rows=4), dict(rows=8), dict(rows=16), dict(cols=1024), dict(cols=4096),
+         dict(splits=4), dict(splits=16), dict(stages=2), dict(stages=4), dict(warps=8)]
 
 
 def main():
@@ -61,18 +62,15 @@ def main():
   run(f"xla one-pass N{n} V{v} {args.dtype}", jax.jit(lambda a: logsumexp(a, implementation="xla")))
   run("xla jax.nn.logsumexp (two passes)",
       jax.jit(lambda a: jax.nn.logsumexp(a.astype(jnp.float32), axis=-1)))
-  row_tile = lambda: gpu.ROWS_BF16 if x.dtype == jnp.bfloat16 else gpu.ROWS
-  tiles = lambda: f"{row_tile()}x{gpu.COLS} splits {gpu.SPLITS} w{gpu.WARPS} s{gpu.STAGES}"
-  run(f"pallas {tiles()} (default)", jax.jit(lambda a: logsumexp(a, implementation="pallas_gpu")))
+  default = gpu.default_config(x.dtype)
+  pallas = lambda cfg: jax.jit(lambda a: logsumexp(a, implementation="pallas_gpu", config=cfg))
+  tiles = lambda c: f"{c.rows}x{c.cols} splits {c.splits} w{c.warps} s{c.stages}"
+  run(f"pallas {tiles(default)} (default)", pallas(default))
   if args.sweep:
     for change in SWEEP:
-      old = {k: getattr(gpu, k) for k in change}
-      for k, val in change.items():
-        setattr(gpu, k, val)
-      run(f"pallas {tiles()}", jax.jit(lambda a: logsumexp(a, implementation="pallas_gpu")))
-      for k, val in old.items():
-        setattr(gpu, k, val)
-
+      cfg = dataclasses.replace(default, **change)
+      if cfg != default:
+        run(f"pallas {tiles(cfg)}", pallas(cfg))
 
 if __name__ == "__main__":
   main()

@@ -26,27 +26,27 @@ def kernel_output(x: jax.Array) -> jax.Array:
   return checkpoint_name(x, KERNEL_OUTPUT)
 
 
-_TARGET: list[str] = []  # the innermost target_platform, if any
+# The platform kernels are built for inside target_platform (None: the default device's). A jit
+# cache key includes it, so a trace made for one platform is never reused for another.
+_TARGET = jax.make_user_context(default_value=None)
 
 
 def default_backend() -> str:
   """'gpu', 'tpu' or 'cpu': the platform kernels are selected and built for; that of the default
   device unless inside :func:`target_platform`."""
-  return _TARGET[-1] if _TARGET else jax.default_backend()
+  return _TARGET.value or jax.default_backend()
 
 
 @contextlib.contextmanager
 def target_platform(platform: str):
   """Selects and builds kernels for ``platform`` ('gpu', 'tpu' or 'cpu') instead of the default
   device's, interpret mode included: for tracing or lowering a program for another machine (e.g.
-  :mod:`k3jax.plan` on a CPU host). What is traced inside cannot run here."""
+  :mod:`k3jax.plan` on a CPU host). What is traced inside cannot run here. The platform is part
+  of JAX's jit cache key: a function traced inside is traced again outside."""
   if platform not in ("gpu", "tpu", "cpu"):
     raise ValueError(f"target_platform: expected 'gpu', 'tpu' or 'cpu', got {platform!r}")
-  _TARGET.append(platform)
-  try:
+  with _TARGET(platform):
     yield
-  finally:
-    _TARGET.pop()
 
 
 def num_sms() -> int:

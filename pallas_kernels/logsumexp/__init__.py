@@ -23,9 +23,11 @@ def resolve(implementation: str | None) -> str:
   return resolve_gpu_kernel("logsumexp", implementation, IMPLEMENTATIONS)
 
 
-def logsumexp(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
+def logsumexp(x: jax.Array, *, implementation: str | None = None, config=None) -> jax.Array:
   """``log(sum(exp(x), -1))`` of ``x [..., V]`` -> ``[...]`` (float32 for bf16 input); the
-  Pallas kernel takes float32 and bf16 (float64 goes to XLA unless the kernel is asked for)."""
+  Pallas kernel takes float32 and bf16 (float64 goes to XLA unless the kernel is asked for).
+  ``config``: the kernel's tiling (:class:`pallas_kernels.logsumexp.gpu.Config`; default its
+  ``default_config``)."""
   impl = resolve(implementation)
   kernel_types = (jnp.float32, jnp.bfloat16)
   if impl == "xla" or (implementation is None and x.dtype not in kernel_types):
@@ -33,7 +35,7 @@ def logsumexp(x: jax.Array, *, implementation: str | None = None) -> jax.Array:
   if x.dtype not in kernel_types:
     raise ValueError(f"logsumexp: the Pallas kernel takes float32 or bfloat16, got {x.dtype}")
   from pallas_kernels.logsumexp import gpu
-  return gpu.logsumexp(x)
+  return gpu.logsumexp(x, config)
 
 
 __all__ = ["logsumexp", "resolve", "IMPLEMENTATIONS"]

@@ -10,6 +10,7 @@ of 1024 tokens. Columns past V and rows past N are masked.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -19,18 +20,23 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import default_backend, triton_math as tm
 
-# The fastest of benchmarks/logsumexp.py's sweep on an H200 at [4096, 163840] (2026-12-01:
-# 0.777 ms, 3.45 TB/s, against 0.910 at 1024 columns; XLA's one-pass reduction 1.030 ms,
-# jax.nn.logsumexp 1.444 ms).
-ROWS = 8
-# bf16 input (train.bf16_logits), same sweep and shape (2026-12-04): 4 rows 0.441 ms (3.04 TB/s)
-# against 8 rows 0.521, 16 rows 0.707; 1024 or 4096 columns, 4 or 16 splits, 2 or 4 stages no
-# better at 8 rows.
-ROWS_BF16 = 4
-COLS = 2048
-SPLITS = 8
-WARPS = 4
-STAGES = 3
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """``[rows, cols]`` tiles, ``splits`` vocabulary splits per row block, Triton's ``warps`` and
+  software-pipelining ``stages``. :func:`default_config` holds the fastest tilings of
+  ``benchmarks/logsumexp.py``'s sweep on an H200 (benchmarks/RESULTS.md, "Step glue
+  kernels", LM-head log-sum-exp)."""
+  rows: int = 8
+  cols: int = 2048
+  splits: int = 8
+  warps: int = 4
+  stages: int = 3
+
+
+def default_config(dtype) -> Config:
+  """The tiling for input of ``dtype``: 4-row tiles for bf16 (half the bytes per row), else 8."""
+  return Config(rows=4) if jnp.dtype(dtype) == jnp.bfloat16 else Config()
 
 
 def _interpret() -> bool:
@@ -60,20 +66,22 @@ def _kernel(x_ref, m_ref, s_ref, *, n, v, rows, cols, steps):
   plgpu.store(s_ref.at[j, pl.ds(i * rows, rows)], s, mask=r < n)
 
 
-def logsumexp(x: jax.Array) -> jax.Array:
-  """``log(sum(exp(x), -1))`` of float32 or bf16 ``x [..., V]``; ``[...]`` float32."""
+def logsumexp(x: jax.Array, config: Config | None = None) -> jax.Array:
+  """``log(sum(exp(x), -1))`` of float32 or bf16 ``x [..., V]``; ``[...]`` float32. ``config``:
+  default :func:`default_config` of x's dtype."""
+  config = config or default_config(x.dtype)
   lead, v = x.shape[:-1], x.shape[-1]
   x = x.reshape(-1, v)
   n = x.shape[0]
-  rows = ROWS_BF16 if x.dtype == jnp.bfloat16 else ROWS
-  tiles = pl.cdiv(v, COLS)
-  splits = min(SPLITS, tiles)
+  rows = config.rows
+  tiles = pl.cdiv(v, config.cols)
+  splits = min(config.splits, tiles)
   steps = pl.cdiv(tiles, splits)
-  kern = functools.partial(_kernel, n=n, v=v, rows=rows, cols=COLS, steps=steps)
+  kern = functools.partial(_kernel, n=n, v=v, rows=rows, cols=config.cols, steps=steps)
   part = jax.ShapeDtypeStruct((splits, n), jnp.float32)
   m, s = pl.pallas_call(
       kern, out_shape=(part, part), grid=(pl.cdiv(n, rows), splits),
-      compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=STAGES),
+      compiler_params=plgpu.CompilerParams(num_warps=config.warps, num_stages=config.stages),
       interpret=_interpret(), name="logsumexp",
   )(x)
   top = jnp.max(m, axis=0)
