@@ -26,7 +26,8 @@ from pallas_kernels.glu import glu_packed, gpu  # noqa: E402
 from timing import Rows, median_ms, rel_err  # noqa: E402
 
 ROWS = Rows("glu_bench.json")
-SWEEP = [(16, 128, 4), (16, 256, 4), (8, 128, 4), (4, 256, 4), (8, 256, 8)]  # rows, cols, warps
+SWEEP = [gpu.Config(16, 128, 4), gpu.Config(16, 256, 4), gpu.Config(8, 128, 4),
+         gpu.Config(4, 256, 4), gpu.Config(8, 256, 8)]
 
 
 def main():
@@ -41,20 +42,21 @@ def main():
   g = jax.random.normal(k2, (m, f2 // 2), jnp.bfloat16)
   reps = dict(reps=1, inner=1) if args.interpret else {}
 
-  def fns(impl):
-    fwd = jax.jit(lambda x: glu_packed(x, "situ", implementation=impl))
+  def fns(impl, config=None):
+    fwd = jax.jit(lambda x: glu_packed(x, "situ", implementation=impl, config=config))
 
     @jax.jit
     def both(x, dy):
-      y, vjp = jax.vjp(lambda z: glu_packed(z, "situ", implementation=impl), x)
+      y, vjp = jax.vjp(lambda z: glu_packed(z, "situ", implementation=impl, config=config), x)
       return y, vjp(dy)[0]
     return fwd, both
 
   ref_f, ref_b = fns("xla")
   want = ref_b(gu, g)
 
-  def run(tag):
-    fwd, both = fns("pallas_gpu")
+  def run(config, tag=""):
+    fwd, both = fns("pallas_gpu", config)
+    tag = f"pallas {config.block_m}x{config.block_f} w{config.warps}{tag}"
     got = both(gu, g)
     errs = [rel_err(a, b) for a, b in zip(got, want)]
     row = dict(name=tag, err_h=round(errs[0], 5), err_dgu=round(errs[1], 5))
@@ -70,13 +72,10 @@ def main():
 
   t_f, t_b = median_ms(ref_f, gu, **reps), median_ms(ref_b, gu, g, **reps)
   ROWS.emit(dict(name=f"xla M{m} 2F{f2}", fwd_ms=round(t_f, 4), fwd_bwd_ms=round(t_b, 4)))
-  run(f"pallas {gpu.BLOCK_M}x{gpu.BLOCK_F} w{gpu.WARPS} (default)")
+  run(gpu.Config(), " (default)")
   if args.sweep:
-    default = (gpu.BLOCK_M, gpu.BLOCK_F, gpu.WARPS)
-    for bm, bf, w in SWEEP:
-      gpu.BLOCK_M, gpu.BLOCK_F, gpu.WARPS = bm, bf, w
-      run(f"pallas {bm}x{bf} w{w}")
-    gpu.BLOCK_M, gpu.BLOCK_F, gpu.WARPS = default
+    for config in SWEEP:
+      run(config)
 
 
 if __name__ == "__main__":

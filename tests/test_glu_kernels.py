@@ -82,14 +82,10 @@ def test_bad_input_is_named():
   assert y.dtype == jnp.float32 and da.dtype == jnp.bfloat16 and db.dtype == jnp.float32
 
 
-def test_cuda_lowering_at_the_expert_shape(monkeypatch):
+def test_cuda_lowering_at_the_expert_shape(h200_lowering):
   """The kernels lower for CUDA at k3_1b's expert activation (N*k = 524288 rows, F = 512), the
   packed and the pair forms."""
   from pallas_kernels.glu import gpu
-  gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
-  monkeypatch.setattr(gpu_info, "get_gpu_info",
-                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-  monkeypatch.setattr(gpu, "_interpret", lambda: False)  # the real Triton lowering
   gu = jax.ShapeDtypeStruct((524288, 1024), jnp.bfloat16)
   g = jax.ShapeDtypeStruct((524288, 512), jnp.bfloat16)
   for fn, args in ((lambda x: gpu.glu_fwd(x, "situ", 4.0, 25.0), (gu,)),

@@ -40,13 +40,13 @@ def _check(kind: str):
 
 
 def glu(a: jax.Array, b: jax.Array, kind: str = "situ", beta: float = 4.0,
-        beta_lin: float = 25.0, *, implementation: str | None = None) -> jax.Array:
+        beta_lin: float = 25.0, *, implementation: str | None = None, config=None) -> jax.Array:
   """Gate ``a`` and up ``b`` ``[..., F]`` (or shapes that broadcast to one) -> ``h [..., F]`` in
   their dtype; differentiable.
 
   ``kind="situ"``: SiTU-GLU ``(beta * tanh(a / beta) * sigmoid(a)) * (beta_lin * tanh(b /
   beta_lin))``, bounded by ``beta * beta_lin`` (100 for K3), SwiGLU-like near the origin;
-  ``kind="silu"``: ``silu(a) * b``. ``implementation`` as for :func:`glu_packed`."""
+  ``kind="silu"``: ``silu(a) * b``. ``implementation`` and ``config`` as for :func:`glu_packed`."""
   _check(kind)
   try:
     shape = jnp.broadcast_shapes(a.shape, b.shape)
@@ -55,60 +55,64 @@ def glu(a: jax.Array, b: jax.Array, kind: str = "situ", beta: float = 4.0,
                      "shape") from None
   dtype = jnp.result_type(a, b)
   a, b = jnp.broadcast_to(a, shape).astype(dtype), jnp.broadcast_to(b, shape).astype(dtype)
-  return _glu(a, b, kind, float(beta), float(beta_lin), resolve(implementation))
+  return _glu(a, b, kind, float(beta), float(beta_lin), resolve(implementation), config)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _glu(a, b, kind, beta, beta_lin, implementation):
-  return _backend(implementation).glu_pair_fwd(a, b, kind, beta, beta_lin)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _glu(a, b, kind, beta, beta_lin, implementation, config):
+  return _form("glu_pair_fwd", implementation, config)(a, b, kind, beta, beta_lin)
 
 
-def _glu_fwd(a, b, kind, beta, beta_lin, implementation):
+def _glu_fwd(a, b, kind, beta, beta_lin, implementation, config):
   # the kernel itself (see _glu_packed_fwd)
-  return _backend(implementation).glu_pair_fwd(a, b, kind, beta, beta_lin), (a, b)
+  return _form("glu_pair_fwd", implementation, config)(a, b, kind, beta, beta_lin), (a, b)
 
 
-def _glu_bwd(kind, beta, beta_lin, implementation, res, g):
+def _glu_bwd(kind, beta, beta_lin, implementation, config, res, g):
   a, b = res
-  return _backend(implementation).glu_pair_bwd(a, b, g, kind, beta, beta_lin)
+  return _form("glu_pair_bwd", implementation, config)(a, b, g, kind, beta, beta_lin)
 
 
 _glu.defvjp(_glu_fwd, _glu_bwd)
 
 
-def _backend(implementation: str):
+def _form(name: str, implementation: str, config):
+  """The function ``name`` (``glu_fwd``, ``glu_bwd``, ``glu_pair_fwd``, ``glu_pair_bwd``) of
+  ``implementation``: the reference's, or the GPU kernel's tiled by ``config`` (None: its
+  default :class:`pallas_kernels.glu.gpu.Config`)."""
   if implementation == "xla":
-    return reference
+    return getattr(reference, name)
   from pallas_kernels.glu import gpu
-  return gpu
+  return functools.partial(getattr(gpu, name), config=config or gpu.Config())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _glu_packed(gu, kind, beta, beta_lin, implementation):
-  return _backend(implementation).glu_fwd(gu, kind, beta, beta_lin)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _glu_packed(gu, kind, beta, beta_lin, implementation, config):
+  return _form("glu_fwd", implementation, config)(gu, kind, beta, beta_lin)
 
 
-def _glu_packed_fwd(gu, kind, beta, beta_lin, implementation):
+def _glu_packed_fwd(gu, kind, beta, beta_lin, implementation, config):
   # The kernel itself, not ``_glu_packed`` (a nested custom_vjp call): a remat policy that keeps
   # Pallas outputs (``dots_kernels``) sees the pallas_call and keeps h.
-  return _backend(implementation).glu_fwd(gu, kind, beta, beta_lin), gu
+  return _form("glu_fwd", implementation, config)(gu, kind, beta, beta_lin), gu
 
 
-def _glu_packed_bwd(kind, beta, beta_lin, implementation, gu, g):
-  return (_backend(implementation).glu_bwd(gu, g, kind, beta, beta_lin),)
+def _glu_packed_bwd(kind, beta, beta_lin, implementation, config, gu, g):
+  return (_form("glu_bwd", implementation, config)(gu, g, kind, beta, beta_lin),)
 
 
 _glu_packed.defvjp(_glu_packed_fwd, _glu_packed_bwd)
 
 
 def glu_packed(gu: jax.Array, kind: str = "situ", beta: float = 4.0, beta_lin: float = 25.0, *,
-               implementation: str | None = None) -> jax.Array:
+               implementation: str | None = None, config=None) -> jax.Array:
   """:func:`glu` of ``gu [..., 2F]`` (gate then up) -> ``h [..., F]`` in gu's dtype;
-  differentiable, its backward one pass that returns ``d gu`` whole."""
+  differentiable, its backward one pass that returns ``d gu`` whole. ``config``: the GPU
+  kernels' tiling (:class:`pallas_kernels.glu.gpu.Config`; None its defaults)."""
   _check(kind)
   if gu.shape[-1] % 2:
     raise ValueError(f"glu_packed: gu {gu.shape} must have an even last dimension (gate, up)")
-  return _glu_packed(gu, kind, float(beta), float(beta_lin), resolve(implementation))
+  return _glu_packed(gu, kind, float(beta), float(beta_lin), resolve(implementation), config)
 
 
 __all__ = ["glu", "glu_packed", "resolve", "IMPLEMENTATIONS", "KINDS"]

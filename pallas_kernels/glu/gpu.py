@@ -13,6 +13,7 @@ Rows and columns past the array are masked.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -23,12 +24,14 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import default_backend, triton_math as tm
 from pallas_kernels.glu.reference import glu_math
 
-# The fastest of benchmarks/glu.py's sweeps on an H200 at gu [524288, 1024] bf16 (2026-12-01:
-# forward 0.659 ms, forward + backward 1.521 at 8 x 256; 1.517 at 16 x 128, 1.703 at 16 x 256,
-# 2.015 at 32 x 256; XLA 0.773 and 2.375 ms).
-BLOCK_M = 8
-BLOCK_F = 256
-WARPS = 4
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """``[block_m, block_f]`` tiles of ``h`` (``block_f`` capped at F rounded up to a power of two),
+  Triton's ``warps``. The defaults are the fastest of ``benchmarks/glu.py``'s sweeps on an H200
+  (benchmarks/RESULTS.md, "Step glue kernels", packed SiTU-GLU)."""
+  block_m: int = 8
+  block_f: int = 256
+  warps: int = 4
 
 
 def _interpret() -> bool:
@@ -68,49 +71,50 @@ def _bwd_kernel(a_ref, b_ref, g_ref, *d_refs, m, f, bm, bf, b_off, kind, beta, b
   plgpu.store(db_ref.at[r, pl.ds(c0 + db_off, bf)], (g * db).astype(db_ref.dtype), mask=mask)
 
 
-def _call(kernel, a, b, f: int, b_off: int, args, widths, *, kind, beta, beta_lin, name):
+def _call(kernel, a, b, f: int, b_off: int, args, widths, *, kind, beta, beta_lin, name, config):
   """``kernel`` over the gate columns ``[0, F)`` of ``a`` and the up columns ``[b_off, b_off +
   F)`` of ``b`` (``[..., *]``; the same array when packed), with ``args [..., F]`` -> one
-  ``[..., w]`` array of a's dtype per width in ``widths``."""
+  ``[..., w]`` array of a's dtype per width in ``widths``, tiled by ``config``."""
   lead = a.shape[:-1]
   a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
   m = a.shape[0]
-  bm, bf = BLOCK_M, min(BLOCK_F, pl.next_power_of_2(f))
+  bm, bf = config.block_m, min(config.block_f, pl.next_power_of_2(f))
   kern = functools.partial(kernel, m=m, f=f, bm=bm, bf=bf, b_off=b_off, kind=kind,
                            beta=float(beta), beta_lin=float(beta_lin))
   outs = pl.pallas_call(
       kern, out_shape=[jax.ShapeDtypeStruct((m, w), a.dtype) for w in widths],
       grid=(pl.cdiv(m, bm), pl.cdiv(f, bf)),
-      compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=config.warps, num_stages=1),
       interpret=_interpret(), name=name,
   )(a, b, *(x.reshape(m, f) for x in args))
   return [o.reshape(*lead, o.shape[-1]) for o in outs]
 
 
-def glu_fwd(gu, kind: str, beta: float, beta_lin: float):
+def glu_fwd(gu, kind: str, beta: float, beta_lin: float, config: Config = Config()):
   """``h [..., F]`` of ``gu [..., 2F]``."""
   f = gu.shape[-1] // 2
   return _call(_fwd_kernel, gu, gu, f, f, (), (f,), kind=kind, beta=beta, beta_lin=beta_lin,
-               name="glu_fwd")[0]
+               name="glu_fwd", config=config)[0]
 
 
-def glu_bwd(gu, g, kind: str, beta: float, beta_lin: float):
+def glu_bwd(gu, g, kind: str, beta: float, beta_lin: float, config: Config = Config()):
   """``d gu [..., 2F]`` for the cotangent ``g [..., F]``."""
   f = gu.shape[-1] // 2
   return _call(_bwd_kernel, gu, gu, f, f, (g,), (2 * f,), kind=kind, beta=beta,
-               beta_lin=beta_lin, name="glu_bwd")[0]
+               beta_lin=beta_lin, name="glu_bwd", config=config)[0]
 
 
-def glu_pair_fwd(a, b, kind: str, beta: float, beta_lin: float):
+def glu_pair_fwd(a, b, kind: str, beta: float, beta_lin: float, config: Config = Config()):
   """``h [..., F]`` of the gate ``a`` and up ``b`` ``[..., F]`` (two arrays)."""
   f = a.shape[-1]
   return _call(_fwd_kernel, a, b, f, 0, (), (f,), kind=kind, beta=beta, beta_lin=beta_lin,
-               name="glu_pair_fwd")[0]
+               name="glu_pair_fwd", config=config)[0]
 
 
-def glu_pair_bwd(a, b, g, kind: str, beta: float, beta_lin: float):
+def glu_pair_bwd(a, b, g, kind: str, beta: float, beta_lin: float,
+                 config: Config = Config()):
   """``(d a, d b)`` ``[..., F]`` for the cotangent ``g [..., F]``."""
   f = a.shape[-1]
   da, db = _call(_bwd_kernel, a, b, f, 0, (g,), (f, f), kind=kind, beta=beta, beta_lin=beta_lin,
-                 name="glu_pair_bwd")
+                 name="glu_pair_bwd", config=config)
   return da, db
