@@ -5,9 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import rel_err
 
+import pallas_kernels
 from pallas_kernels import moe
-from pallas_kernels.moe import gpu, pallas, reference, tpu
+from pallas_kernels.moe import gpu, pallas, reference
 
 
 def np_gmm(x, w, sizes):
@@ -28,11 +30,6 @@ def np_gmm(x, w, sizes):
 
 def dy_pattern(m, n):
   return np.cos(np.arange(m * n, dtype=np.float64).reshape(m, n) * 0.37)
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def operands(seed, m, k, n, e):
@@ -68,9 +65,9 @@ def test_gmm_values_and_grads_vs_numpy(impl, sizes):
   x, w = operands(0, 203, 128, 128, len(sizes))
   out, dx, dw = value_and_grads(impl, x, w, sizes)
   ref_out, ref_dx, ref_dw = np_gmm(x, w, sizes)
-  assert rel(out, ref_out) < 1e-2
-  assert rel(dx, ref_dx) < 1e-2
-  assert rel(dw, ref_dw) < 1e-2
+  assert rel_err(out, ref_out) < 1e-2
+  assert rel_err(dx, ref_dx) < 1e-2
+  assert rel_err(dw, ref_dw) < 1e-2
   tail = sum(sizes)
   assert np.all(np.asarray(out[tail:], np.float32) == 0)  # rows past the groups
   assert np.all(np.asarray(dx[tail:], np.float32) == 0)
@@ -88,8 +85,8 @@ def test_gmm_gpu_random_sizes_matches_reference():
   gs = jnp.asarray(sizes, jnp.int32)
   out = moe.gmm(x, w, gs, implementation="pallas_gpu")
   ref = reference.gmm(x.astype(jnp.float32), w.astype(jnp.float32), gs)
-  assert rel(out, ref) < 1e-2
-  assert rel(out, np_gmm(x, w, sizes)[0]) < 1e-2
+  assert rel_err(out, ref) < 1e-2
+  assert rel_err(out, np_gmm(x, w, sizes)[0]) < 1e-2
 
 
 def small_mlp(seed=0, t=37, d=128, f=64, e=5, k=2):
@@ -121,9 +118,9 @@ def test_expert_mlp_pallas_equals_xla_values_and_grads():
 
   (_, y_p), g_p = run("pallas_gpu")
   (_, y_x), g_x = run("xla")
-  assert rel(y_p, y_x) < 1e-2
+  assert rel_err(y_p, y_x) < 1e-2
   for a, b in zip(g_p, g_x):
-    assert rel(a, b) < 2e-2
+    assert rel_err(a, b) < 2e-2
   assert np.all(np.asarray(g_p[3][4], np.float32) == 0)  # the expert without tokens
 
 
@@ -140,7 +137,7 @@ def test_expert_mlp_matches_numpy_loop():
       a, b = h[:f], h[f:]
       act = 4 * np.tanh(a / 4) / (1 + np.exp(-a)) * 25 * np.tanh(b / 25)
       ref[n] += float(wts[n, j]) * (act @ wdn64[e])
-  assert rel(y, ref) < 2e-2
+  assert rel_err(y, ref) < 2e-2
 
 
 def test_permutation_roundtrip_and_sparse_gradient():
@@ -173,7 +170,7 @@ def test_explicit_pallas_gpu_rejects_float32():
             implementation="pallas_gpu")
 
 
-def _lower(backend, platform, monkeypatch=None):
+def _lower(backend, platform):
   x = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((4, 256, 384), jnp.bfloat16)
   gs = jax.ShapeDtypeStruct((4,), jnp.int32)
@@ -185,13 +182,12 @@ def _lower(backend, platform, monkeypatch=None):
   return jax.jit(f).trace(x, w, gs).lower(lowering_platforms=(platform,)).as_text()
 
 
-def test_tpu_lowering(monkeypatch):
-  monkeypatch.setattr(tpu, "default_backend", lambda: "tpu")  # the compiled kernels, not interpret
-  assert "tpu_custom_call" in _lower("tpu", "tpu")
+def test_tpu_lowering():
+  with pallas_kernels.target_platform("tpu"):  # the compiled kernels, not interpret
+    assert "tpu_custom_call" in _lower("tpu", "tpu")
 
 
-def test_cuda_lowering(monkeypatch):
-  monkeypatch.setattr(gpu, "default_backend", lambda: "gpu")  # the compiled kernels, not interpret
+def test_cuda_lowering(h200_lowering):
   assert "mosaic_gpu" in _lower("gpu", "cuda")
 
 
@@ -230,7 +226,7 @@ def test_gmm_gpu_tilings_match_numpy(tiles, transpose_rhs):
   rhs = jnp.swapaxes(w, 1, 2) if transpose_rhs else w
   out = gpu.gmm(x, rhs, jnp.asarray(sizes, jnp.int32), transpose_rhs=transpose_rhs, config=tiles)
   ref = np_gmm(x, w, sizes)[0]
-  assert rel(out, ref) < 1e-2
+  assert rel_err(out, ref) < 1e-2
   assert np.all(np.asarray(out[sum(sizes):], np.float32) == 0)
 
 
@@ -247,8 +243,7 @@ def test_default_tiles_fit_and_divide():
 @pytest.mark.parametrize("tiles", [gpu.Tiles(band=8), gpu.Tiles(consumers=2, steps=3, band=4),
                                    gpu.Tiles(block_k=128, steps=3)],
                          ids=["band8", "two-consumers", "k128"])
-def test_cuda_lowering_of_tilings(monkeypatch, tiles):
-  monkeypatch.setattr(gpu, "default_backend", lambda: "gpu")  # the persistent kernels
+def test_cuda_lowering_of_tilings(h200_lowering, tiles):
   x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((4, 512, 512), jnp.bfloat16)
   gs = jax.ShapeDtypeStruct((4,), jnp.int32)

@@ -125,14 +125,10 @@ def test_dispatch_picks_the_kernel_only_when_asked_on_cpu():
 
 @pytest.mark.parametrize("cfg", [permute_gpu.Config(), permute_gpu.Config(rows=32,
                                                                               block_d=128)])
-def test_kernels_lower_for_cuda(monkeypatch, cfg):
+def test_kernels_lower_for_cuda(h200_lowering, cfg):
   """The real Triton lowering for an H200 at the k3_1b step shape (inputs as shapes only),
   whole-row and D-tiled programs: the unpermute's backward through its custom VJP and the
   expansion; no GPU needed."""
-  gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
-  monkeypatch.setattr(gpu_info, "get_gpu_info",
-                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-  monkeypatch.setattr(permute_gpu, "_interpret", lambda: False)
   n, k, d = 65536, 8, 512
   y = jax.ShapeDtypeStruct((n * k, d), jnp.bfloat16)
   order = jax.ShapeDtypeStruct((n * k,), jnp.int32)

@@ -31,13 +31,13 @@ Mosaic GPU ragged_dot, written anew). Mosaic GPU rather than Triton: WGMMA and T
 500+ TFLOP/s on Hopper, and Mosaic GPU kernels run in JAX's GPU interpreter on CPU for the tests.
 Under a CPU backend they run in that interpreter on a few simulated SMs.
 
-Measured on an H200 (benchmarks/RESULTS.md, "MoE"), before the fused tile table, 5 stages and the
-two-consumer / band tilings: 535 TFLOP/s forward at E32 65536x3584x6144; behind jla at short
-contractions (K <= 2048, see there). ``python benchmarks/moe.py --sweep`` times the tilings.
+Timings against XLA and jla: benchmarks/RESULTS.md, "MoE"; ``python benchmarks/moe.py --sweep``
+times the tilings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -53,8 +53,6 @@ from pallas_kernels.wgmma import SMEM_BYTES
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ROW_ALIGN = 8  # a row tile starts at a multiple of this (TMA tiles rows by 8)
 MIN_ROWS = 128  # M of :func:`gmm`: at least the largest block_m
-BLOCK_K = 64  # rows per step of tgmm
-STEPS = 4  # pipeline depth of tgmm
 INTERPRET_SMS = 3  # simulated SMs in interpret mode (exercises several items per SM)
 
 
@@ -118,6 +116,14 @@ class Tiles(NamedTuple):
     if self.smem_bytes() > SMEM_BYTES:
       raise ValueError(f"moe gpu.gmm: tiling {self} needs {self.smem_bytes()} bytes of shared "
                        f"memory, more than {SMEM_BYTES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TgmmTiles:
+  """Tiling of :func:`tgmm`: ``rows`` rows of a group per pipeline step, ``steps`` steps in
+  flight (the output tile is :func:`block_n_for` of K by that of N)."""
+  rows: int = 64
+  steps: int = 4
 
 
 def default_tiles(m: int, e: int, k: int, n: int) -> Tiles:
@@ -382,15 +388,15 @@ def _gmm_persistent(lhs, rhs, table, count, *, transpose_rhs: bool, config: Tile
   return kernel(table, count, lhs, rhs)
 
 
-@jax.jit
-def tgmm(lhs, dout, group_sizes):
+@functools.partial(jax.jit, static_argnames=("config",))
+def tgmm(lhs, dout, group_sizes, *, config: TgmmTiles = TgmmTiles()):
   """``lhs [R, K]``, ``dout [R, N]`` (rows sorted by group) -> ``[E, K, N]`` in lhs.dtype with
   ``out[g] = lhs[rows_g]^T @ dout[rows_g]``; rows past ``sum(group_sizes)`` are ignored, empty
   groups give zeros. ``R`` a multiple of 8; K, N multiples of 64."""
   r, k = lhs.shape
   n = dout.shape[1]
   e = group_sizes.shape[0]
-  rows = BLOCK_K
+  rows = config.rows
   tile_k, tile_n = block_n_for(k), block_n_for(n)
   grid_k, grid_n = k // tile_k, n // tile_n
   sms = _num_sms()
@@ -438,7 +444,7 @@ def tgmm(lhs, dout, group_sizes):
                   plgpu.BlockSpec((rows, tile_n), lambda j: (first_block + j, ni), delay_release=1,
                                   transforms=transforms),
               ],
-              max_concurrent_steps=STEPS,
+              max_concurrent_steps=config.steps,
           )(lhs_ref, dout_ref)
 
         return acc_ref[...]

@@ -5,8 +5,6 @@ forward stay XLA's (a gather-and-sum fusion each, near bandwidth).
 
 Expansion: one program per ``rows`` sorted rows and ``block_d`` columns loads the rows' pairs
 ``order[r] = n*k + j``, gathers the token rows ``x[n]`` and stores its tile of xs contiguously.
-At the k3_1b step's shape (N*k = 524288, D = 512 bf16) on an H200: 0.212 ms against 0.372 for
-XLA's gather.
 
 Unpermute backward: for ``out[n] = sum_j weights[n, j] * y[inverse[n*k + j]]`` and the cotangent
 ``g [N, D]``, the sorted row r of pair ``order[r] = n*k + j`` gets ``dy[r] = weights[n, j] *
@@ -34,8 +32,7 @@ from pallas_kernels.moe import reference
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # The expansion's pallas_call name: the training step's remat policy recomputes this kernel's
-# output rather than keep it (k3_1b: 7.5 GiB for 15 layers; redoing its 15 gathers takes about
-# 3.5 ms per step on an H200).
+# output rather than keep it (a cheap gather whose output is as large as the expert inputs).
 EXPAND_KERNEL = "expand_gather"
 
 
@@ -43,10 +40,9 @@ EXPAND_KERNEL = "expand_gather"
 class Config:
   """``rows`` sorted rows x ``block_d`` columns per program (``block_d`` capped at D rounded up to
   a power of two: one tile over the whole row for D <= block_d), ``warps`` warps, ``stages``
-  software-pipelining stages. Tiles are powers of two. On an H200 at N*k = 524288, D = 512 bf16
-  (``benchmarks/moe_permute.py``, 2026-12-01) every tiling of the sweep took 0.43-0.51 ms for
-  the backward, the default 0.434 (XLA's standalone fusion 0.420, but 0.79 ms per layer inside
-  the training step, where the kernel takes 0.42)."""
+  software-pipelining stages. Tiles are powers of two. The defaults are the unpermute backward's
+  best of ``benchmarks/moe_permute.py``'s sweep on an H200 (the sweep's tilings lie close
+  together); :data:`EXPAND_CONFIG` is the expansion's."""
   rows: int = 16
   block_d: int = 512
   warps: int = 4
@@ -131,9 +127,7 @@ def _expand_bwd(config, k, inverse, g):
 _expand.defvjp(_expand_fwd, _expand_bwd)
 
 
-# The expansion's tiles: 64 rows x 128 columns, 0.212 ms at N*k = 524288, D = 512 bf16 on an H200
-# (2.87 TB/s; the unpermute backward's 16 x 512 tiles 0.262 ms, XLA's gather 0.372 ms;
-# ``benchmarks/moe_permute.py``, 2026-12-01).
+# The expansion's default tiling, the fastest of ``benchmarks/moe_permute.py``'s sweep on an H200.
 EXPAND_CONFIG = Config(rows=64, block_d=128)
 
 
