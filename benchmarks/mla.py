@@ -100,7 +100,7 @@ def paged(key, lengths, ps=64):
   return cache, jnp.asarray(table), jnp.asarray(lengths, jnp.int32)
 
 
-# Decode variants: name -> extra mla_decode arguments for N requests (None: not timed at that N).
+# Decode variants: name -> DecodeConfig fields for N requests (None: not timed at that N).
 # Split counts above the default shorten the longest program (lengths 1K-64K, one program per SM).
 DECODE_VARIANTS = {
     "triton": lambda n: {"gpu_kernel": "triton"},
@@ -115,7 +115,7 @@ DECODE_VARIANTS = {
 def _mosaic_splits(n):
   """The Mosaic kernel's default split count at the timed shapes (2 row blocks of 64 rows, 1024
   steps)."""
-  return decode._default_splits(n, 2, 65536 // 64, "gpu", decode.MGPU_WAVES)
+  return decode.default_splits(n, 2, 65536 // 64, "gpu", decode.DecodeConfig().mgpu_waves)
 
 
 def check_decode(variants=("triton",), lengths=(1000, 4096, 333, 8192, 64)):
@@ -133,7 +133,8 @@ def check_decode(variants=("triton",), lengths=(1000, 4096, 333, 8192, 64)):
       cfg = dict(DECODE_VARIANTS[name](5), num_splits=splits)
       try:
         o = jax.jit(functools.partial(decode.mla_decode, kv_lora_rank=R, scale=SCALE,
-                                      backend="gpu", **cfg))(q, cache, table, lens)
+                                      backend="gpu", config=decode.DecodeConfig(**cfg)))(
+                                          q, cache, table, lens)
         err = rel_err(o, ref)
       except Exception as e:  # noqa: BLE001 (report and go on with the other variants)
         emit({"check": f"decode {name} N5 Tn{tn} H96 ragged", "error": repr(e)[:600],
@@ -206,8 +207,8 @@ def time_decode(n, cfg, budget, with_xla=True, variants=None, note=""):
   reference at N requests; TB/s = cache bytes of the requests' tokens / time."""
   q, cache, table, lens = decode_case(n, jax.random.key(4))
   nbytes = int(np.asarray(lens).sum()) * (R + DR) * 2
-  dec = lambda cfg: (lambda q, c, t, l: decode.mla_decode(q, c, t, l, kv_lora_rank=R, scale=SCALE,
-                                                          backend="gpu", **cfg))
+  dec = lambda cfg: (lambda q, c, t, l: decode.mla_decode(
+      q, c, t, l, kv_lora_rank=R, scale=SCALE, backend="gpu", config=decode.DecodeConfig(**cfg)))
   if variants is None:
     impls = [("pallas", dec(cfg))]
   else:
@@ -244,7 +245,8 @@ FWD = [dict(fwd_q=128, fwd_k=64, fwd_warps=8, fwd_stages=3),
 BWD = [dict(dkv_q=a, dkv_k=b, dkv_warps=w, dkv_stages=st, dq_q=c, dq_k=d, dq_warps=w, dq_stages=st)
        for a, b, c, d, w, st in ((64, 64, 64, 64, 4, 2), (64, 128, 128, 64, 8, 2),
                                  (32, 128, 128, 32, 8, 2), (64, 64, 64, 64, 8, 3))]
-# Triton decode launch configurations (block_rows, step_tokens, warps apply to Triton only)
+# Triton decode launch configurations as DecodeConfig fields (block_rows, step_tokens, warps
+# apply to Triton only)
 DEC = [dict(gpu_kernel="triton", block_rows=32, step_tokens=64, warps=4, stages=2),
        dict(gpu_kernel="triton", block_rows=32, step_tokens=32, warps=4, stages=2),
        dict(gpu_kernel="triton", block_rows=16, step_tokens=64, warps=4, stages=2),
@@ -293,7 +295,7 @@ def sweep_decode(budget):
   """Best Triton decode launch configuration at N=256."""
   q, cache, table, lens = decode_case(256, jax.random.key(4))
   dec = lambda cfg: jax.jit(lambda q, c, t, l: decode.mla_decode(
-      q, c, t, l, kv_lora_rank=R, scale=SCALE, backend="gpu", **cfg))
+      q, c, t, l, kv_lora_rank=R, scale=SCALE, backend="gpu", config=decode.DecodeConfig(**cfg)))
   best, _ = fastest("decode N256", DEC, lambda cfg: timeit(dec(cfg), q, cache, table, lens, reps=3),
                     budget)
   best = best or {}

@@ -288,7 +288,8 @@ def test_decode_gpu_ragged_paged(tn, splits):
   q, cache, table, lengths = _paged(5 + tn, 3, tn, 2, 32, 16, 16)
   got = decode.mla_decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(table),
                           jnp.asarray(lengths), kv_lora_rank=32, scale=0.25, backend="gpu",
-                          num_splits=splits, block_rows=16, step_tokens=16)
+                          config=decode.DecodeConfig(num_splits=splits, block_rows=16,
+                                                     step_tokens=16))
   np.testing.assert_allclose(np.asarray(got), np_paged_decode(q, cache, table, lengths, 32, 0.25),
                              rtol=1e-4, atol=1e-4)
 
@@ -302,7 +303,8 @@ def test_decode_gpu_mosaic_ragged_paged(tn, h, splits):
   q, cache, table, lengths = _paged(11 + tn, 3, tn, h, 128, 64, 64, lengths=(37, 200, 130))
   q, cache = jnp.asarray(q, jnp.bfloat16), jnp.asarray(cache, jnp.bfloat16)
   got = decode.mla_decode(q, cache, jnp.asarray(table), jnp.asarray(lengths), kv_lora_rank=128,
-                          scale=0.1, backend="gpu", gpu_kernel="mosaic", num_splits=splits)
+                          scale=0.1, backend="gpu",
+                          config=decode.DecodeConfig(gpu_kernel="mosaic", num_splits=splits))
   want = np_paged_decode(np.asarray(q, np.float32), np.asarray(cache, np.float32), table,
                          lengths, 128, 0.1)
   np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2)
@@ -315,7 +317,8 @@ def test_decode_mosaic_lowers_for_cuda_and_checks_inputs():
   sds = jax.ShapeDtypeStruct
   bf16 = jnp.bfloat16
   dec = lambda q, c, t, l: decode.mla_decode(q, c, t, l, kv_lora_rank=512, scale=192 ** -0.5,
-                                             backend="gpu", gpu_kernel="mosaic", interpret=False)
+                                             backend="gpu", interpret=False,
+                                             config=decode.DecodeConfig(gpu_kernel="mosaic"))
   for n, tn in ((4, 2), (256, 1)):
     args = (sds((n, tn, 96, 576), bf16), sds((64, 64, 576), bf16), sds((n, 16), jnp.int32),
             sds((n,), jnp.int32))
@@ -325,14 +328,14 @@ def test_decode_mosaic_lowers_for_cuda_and_checks_inputs():
   with pytest.raises(ValueError, match="mosaic"):
     decode.mla_decode(jnp.zeros((1, 1, 2, 192)), jnp.zeros((4, 64, 192)),
                       jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32), kv_lora_rank=128,
-                      scale=1.0, backend="gpu", gpu_kernel="mosaic")
+                      scale=1.0, backend="gpu", config=decode.DecodeConfig(gpu_kernel="mosaic"))
 
 
 def test_decode_tpu_ragged_paged():
   q, cache, table, lengths = _paged(9, 3, 4, 2, 32, 16, 16)
   got = decode.mla_decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(table),
                           jnp.asarray(lengths), kv_lora_rank=32, scale=0.25, backend="tpu",
-                          num_splits=2, step_tokens=16)
+                          config=decode.DecodeConfig(num_splits=2, step_tokens=16))
   want = np_paged_decode(q, cache, table, lengths, 32, 0.25)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
   ref = reference.paged_decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(table),

@@ -15,6 +15,7 @@ first R columns) ``P V``, the ``[64, R]`` accumulator split over two warpgroups 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -26,8 +27,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import default_backend, num_sms, wgmma
 from pallas_kernels.mla import reference
-from pallas_kernels.mla.prefill import (LOG2E, _dot_nt, _finish, _gpu_params, _pow2_parts,
-                                        _scores, _softmax_step)
+from pallas_kernels.mla.common import (LOG2E, dot_nt, finish, gpu_params, pow2_parts, scores,
+                                       softmax_step)
 
 
 def _step_tokens(page_size: int, cap: int) -> int:
@@ -38,17 +39,38 @@ def _step_tokens(page_size: int, cap: int) -> int:
   return bk
 
 
-def _default_splits(n: int, row_blocks: int, steps: int, backend: str, waves: int = 2) -> int:
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """How :func:`mla_decode` runs.
+
+  ``gpu_kernel``: ``"triton"``, ``"mosaic"`` (Mosaic GPU: bf16/f16, rows in 64-row programs,
+  64-token steps; ``block_rows``, ``step_tokens`` and ``warps`` do not apply) or ``"auto"``
+  (``"mosaic"`` where its conditions hold, else Triton). ``num_splits``: sequence splits per
+  request (None: :func:`default_splits` for ``waves``, or ``mgpu_waves`` for the Mosaic kernel,
+  which holds one program per SM, so ragged lengths need finer splits to cut the tail);
+  ``block_rows`` (Triton): query rows (of ``Tn * H``) per program; ``step_tokens``: cache tokens
+  per step (a power of two dividing page_size; None: 64 on GPU, 512 on TPU); ``warps``/
+  ``stages``: Triton launch parameters (``stages``: also the Mosaic kernel's cache ring, 2 fills
+  its SMEM). ``mgpu_grid``: the Mosaic kernel's grid axes, outermost first; Pallas Mosaic GPU
+  launches its grid reversed (the last axis is CUDA's x, dispatched first), so the row blocks go
+  last: the programs sharing one request's cache tiles run side by side and the second reads
+  them from L2. Split counts and grid order: benchmarks/RESULTS.md, "MLA", decode run 3."""
+  gpu_kernel: str = "auto"
+  num_splits: int | None = None
+  block_rows: int = 32
+  step_tokens: int | None = None
+  warps: int = 4
+  stages: int = 2
+  waves: int = 2
+  mgpu_waves: int = 8
+  mgpu_grid: tuple[str, ...] = ("req", "split", "rb")
+
+
+def default_splits(n: int, row_blocks: int, steps: int, backend: str, waves: int) -> int:
   """Enough (request, split, row block) programs to fill the chip ``waves`` times (GPU; TPU: 2
   splits for its cores), each split at least 16 steps long (the merge reads every split)."""
   target = waves * num_sms() if backend == "gpu" else 2
   return max(1, min(-(-target // (n * row_blocks)), steps // 16))
-
-
-# The Mosaic kernel holds one program per SM, so ragged lengths (1K-64K) leave a long tail unless
-# the sequence is cut finer: on the H200 at N=256, 1 split 5.86 ms, 2 splits 5.43, 4 splits 5.30
-# (2026-11-30); 8 waves gives 3 there and 9 at N=64 (where 3 and 12 splits tie).
-MGPU_WAVES = 8
 
 
 def _merge(o_part, lse_part):
@@ -75,36 +97,36 @@ def _gpu_kernel(lens_ref, table_ref, qoff_ref, q_ref, cache_ref, o_ref, lse_ref,
     page = table_ref[lax.div(j, per_page)]
     rows = pl.ds(lax.rem(j, per_page) * bk, bk)
     kv = [cache_ref[page, rows, pl.ds(o, w)] for o, w in qk_parts]
-    s = _scores(q_parts, kv, scale * LOG2E)
+    s = scores(q_parts, kv, scale * LOG2E)
     kpos = (j * bk + jnp.arange(bk))[None, :]
     s = jnp.where((kpos <= qpos) & (kpos < length), s, -jnp.inf)
-    return _softmax_step(s, m, l, accs, kv[:len(lat_parts)])
+    return softmax_step(s, m, l, accs, kv[:len(lat_parts)])
 
   bm = q_ref.shape[0]
   init = (jnp.full((bm, 1), -jnp.inf, jnp.float32), jnp.zeros((bm, 1), jnp.float32),
           tuple(jnp.zeros((bm, w), jnp.float32) for _, w in lat_parts))
   m, l, accs = lax.fori_loop(start, jnp.maximum(start, stop), body, init)
-  outs, lse = _finish(m, l, accs)
+  outs, lse = finish(m, l, accs)
   for (o, w), out in zip(lat_parts, outs):
     o_ref[:, pl.ds(o, w)] = out
   lse_ref[...] = jnp.where(l[:, 0] > 0.0, lse[:, 0], -jnp.inf)
 
 
-def _gpu_decode(q, cache, page_table, lengths, qoff, *, kv_lora_rank, scale, num_splits,
-                block_rows, step_tokens, warps, stages, interpret):
+def _gpu_decode(q, cache, page_table, lengths, qoff, *, kv_lora_rank, scale, block_rows,
+                config: DecodeConfig, interpret):
   n, rp, d = q.shape
   _, ps, _ = cache.shape
   max_pages = page_table.shape[1]
   bm = block_rows
   nr = rp // bm
-  bk = _step_tokens(ps, step_tokens)
+  bk = _step_tokens(ps, config.step_tokens or 64)
   steps = max_pages * ps // bk
-  ns = num_splits or _default_splits(n, nr, steps, "gpu")
+  ns = config.num_splits or default_splits(n, nr, steps, "gpu", config.waves)
   sps = -(-steps // ns)
   kernel = functools.partial(
       _gpu_kernel, scale=scale, page_size=ps, bk=bk, steps_per_split=sps,
-      lat_parts=_pow2_parts(kv_lora_rank),
-      rope_parts=tuple((kv_lora_rank + o, w) for o, w in _pow2_parts(d - kv_lora_rank)))
+      lat_parts=pow2_parts(kv_lora_rank),
+      rope_parts=tuple((kv_lora_rank + o, w) for o, w in pow2_parts(d - kv_lora_rank)))
   o_part, lse_part = pl.pallas_call(
       kernel, grid=(nr, ns, n),
       in_specs=[pl.BlockSpec((n,), lambda r, s, i: (0,)),
@@ -116,27 +138,23 @@ def _gpu_decode(q, cache, page_table, lengths, qoff, *, kv_lora_rank, scale, num
                  pl.BlockSpec((None, None, bm), lambda r, s, i: (i, s, r))],
       out_shape=[jax.ShapeDtypeStruct((n, ns, rp, kv_lora_rank), jnp.float32),
                  jax.ShapeDtypeStruct((n, ns, rp), jnp.float32)],
-      compiler_params=_gpu_params(warps, stages), interpret=interpret,
+      compiler_params=gpu_params(config.warps, config.stages), interpret=interpret,
       name="mla_decode")(lengths, page_table, qoff, q, cache)
   return _merge(o_part, lse_part)
 
 
 # --------------------------------------------------------------------------- GPU (Mosaic GPU)
 
+# The Mosaic kernel's shape, which its code is written for (not options):
 MGPU_ROWS = 64  # query rows per program: one wgmma M tile
 MGPU_STEP = 64  # cache tokens per step
-# Pallas Mosaic GPU launches its grid reversed (the last axis is CUDA's x, dispatched first), so
-# the row blocks go last: the programs sharing one request's cache tiles run side by side and
-# the second one reads them from L2. (With the row blocks first, each tile came from HBM once
-# per row block, about 6 waves apart.)
 MGPU_THREADS = 3  # warpgroups: 0 softmax and half the value columns, 1 the other half, 2 TMA
-MGPU_GRID = ("req", "split", "rb")  # run 3 on the H200 (1.90 TB/s) had ("rb", "split", "req")
 
 
-def _mgpu_grid(n: int, ns: int, nr: int) -> tuple[int, ...]:
-  """Grid sizes in the order of :data:`MGPU_GRID` (requests, splits, row blocks)."""
+def _mgpu_grid(n: int, ns: int, nr: int, axes: tuple[str, ...]) -> tuple[int, ...]:
+  """Grid sizes in the order of ``axes`` (a permutation of requests, splits, row blocks)."""
   size = {"req": n, "split": ns, "rb": nr}
-  return tuple(size[a] for a in MGPU_GRID)
+  return tuple(size[a] for a in axes)
 
 
 def _mgpu_program(lens_ref, steps_per_split: int):
@@ -300,16 +318,17 @@ def _mgpu_kernel(lens_ref, table_ref, q_ref, cache_ref, o_ref, lse_ref, q_smem, 
         acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_ref.dtype)
 
 
-def _mgpu_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, tn, heads, num_splits,
-                 stages, interpret):
+def _mgpu_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, tn, heads,
+                 config: DecodeConfig, interpret):
   """Runs ``_mgpu_kernel`` over (request, split, row block) and merges the splits."""
   n, rp, d = q.shape
   ps = cache.shape[1]
   nr = rp // MGPU_ROWS
   per_page = ps // MGPU_STEP
   steps = page_table.shape[1] * per_page
-  ns = num_splits or _default_splits(n, nr, steps, "gpu", MGPU_WAVES)
+  ns = config.num_splits or default_splits(n, nr, steps, "gpu", config.mgpu_waves)
   sps = -(-steps // ns)
+  stages = config.stages
   swz = lambda: (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   kernel = functools.partial(
       _mgpu_kernel, scale=scale, kv_lora_rank=kv_lora_rank, tn=tn, heads=heads,
@@ -330,7 +349,7 @@ def _mgpu_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, tn, head
           plgpu.Barrier(num_arrivals=2, num_barriers=stages),
           plgpu.Barrier(),
           plgpu.Barrier()),
-      grid=_mgpu_grid(n, ns, nr), grid_names=MGPU_GRID,
+      grid=_mgpu_grid(n, ns, nr, config.mgpu_grid), grid_names=config.mgpu_grid,
       **wgmma.kernel_params(interpret, MGPU_THREADS, reduction_scratch_bytes=0))(
           lengths, page_table, q, cache)
   return _merge(o_part, lse_part)
@@ -354,30 +373,30 @@ def _tpu_kernel(lens_ref, table_ref, qoff_ref, q_ref, cache_ref, o_ref, lse_ref,
   @pl.when(step * bk < length)
   def _():
     kv = cache_ref[...]
-    s = _dot_nt(q_ref[...], kv) * (scale * LOG2E)
+    s = dot_nt(q_ref[...], kv) * (scale * LOG2E)
     rows = q_ref.shape[0]
     kpos = step * bk + lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
     s = jnp.where((kpos <= length + qoff_ref[...]) & (kpos < length), s, -jnp.inf)
-    m, l, (acc,) = _softmax_step(s, m_ref[...], l_ref[...], (acc_ref[...],),
+    m, l, (acc,) = softmax_step(s, m_ref[...], l_ref[...], (acc_ref[...],),
                                  [kv[:, :kv_lora_rank]])
     m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
 
   @pl.when(j == steps_per_split - 1)
   def _():
-    (out,), lse = _finish(m_ref[...], l_ref[...], (acc_ref[...],))
+    (out,), lse = finish(m_ref[...], l_ref[...], (acc_ref[...],))
     o_ref[...] = out
     lse_ref[...] = jnp.where(l_ref[...] > 0.0, lse, -jnp.inf)
 
 
-def _tpu_decode(q, cache, page_table, lengths, qoff, *, kv_lora_rank, scale, num_splits,
-                step_tokens, interpret):
+def _tpu_decode(q, cache, page_table, lengths, qoff, *, kv_lora_rank, scale, config: DecodeConfig,
+                interpret):
   n, rp, d = q.shape
   _, ps, _ = cache.shape
   max_pages = page_table.shape[1]
-  bk = _step_tokens(ps, step_tokens)
+  bk = _step_tokens(ps, config.step_tokens or 512)
   per_page = ps // bk
   steps = max_pages * per_page
-  ns = num_splits or _default_splits(n, 1, steps, "tpu")
+  ns = config.num_splits or default_splits(n, 1, steps, "tpu", config.waves)
   sps = -(-steps // ns)
 
   def cache_idx(i, s, j, lens, table):
@@ -411,20 +430,10 @@ def _tpu_decode(q, cache, page_table, lengths, qoff, *, kv_lora_rank, scale, num
 # --------------------------------------------------------------------------- entry point
 
 
-def mla_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, backend, num_splits=None,
-               block_rows=32, step_tokens=None, warps=4, stages=2, gpu_kernel="auto",
-               interpret=None):
-  """Paged latent decode (semantics of ``reference.paged_decode``) -> ``[N, Tn, H, R]``.
-
-  ``num_splits``: sequence splits per request (default: enough to fill the chip);
-  ``block_rows`` (GPU): query rows (of ``Tn * H``) per program; ``step_tokens``: cache tokens per
-  step (a power of two dividing page_size; default 64 on GPU, 512 on TPU); ``warps``/``stages``:
-  Triton launch parameters (``stages``: also the Mosaic kernel's cache ring, 2 fills its SMEM).
-  ``gpu_kernel``: ``"triton"``, ``"mosaic"`` (Mosaic GPU: bf16/f16, rows in 64-row programs,
-  64-token steps; ``block_rows``, ``step_tokens`` and ``warps`` do not apply) or ``"auto"``
-  (``"mosaic"`` where its conditions hold, 1.7x Triton's cache bandwidth on the H200; else
-  Triton).
-  Interpret mode by default off the matching platform.
+def mla_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, backend,
+               config: DecodeConfig = DecodeConfig(), interpret=None):
+  """Paged latent decode (semantics of ``reference.paged_decode``) -> ``[N, Tn, H, R]``, run as
+  ``config`` says (:class:`DecodeConfig`). Interpret mode by default off the matching platform.
   """
   if backend not in ("gpu", "tpu"):
     raise ValueError(f"mla_decode: unknown Pallas backend {backend!r}; expected 'gpu' or 'tpu'")
@@ -440,6 +449,7 @@ def mla_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, backend, n
   if not 0 < kv_lora_rank < d or kv_lora_rank % 16 or (d - kv_lora_rank) % 16 or ps % 16:
     raise ValueError(f"mla_decode: kv_lora_rank ({kv_lora_rank}), the rope dim "
                      f"({d - kv_lora_rank}) and page_size ({ps}) must be positive multiples of 16")
+  gpu_kernel = config.gpu_kernel
   if backend == "gpu" and gpu_kernel not in ("triton", "mosaic", "auto"):
     raise ValueError(f"mla_decode: unknown gpu_kernel {gpu_kernel!r}; expected 'triton', "
                      "'mosaic' or 'auto'")
@@ -458,7 +468,7 @@ def mla_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, backend, n
   if mosaic:
     bm = MGPU_ROWS
   else:
-    bm = min(block_rows, max(16, pl.next_power_of_2(rows))) if backend == "gpu" else 16
+    bm = min(config.block_rows, max(16, pl.next_power_of_2(rows))) if backend == "gpu" else 16
   rp = -(-rows // bm) * bm
   qr = q.reshape(n, rows, d)
   if rp != rows:
@@ -470,15 +480,14 @@ def mla_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, backend, n
   if mosaic:
     o = _mgpu_decode(
         qr, cache, page_table, lengths, kv_lora_rank=kv_lora_rank, scale=scale, tn=tn, heads=h,
-        num_splits=num_splits, stages=stages, interpret=interpret)
+        config=config, interpret=interpret)
   elif backend == "gpu":
     o = _gpu_decode(qr, cache, page_table, lengths, qoff, kv_lora_rank=kv_lora_rank, scale=scale,
-                    num_splits=num_splits, block_rows=bm, step_tokens=step_tokens or 64,
-                    warps=warps, stages=stages, interpret=interpret)
+                    block_rows=bm, config=config, interpret=interpret)
   else:
     o = _tpu_decode(qr, cache, page_table, lengths, qoff, kv_lora_rank=kv_lora_rank, scale=scale,
-                    num_splits=num_splits, step_tokens=step_tokens or 512, interpret=interpret)
+                    config=config, interpret=interpret)
   return o[:, :rows].reshape(n, tn, h, kv_lora_rank).astype(q.dtype)
 
 
-__all__ = ["mla_decode"]
+__all__ = ["mla_decode", "DecodeConfig", "default_splits"]

@@ -25,199 +25,19 @@ attention over key blocks can be merged outside the kernel (``sharding.context_p
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
-import operator
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import default_backend
-
-LOG2E = math.log2(math.e)
-
-
-@dataclasses.dataclass(frozen=True)
-class Blocks:
-  """Tile sizes (powers of two) and Triton launch parameters of the three kernels.
-
-  The GPU defaults won a sweep on the H200 at B2 T8192 H96 causal (``benchmarks/mla.py``)."""
-  fwd_q: int = 128
-  fwd_k: int = 64
-  fwd_warps: int = 8
-  fwd_stages: int = 3
-  dkv_q: int = 64
-  dkv_k: int = 128
-  dkv_warps: int = 8
-  dkv_stages: int = 2
-  dq_q: int = 128
-  dq_k: int = 64
-  dq_warps: int = 8
-  dq_stages: int = 2
-
-  def fitted(self, t: int, s: int) -> "Blocks":
-    """Tiles no longer than the (power-of-two rounded, at least 16) sequence they cover."""
-    cap_t = max(16, pl.next_power_of_2(t))
-    cap_s = max(16, pl.next_power_of_2(s))
-    return dataclasses.replace(
-        self, fwd_q=min(self.fwd_q, cap_t), fwd_k=min(self.fwd_k, cap_s),
-        dkv_q=min(self.dkv_q, cap_t), dkv_k=min(self.dkv_k, cap_s),
-        dq_q=min(self.dq_q, cap_t), dq_k=min(self.dq_k, cap_s))
-
-  def pad_to(self) -> int:
-    return max(self.fwd_q, self.fwd_k, self.dkv_q, self.dkv_k, self.dq_q, self.dq_k)
-
-
-GPU_BLOCKS = Blocks()
-TPU_BLOCKS = Blocks(fwd_q=128, fwd_k=128, dkv_q=128, dkv_k=128, dq_q=128, dq_k=128)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  backend: str
-  causal: bool
-  scale: float
-  t: int  # true query length
-  s: int  # true key length
-  blocks: Blocks
-  interpret: bool
-  static_off: int | None = None  # the query offset when known at trace time (then compiled in)
-
-
-def _offset(st: _Static, off_ref):
-  """The key position of query row 0: the static one, else the runtime input's."""
-  return off_ref[0] if st.static_off is None else st.static_off
-
-
-def _pow2_parts(d: int) -> tuple[tuple[int, int], ...]:
-  """``(offset, size)`` power-of-two pieces of a dim (a multiple of 16), largest first."""
-  parts, off = [], 0
-  for bit in reversed(range(d.bit_length())):
-    if d & (1 << bit):
-      parts.append((off, 1 << bit))
-      off += 1 << bit
-  return tuple(parts)
-
-
-# --------------------------------------------------------------------------- block tables
-
-
-def _seg_minmax(seg, blk):
-  """``[B, n]`` min and max segment id of each block of ``seg [B, Tp]``."""
-  r = seg.reshape(seg.shape[0], -1, blk)
-  return r.min(-1), r.max(-1)
-
-
-def _visibility(qseg, kseg, *, t, s, tp, sp, bq, bk, causal, off):
-  """``(any, full)`` bool ``[B or 1, nq, nk]``: some / every element of the block pair visible.
-
-  qseg ``[B, Tp]`` / kseg ``[B, Sp]`` (both or neither); off: key position of query row 0."""
-  nq, nk = tp // bq, sp // bk
-  qi = jnp.arange(nq)[:, None]
-  kj = jnp.arange(nk)[None, :]
-  q_first = qi * bq + off
-  q_last = jnp.minimum(qi * bq + bq - 1, t - 1) + off
-  k_first, k_last = kj * bk, kj * bk + bk - 1
-  vis = (k_first < s) & (qi * bq < t)
-  full = (k_last < s) & (qi * bq < t)
-  if causal:
-    vis &= k_first <= q_last
-    full &= k_last <= q_first
-  vis, full = vis[None], full[None]
-  if qseg is not None:
-    qmin, qmax = _seg_minmax(qseg, bq)
-    kmin, kmax = _seg_minmax(kseg, bk)
-    vis = vis & (kmax[:, None, :] >= qmin[:, :, None]) & (kmin[:, None, :] <= qmax[:, :, None])
-    uniform = ((qmin == qmax)[:, :, None] & (kmin == kmax)[:, None, :]
-               & (qmin[:, :, None] == kmin[:, None, :]))
-    full = full & uniform
-  return vis, full
-
-
-def _summarise(vis, full):
-  """``[..., n]`` visibility rows -> ``[..., 4]`` int32 ``(lo, a, b, hi)`` (see module doc)."""
-  n = vis.shape[-1]
-  j = jnp.arange(n)
-  anyv = vis.any(-1)
-  lo = jnp.where(anyv, jnp.argmax(vis, -1), 0)
-  hi = jnp.where(anyv, n - jnp.argmax(vis[..., ::-1], -1), 0)
-  anyf = full.any(-1)
-  a = jnp.where(anyf, jnp.argmax(full, -1), hi)
-  after = ~full & (j >= a[..., None])
-  b = jnp.where(after.any(-1), jnp.argmax(after, -1), n)
-  b = jnp.where(anyf, jnp.minimum(b, hi), hi)
-  return jnp.stack([lo, a, b, hi], -1).astype(jnp.int32)
-
-
-def block_tables(qseg, kseg=None, *, t, s, tp, sp, bq, bk, causal, off=None):
-  """``(rows, cols)``: ``[B or 1, nq, 4]`` key-block ranges per query block and
-  ``[B or 1, nk, 4]`` query-block ranges per key block. kseg defaults to qseg (S == T), off
-  (int or int32 scalar, may be traced) to ``s - t``."""
-  kseg = qseg if kseg is None else kseg
-  off = s - t if off is None else off
-  vis, full = _visibility(qseg, kseg, t=t, s=s, tp=tp, sp=sp, bq=bq, bk=bk, causal=causal,
-                          off=off)
-  return _summarise(vis, full), _summarise(vis.swapaxes(1, 2), full.swapaxes(1, 2))
-
-
-def _mask(qpos, kpos, qseg, kseg, *, causal, s):
-  """Element mask from broadcastable key positions of the queries / keys and segment ids."""
-  m = kpos < s
-  if causal:
-    m = m & (kpos <= qpos)
-  if qseg is not None:
-    m = m & (qseg == kseg)
-  return m
-
-
-def _dot_nt(a, b):
-  """``a [M, K] @ b [N, K].T`` with float32 accumulation."""
-  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _dot(a, b):
-  return jnp.dot(a, b, preferred_element_type=jnp.float32)
-
-
-def _scores(q_parts, k_parts, scale2):
-  return functools.reduce(operator.add, map(_dot_nt, q_parts, k_parts)) * scale2
-
-
-def _softmax_step(s, m, l, accs, v_parts):
-  """One online-softmax update (base 2). s ``[bq, bk]``, m/l ``[bq, 1]``, accs ``[bq, dv_i]``."""
-  m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
-  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-  alpha = jnp.exp2(m - m_safe)
-  p = jnp.exp2(s - m_safe)
-  l = l * alpha + p.sum(axis=1, keepdims=True)
-  pb = p.astype(v_parts[0].dtype)
-  accs = tuple(acc * alpha + _dot(pb, vc) for acc, vc in zip(accs, v_parts))
-  return m_new, l, accs
-
-
-def _finish(m, l, accs):
-  """Normalised outputs and the base-2 log-sum-exp (``+inf`` where no key was visible)."""
-  seen = l > 0.0
-  inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-  lse = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
-  return tuple(acc * inv for acc in accs), lse
-
-
-def _grad_step(q_parts, k_parts, v_parts, do_parts, lse, delta, mask, scale2):
-  """``(p, ds)`` for one block pair: ``p = softmax`` and ``ds = p * (dO V^T - delta)``.
-
-  With the roles swapped (``k, q, do, v`` and lse/delta as rows) it returns ``p^T, ds^T``."""
-  s = _scores(q_parts, k_parts, scale2)
-  if mask is not None:
-    s = jnp.where(mask, s, -jnp.inf)
-  p = jnp.exp2(s - lse)
-  dp = functools.reduce(operator.add, map(_dot_nt, do_parts, v_parts))
-  return p, p * (dp - delta)
+from pallas_kernels.mla import prefill_tpu
+from pallas_kernels.mla.blocks import (GPU_BLOCKS, TPU_BLOCKS, Blocks, Static, block_tables,
+                                       element_mask, query_offset)
+from pallas_kernels.mla.common import (LOG2E, dot, finish, gpu_params, grad_step, pow2_parts,
+                                       scores, softmax_step)
 
 
 # --------------------------------------------------------------------------- GPU (Triton)
@@ -236,43 +56,43 @@ def _gpu_refs(rest, segmented):
   return (tuple(rest[:2]), rest[2:]) if segmented else ((None, None), rest)
 
 
-def _gpu_fwd_kernel(tab_ref, off_ref, q_ref, k_ref, v_ref, *rest, st: _Static, nq: int,
+def _gpu_fwd_kernel(tab_ref, off_ref, q_ref, k_ref, v_ref, *rest, st: Static, nq: int,
                     dk_parts, dv_parts, segmented: bool):
   (qseg_ref, kseg_ref), (o_ref, lse_ref) = _gpu_refs(rest, segmented)
   bq, bk = st.blocks.fwd_q, st.blocks.fwd_k
   i = nq - 1 - pl.program_id(0)
   scale2 = st.scale * LOG2E
   q_parts = [q_ref[:, pl.ds(o, n)] for o, n in dk_parts]
-  qpos = (i * bq + _offset(st, off_ref) + jnp.arange(bq))[:, None]
+  qpos = (i * bq + query_offset(st, off_ref) + jnp.arange(bq))[:, None]
   qseg = qseg_ref[pl.ds(i * bq, bq)][:, None] if segmented else None
 
   def body(j, carry, masked):
     m, l, accs = carry
     rows = pl.ds(j * bk, bk)
-    s = _scores(q_parts, [k_ref[rows, pl.ds(o, n)] for o, n in dk_parts], scale2)
+    s = scores(q_parts, [k_ref[rows, pl.ds(o, n)] for o, n in dk_parts], scale2)
     if masked:
       kpos = (j * bk + jnp.arange(bk))[None, :]
       kseg = kseg_ref[rows][None, :] if segmented else None
-      s = jnp.where(_mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s), s, -jnp.inf)
-    return _softmax_step(s, m, l, accs, [v_ref[rows, pl.ds(o, n)] for o, n in dv_parts])
+      s = jnp.where(element_mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s), s, -jnp.inf)
+    return softmax_step(s, m, l, accs, [v_ref[rows, pl.ds(o, n)] for o, n in dv_parts])
 
   init = (jnp.full((bq, 1), -jnp.inf, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
           tuple(jnp.zeros((bq, n), jnp.float32) for _, n in dv_parts))
   m, l, accs = _three_loops(tab_ref, body, init)
-  outs, lse = _finish(m, l, accs)
+  outs, lse = finish(m, l, accs)
   for (o, n), out in zip(dv_parts, outs):
     o_ref[:, pl.ds(o, n)] = out.astype(o_ref.dtype)
   lse_ref[...] = lse[:, 0]
 
 
 def _gpu_dkv_kernel(tab_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest,
-                    st: _Static, dk_parts, dv_parts, segmented: bool):
+                    st: Static, dk_parts, dv_parts, segmented: bool):
   """dK, dV of one key block, computed transposed (``[bk, bq]`` scores: no register transposes)."""
   (qseg_ref, kseg_ref), (dk_ref, dv_ref) = _gpu_refs(rest, segmented)
   bq, bk = st.blocks.dkv_q, st.blocks.dkv_k
   j = pl.program_id(0)
   scale2 = st.scale * LOG2E
-  off = _offset(st, off_ref)
+  off = query_offset(st, off_ref)
   k_parts = [k_ref[:, pl.ds(o, n)] for o, n in dk_parts]
   v_parts = [v_ref[:, pl.ds(o, n)] for o, n in dv_parts]
   kpos = (j * bk + jnp.arange(bk))[:, None]
@@ -287,14 +107,14 @@ def _gpu_dkv_kernel(tab_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
     if masked:
       qpos = (i * bq + off + jnp.arange(bq))[None, :]
       qseg = qseg_ref[rows][None, :] if segmented else None
-      mask = _mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s)
+      mask = element_mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s)
     # transposed roles: scores K Q^T, dP^T = V dO^T
-    pt, dst = _grad_step(k_parts, q_parts, do_parts, v_parts, lse_ref[rows][None, :],
+    pt, dst = grad_step(k_parts, q_parts, do_parts, v_parts, lse_ref[rows][None, :],
                          delta_ref[rows][None, :], mask, scale2)
     pt = pt.astype(do_ref.dtype)
     dst = dst.astype(q_ref.dtype)
-    dvs = tuple(acc + _dot(pt, dc) for acc, dc in zip(dvs, do_parts))
-    dks = tuple(acc + _dot(dst, qc) for acc, qc in zip(dks, q_parts))
+    dvs = tuple(acc + dot(pt, dc) for acc, dc in zip(dvs, do_parts))
+    dks = tuple(acc + dot(dst, qc) for acc, qc in zip(dks, q_parts))
     return dks, dvs
 
   init = (tuple(jnp.zeros((bk, n), jnp.float32) for _, n in dk_parts),
@@ -307,7 +127,7 @@ def _gpu_dkv_kernel(tab_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
 
 
 def _gpu_dq_kernel(tab_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest,
-                   st: _Static, nq: int, dk_parts, dv_parts, segmented: bool):
+                   st: Static, nq: int, dk_parts, dv_parts, segmented: bool):
   (qseg_ref, kseg_ref), (dq_ref,) = _gpu_refs(rest, segmented)
   bq, bk = st.blocks.dq_q, st.blocks.dq_k
   i = nq - 1 - pl.program_id(0)
@@ -316,7 +136,7 @@ def _gpu_dq_kernel(tab_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
   do_parts = [do_ref[:, pl.ds(o, n)] for o, n in dv_parts]
   lse = lse_ref[...][:, None]
   delta = delta_ref[...][:, None]
-  qpos = (i * bq + _offset(st, off_ref) + jnp.arange(bq))[:, None]
+  qpos = (i * bq + query_offset(st, off_ref) + jnp.arange(bq))[:, None]
   qseg = qseg_ref[pl.ds(i * bq, bq)][:, None] if segmented else None
 
   def body(j, dqs, masked):
@@ -326,19 +146,15 @@ def _gpu_dq_kernel(tab_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
     if masked:
       kpos = (j * bk + jnp.arange(bk))[None, :]
       kseg = kseg_ref[rows][None, :] if segmented else None
-      mask = _mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s)
-    _, ds = _grad_step(q_parts, k_parts, [v_ref[rows, pl.ds(o, n)] for o, n in dv_parts],
+      mask = element_mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s)
+    _, ds = grad_step(q_parts, k_parts, [v_ref[rows, pl.ds(o, n)] for o, n in dv_parts],
                        do_parts, lse, delta, mask, scale2)
     dsb = ds.astype(k_ref.dtype)
-    return tuple(acc + _dot(dsb, kc) for acc, kc in zip(dqs, k_parts))
+    return tuple(acc + dot(dsb, kc) for acc, kc in zip(dqs, k_parts))
 
   dqs = _three_loops(tab_ref, body, tuple(jnp.zeros((bq, n), jnp.float32) for _, n in dk_parts))
   for (o, n), acc in zip(dk_parts, dqs):
     dq_ref[:, pl.ds(o, n)] = (acc * st.scale).astype(dq_ref.dtype)
-
-
-def _gpu_params(warps, stages):
-  return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 
 
 def _gpu_seg_specs(qseg, kseg):
@@ -352,7 +168,7 @@ def _gpu_seg_specs(qseg, kseg):
 _GPU_OFF = pl.BlockSpec((1,), lambda g, bi, hi: (0,))  # the [1] int32 query offset
 
 
-def _gpu_fwd(q, k, v, qseg, kseg, off, st: _Static):
+def _gpu_fwd(q, k, v, qseg, kseg, off, st: Static):
   b, tp, h, dk = q.shape
   sp, dv = k.shape[1], v.shape[-1]
   bq, bk = st.blocks.fwd_q, st.blocks.fwd_k
@@ -369,19 +185,19 @@ def _gpu_fwd(q, k, v, qseg, kseg, off, st: _Static):
       pl.BlockSpec((None, sp, None, dv), lambda i, bi, hi: (bi, 0, hi, 0)),
       *seg_specs,
   ]
-  kernel = functools.partial(_gpu_fwd_kernel, st=st, nq=nq, dk_parts=_pow2_parts(dk),
-                             dv_parts=_pow2_parts(dv), segmented=segmented)
+  kernel = functools.partial(_gpu_fwd_kernel, st=st, nq=nq, dk_parts=pow2_parts(dk),
+                             dv_parts=pow2_parts(dv), segmented=segmented)
   return pl.pallas_call(
       kernel, grid=(nq, b, h), in_specs=in_specs,
       out_specs=[pl.BlockSpec((None, bq, None, dv), lambda i, bi, hi: (bi, nq - 1 - i, hi, 0)),
                  pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, nq - 1 - i))],
       out_shape=[jax.ShapeDtypeStruct((b, tp, h, dv), q.dtype),
                  jax.ShapeDtypeStruct((b, h, tp), jnp.float32)],
-      compiler_params=_gpu_params(st.blocks.fwd_warps, st.blocks.fwd_stages),
+      compiler_params=gpu_params(st.blocks.fwd_warps, st.blocks.fwd_stages),
       interpret=st.interpret, name="mla_fwd")(rows, off[None], q, k, v, *seg_args)
 
 
-def _gpu_bwd(q, k, v, qseg, kseg, off, o, lse, do, dlse, st: _Static):
+def _gpu_bwd(q, k, v, qseg, kseg, off, o, lse, do, dlse, st: Static):
   """dlse: the cotangent of the base-2 log-sum-exp ``[B, H, Tp]``."""
   b, tp, h, dk = q.shape
   sp, dv = k.shape[1], v.shape[-1]
@@ -389,7 +205,7 @@ def _gpu_bwd(q, k, v, qseg, kseg, off, o, lse, do, dlse, st: _Static):
            - dlse * LOG2E)
   segmented = qseg is not None
   bsel = (lambda bi: bi) if segmented else (lambda bi: 0)
-  parts = dict(dk_parts=_pow2_parts(dk), dv_parts=_pow2_parts(dv), segmented=segmented)
+  parts = dict(dk_parts=pow2_parts(dk), dv_parts=pow2_parts(dv), segmented=segmented)
   seg_specs, seg_args = _gpu_seg_specs(qseg, kseg)
   tables = functools.partial(block_tables, qseg, kseg, t=st.t, s=st.s, tp=tp, sp=sp,
                              causal=st.causal, off=off)
@@ -406,7 +222,7 @@ def _gpu_bwd(q, k, v, qseg, kseg, off, o, lse, do, dlse, st: _Static):
       functools.partial(_gpu_dkv_kernel, st=st, **parts),
       grid=(nk, b, h), in_specs=in_specs, out_specs=[tile(bk, dk), tile(bk, dv)],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=_gpu_params(st.blocks.dkv_warps, st.blocks.dkv_stages),
+      compiler_params=gpu_params(st.blocks.dkv_warps, st.blocks.dkv_stages),
       interpret=st.interpret, name="mla_bwd_dkv")(cols, off[None], q, k, v, do, lse, delta,
                                                   *seg_args)
 
@@ -423,236 +239,9 @@ def _gpu_bwd(q, k, v, qseg, kseg, off, o, lse, do, dlse, st: _Static):
       functools.partial(_gpu_dq_kernel, st=st, nq=nq, **parts),
       grid=(nq, b, h), in_specs=in_specs, out_specs=tile(bq, dk),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      compiler_params=_gpu_params(st.blocks.dq_warps, st.blocks.dq_stages),
+      compiler_params=gpu_params(st.blocks.dq_warps, st.blocks.dq_stages),
       interpret=st.interpret, name="mla_bwd_dq")(rows, off[None], q, k, v, do, lse, delta,
                                                  *seg_args)
-  return dq, dk_, dv_
-
-
-# --------------------------------------------------------------------------- TPU (Mosaic)
-# Layout [B, H, T, D]; the key (or query) loop is the last grid axis ("arbitrary") with the
-# accumulators in VMEM scratch. Skipped blocks keep the previous block index (no new DMA).
-# Segment ids travel as [B, Tp, 1] (query side) and [B, 1, Sp] (key side). Two scalar-prefetch
-# inputs: the flattened block table and the [1] query offset (index maps take both, last).
-
-
-def _tpu_clamped(tab_ref, base, j):
-  """Block index for grid step j: clamped into [lo, hi) so skipped steps fetch nothing new."""
-  lo, hi = tab_ref[base], tab_ref[base + 3]
-  return jnp.clip(j, lo, jnp.maximum(hi - 1, lo))
-
-
-def _tpu_when_visible(tab_ref, base, j, compute):
-  """Calls ``compute(masked)`` when step j lies in ``[lo, hi)``: unmasked inside ``[a, b)``."""
-  lo, a, b, hi = (tab_ref[base + r] for r in range(4))
-  visit = (j >= lo) & (j < hi)
-  full = (j >= a) & (j < b)
-  pl.when(visit & full)(lambda: compute(False))
-  pl.when(visit & jnp.logical_not(full))(lambda: compute(True))
-
-
-def _tpu_block_mask(i, j, bq, bk, st: _Static, off, qseg_ref, kseg_ref):
-  """``[bq, bk]`` bool mask of query block i against key block j (causal at query offset off,
-  key padding, and segments when the segment refs are given)."""
-  qpos = i * bq + off + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-  kpos = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-  qseg, kseg = (qseg_ref[...], kseg_ref[...]) if qseg_ref is not None else (None, None)
-  return _mask(qpos, kpos, qseg, kseg, causal=st.causal, s=st.s)
-
-
-def _tpu_fwd_kernel(tab_ref, off_ref, q_ref, k_ref, v_ref, *rest, st: _Static, nq: int, nk: int,
-                    segmented: bool):
-  if segmented:
-    qseg_ref, kseg_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
-  else:
-    o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
-    qseg_ref = kseg_ref = None
-  bq, bk = st.blocks.fwd_q, st.blocks.fwd_k
-  b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-  base = ((b if segmented else 0) * nq + i) * 4
-
-  @pl.when(j == 0)
-  def _():
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-  def compute(masked):
-    s = _scores([q_ref[...]], [k_ref[...]], st.scale * LOG2E)
-    if masked:
-      mask = _tpu_block_mask(i, j, bq, bk, st, _offset(st, off_ref), qseg_ref, kseg_ref)
-      s = jnp.where(mask, s, -jnp.inf)
-    m, l, (acc,) = _softmax_step(s, m_ref[...], l_ref[...], (acc_ref[...],), [v_ref[...]])
-    m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
-
-  _tpu_when_visible(tab_ref, base, j, compute)
-
-  @pl.when(j == nk - 1)
-  def _():
-    (out,), lse = _finish(m_ref[...], l_ref[...], (acc_ref[...],))
-    o_ref[...] = out.astype(o_ref.dtype)
-    lse_ref[...] = lse
-
-
-def _tpu_dkv_kernel(tab_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest,
-                    st: _Static, nq: int, nk: int, segmented: bool):
-  if segmented:
-    qseg_ref, kseg_ref, dk_ref, dv_ref, dk_acc, dv_acc = rest
-  else:
-    dk_ref, dv_ref, dk_acc, dv_acc = rest
-    qseg_ref = kseg_ref = None
-  bq, bk = st.blocks.dkv_q, st.blocks.dkv_k
-  b, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-  base = ((b if segmented else 0) * nk + j) * 4
-
-  @pl.when(i == 0)
-  def _():
-    dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
-    dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
-
-  def compute(masked):
-    mask = (_tpu_block_mask(i, j, bq, bk, st, _offset(st, off_ref), qseg_ref, kseg_ref)
-            if masked else None)
-    q, do = q_ref[...], do_ref[...]
-    p, ds = _grad_step([q], [k_ref[...]], [v_ref[...]], [do], lse_ref[...], delta_ref[...], mask,
-                       st.scale * LOG2E)
-    dv_acc[...] += _dot(p.T.astype(do.dtype), do)
-    dk_acc[...] += _dot(ds.T.astype(q.dtype), q)
-
-  _tpu_when_visible(tab_ref, base, i, compute)
-
-  @pl.when(i == nq - 1)
-  def _():
-    dk_ref[...] = (dk_acc[...] * st.scale).astype(dk_ref.dtype)
-    dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
-
-
-def _tpu_dq_kernel(tab_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest,
-                   st: _Static, nq: int, nk: int, segmented: bool):
-  if segmented:
-    qseg_ref, kseg_ref, dq_ref, dq_acc = rest
-  else:
-    dq_ref, dq_acc = rest
-    qseg_ref = kseg_ref = None
-  bq, bk = st.blocks.dq_q, st.blocks.dq_k
-  b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-  base = ((b if segmented else 0) * nq + i) * 4
-
-  @pl.when(j == 0)
-  def _():
-    dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
-
-  def compute(masked):
-    mask = (_tpu_block_mask(i, j, bq, bk, st, _offset(st, off_ref), qseg_ref, kseg_ref)
-            if masked else None)
-    k = k_ref[...]
-    _, ds = _grad_step([q_ref[...]], [k], [v_ref[...]], [do_ref[...]], lse_ref[...],
-                       delta_ref[...], mask, st.scale * LOG2E)
-    dq_acc[...] += _dot(ds.astype(k.dtype), k)
-
-  _tpu_when_visible(tab_ref, base, j, compute)
-
-  @pl.when(j == nk - 1)
-  def _():
-    dq_ref[...] = (dq_acc[...] * st.scale).astype(dq_ref.dtype)
-
-
-def _tpu_call(kernel, tab, off, args, in_specs, out_specs, out_shape, scratch, grid, st, name):
-  return pl.pallas_call(
-      kernel,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2, grid=grid, in_specs=in_specs, out_specs=out_specs,
-          scratch_shapes=scratch),
-      out_shape=out_shape,
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-      interpret=pltpu.InterpretParams() if st.interpret else False,
-      name=name)(tab.reshape(-1), off[None], *args)
-
-
-def _tpu_seg_args(qseg, kseg):
-  return [] if qseg is None else [qseg[:, :, None], kseg[:, None, :]]
-
-
-def _tpu_fwd(q, k, v, qseg, kseg, off, st: _Static):
-  """q ``[B, H, Tp, Dk]`` (TPU layout) -> o ``[B, H, Tp, Dv]``, lse ``[B, H, Tp, 1]``."""
-  b, h, tp, dk = q.shape
-  sp, dv = k.shape[2], v.shape[-1]
-  bq, bk = st.blocks.fwd_q, st.blocks.fwd_k
-  nq, nk = tp // bq, sp // bk
-  segmented = qseg is not None
-  rows, _ = block_tables(qseg, kseg, t=st.t, s=st.s, tp=tp, sp=sp, bq=bq, bk=bk,
-                         causal=st.causal, off=off)
-  base = lambda bi, i: ((bi if segmented else 0) * nq + i) * 4
-  kv_idx = lambda bi, hi, i, j, tab, _: (bi, hi, _tpu_clamped(tab, base(bi, i), j), 0)
-  q_idx = lambda bi, hi, i, j, tab, _: (bi, hi, i, 0)
-  in_specs = [pl.BlockSpec((None, None, bq, dk), q_idx), pl.BlockSpec((None, None, bk, dk), kv_idx),
-              pl.BlockSpec((None, None, bk, dv), kv_idx)]
-  if segmented:
-    in_specs += [pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j, tab, _: (bi, i, 0)),
-                 pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j, tab, _:
-                              (bi, 0, _tpu_clamped(tab, base(bi, i), j)))]
-  kernel = functools.partial(_tpu_fwd_kernel, st=st, nq=nq, nk=nk, segmented=segmented)
-  return _tpu_call(
-      kernel, rows, off, [q, k, v, *_tpu_seg_args(qseg, kseg)], in_specs,
-      [pl.BlockSpec((None, None, bq, dv), q_idx), pl.BlockSpec((None, None, bq, 1), q_idx)],
-      [jax.ShapeDtypeStruct((b, h, tp, dv), q.dtype),
-       jax.ShapeDtypeStruct((b, h, tp, 1), jnp.float32)],
-      [pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
-       pltpu.VMEM((bq, dv), jnp.float32)],
-      (b, h, nq, nk), st, "mla_fwd")
-
-
-def _tpu_bwd(q, k, v, qseg, kseg, off, o, lse, do, dlse, st: _Static):
-  """All in TPU layout ``[B, H, T, D]``; lse and its cotangent dlse ``[B, H, Tp, 1]``."""
-  b, h, tp, dk = q.shape
-  sp, dv = k.shape[2], v.shape[-1]
-  delta = (jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), -1, keepdims=True)
-           - dlse * LOG2E)
-  segmented = qseg is not None
-  seg_args = _tpu_seg_args(qseg, kseg)
-  tables = functools.partial(block_tables, qseg, kseg, t=st.t, s=st.s, tp=tp, sp=sp,
-                             causal=st.causal, off=off)
-
-  bq, bk = st.blocks.dkv_q, st.blocks.dkv_k
-  nq, nk = tp // bq, sp // bk
-  _, cols = tables(bq=bq, bk=bk)
-  base = lambda bi, j: ((bi if segmented else 0) * nk + j) * 4
-  q_idx = lambda bi, hi, j, i, tab, _: (bi, hi, _tpu_clamped(tab, base(bi, j), i), 0)
-  kv_idx = lambda bi, hi, j, i, tab, _: (bi, hi, j, 0)
-  in_specs = [pl.BlockSpec((None, None, bq, dk), q_idx), pl.BlockSpec((None, None, bk, dk), kv_idx),
-              pl.BlockSpec((None, None, bk, dv), kv_idx), pl.BlockSpec((None, None, bq, dv), q_idx),
-              pl.BlockSpec((None, None, bq, 1), q_idx), pl.BlockSpec((None, None, bq, 1), q_idx)]
-  if segmented:
-    in_specs += [pl.BlockSpec((None, bq, 1), lambda bi, hi, j, i, tab, _:
-                              (bi, _tpu_clamped(tab, base(bi, j), i), 0)),
-                 pl.BlockSpec((None, 1, bk), lambda bi, hi, j, i, tab, _: (bi, 0, j))]
-  dk_, dv_ = _tpu_call(
-      functools.partial(_tpu_dkv_kernel, st=st, nq=nq, nk=nk, segmented=segmented), cols, off,
-      [q, k, v, do, lse, delta, *seg_args], in_specs,
-      [pl.BlockSpec((None, None, bk, dk), kv_idx), pl.BlockSpec((None, None, bk, dv), kv_idx)],
-      [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      [pltpu.VMEM((bk, dk), jnp.float32), pltpu.VMEM((bk, dv), jnp.float32)],
-      (b, h, nk, nq), st, "mla_bwd_dkv")
-
-  bq, bk = st.blocks.dq_q, st.blocks.dq_k
-  nq, nk = tp // bq, sp // bk
-  rows, _ = tables(bq=bq, bk=bk)
-  base = lambda bi, i: ((bi if segmented else 0) * nq + i) * 4
-  q_idx = lambda bi, hi, i, j, tab, _: (bi, hi, i, 0)
-  kv_idx = lambda bi, hi, i, j, tab, _: (bi, hi, _tpu_clamped(tab, base(bi, i), j), 0)
-  in_specs = [pl.BlockSpec((None, None, bq, dk), q_idx), pl.BlockSpec((None, None, bk, dk), kv_idx),
-              pl.BlockSpec((None, None, bk, dv), kv_idx), pl.BlockSpec((None, None, bq, dv), q_idx),
-              pl.BlockSpec((None, None, bq, 1), q_idx), pl.BlockSpec((None, None, bq, 1), q_idx)]
-  if segmented:
-    in_specs += [pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j, tab, _: (bi, i, 0)),
-                 pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j, tab, _:
-                              (bi, 0, _tpu_clamped(tab, base(bi, i), j)))]
-  dq = _tpu_call(
-      functools.partial(_tpu_dq_kernel, st=st, nq=nq, nk=nk, segmented=segmented), rows, off,
-      [q, k, v, do, lse, delta, *seg_args], in_specs,
-      pl.BlockSpec((None, None, bq, dk), q_idx), jax.ShapeDtypeStruct(q.shape, q.dtype),
-      [pltpu.VMEM((bq, dk), jnp.float32)], (b, h, nq, nk), st, "mla_bwd_dq")
   return dq, dk_, dv_
 
 
@@ -663,34 +252,34 @@ def _to_tpu(x):
   return x.transpose(0, 2, 1, 3)  # [B, T, H, D] <-> [B, H, T, D]
 
 
-def _forward(q, k, v, qseg, kseg, off, st: _Static):
+def _forward(q, k, v, qseg, kseg, off, st: Static):
   if st.backend == "gpu":
     return _gpu_fwd(q, k, v, qseg, kseg, off, st)
-  o, lse = _tpu_fwd(_to_tpu(q), _to_tpu(k), _to_tpu(v), qseg, kseg, off, st)
+  o, lse = prefill_tpu.forward(_to_tpu(q), _to_tpu(k), _to_tpu(v), qseg, kseg, off, st)
   return _to_tpu(o), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(q, k, v, qseg, kseg, off, st: _Static):
+def _attention(q, k, v, qseg, kseg, off, st: Static):
   """Padded q ``[B, Tp, H, Dk]``, k ``[B, Sp, H, Dk]``, v ``[B, Sp, H, Dv]``, segment ids
   ``[B, Tp]`` / ``[B, Sp]`` (or None), off int32 ``[]`` -> (``[B, Tp, H, Dv]``, the base-2
   log-sum-exp in the backend's layout: GPU ``[B, H, Tp]``, TPU ``[B, H, Tp, 1]``)."""
   return _forward(q, k, v, qseg, kseg, off, st)
 
 
-def _attention_fwd(q, k, v, qseg, kseg, off, st: _Static):
+def _attention_fwd(q, k, v, qseg, kseg, off, st: Static):
   o, lse = _forward(q, k, v, qseg, kseg, off, st)
   return (o, lse), (q, k, v, qseg, kseg, off, o, lse)
 
 
-def _attention_bwd(st: _Static, res, cts):
+def _attention_bwd(st: Static, res, cts):
   q, k, v, qseg, kseg, off, o, lse = res
   do, dlse = cts
   if st.backend == "gpu":
     dq, dk, dv = _gpu_bwd(q, k, v, qseg, kseg, off, o, lse, do, dlse, st)
   else:
-    dq, dk, dv = map(_to_tpu, _tpu_bwd(*map(_to_tpu, (q, k, v)), qseg, kseg, off, _to_tpu(o),
-                                       lse, _to_tpu(do), dlse, st))
+    dq, dk, dv = map(_to_tpu, prefill_tpu.backward(*map(_to_tpu, (q, k, v)), qseg, kseg, off,
+                                                   _to_tpu(o), lse, _to_tpu(do), dlse, st))
   return dq, dk, dv, None, None, None
 
 
@@ -736,7 +325,7 @@ def _setup(q, k, v, *, segment_ids, kv_segment_ids, q_offset, causal, scale, bac
   static_off = None
   if q_offset is None or isinstance(q_offset, int):
     static_off = s - t if q_offset is None else q_offset
-  st = _Static(backend=backend, causal=bool(causal), scale=float(scale), t=t, s=s, blocks=blk,
+  st = Static(backend=backend, causal=bool(causal), scale=float(scale), t=t, s=s, blocks=blk,
                interpret=bool(interpret), static_off=static_off)
   qseg = kseg = None
   if segment_ids is not None:
