@@ -97,9 +97,8 @@ long() {
 step() {
   # The one-GPU k3_1b step (the preset: 128 x 4096 as eight micro-batches of 16), profiled, under
   # each remat policy (REMATS, default the preset's none) and each
-  # option (STEP_SETS, ';'-separated: '-' for the defaults, MODULE:NAME=VALUE for a kernel
-  # option, else config overrides separated by spaces such as train.loss_chunk=4096), one per
-  # GPU in turn (XLA's autotuning while another process compiles would otherwise disturb the
+  # option (STEP_SETS, ';'-separated: '-' for the defaults, else config overrides separated by
+  # spaces such as train.loss_chunk=4096), one per GPU in turn (XLA's autotuning while another process compiles would otherwise disturb the
   # timed steps).
   # STEP_BASE=DIR (a copy of an earlier commit, e.g. `git archive`) also times that code's
   # defaults in the same run: the before/after of a change side by side. STEP_HLO=1 also writes
@@ -117,12 +116,12 @@ step() {
     IFS=';' read -ra sets <<< "${STEP_SETS:--}"
     for set in "${sets[@]}"; do
       gpu=$(( i % NGPU )); i=$(( i + 1 ))
-      tag=$remat; [ "$set" = "-" ] || tag="${remat}_${set##*:}"; tag=${tag//=/_}; tag=${tag// /+}
+      tag=$remat; [ "$set" = "-" ] || tag="${remat}_${set}"; tag=${tag//=/_}; tag=${tag// /+}
       CUDA_VISIBLE_DEVICES=$gpu XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout $LIMIT \
         python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 12 --lock "$LOCK" \
         --profile "$R/trace_$tag" --json "$R/1b_remat_$tag.json" model.remat=$remat \
         ${STEP_HLO:+--hlo "$R/hlo_$tag.txt.gz"} \
-        $(case "$set" in -) ;; *:*) echo "--set $set" ;; *) echo "$set" ;; esac) \
+        $([ "$set" = "-" ] || echo "$set") \
         > "$R/1b_remat_$tag.log" 2>&1 &
     done
   done
@@ -166,10 +165,10 @@ mladecode() { bench mla_decode 150 benchmarks/mla.py --decode-only; }
 conv() { bench conv 100 benchmarks/conv.py; }
 attnres() { bench attn_res 120 benchmarks/attn_res.py --budget 100; }
 permute() { bench moe_permute 80 benchmarks/moe_permute.py --budget 60; }
-optim() {  # both Newton-Schulz step forms (k3jax.optim.NS_FORM), one after the other
+optim() {  # both Newton-Schulz step forms (optimizer.ns_form), one after the other
   bench optim 240 benchmarks/optim.py configs/k3_1b.yaml --tag sums
-  bench optim_poly 240 benchmarks/optim.py configs/k3_1b.yaml --tag polynomial \
-    --set 'k3jax.optim:NS_FORM="polynomial"'
+  bench optim_poly 240 benchmarks/optim.py configs/k3_1b.yaml optimizer.ns_form=polynomial \
+    --tag polynomial
 }
 moesweep() {  # k3_1b: 48 experts, 8 of them per token at 16 x 4096 (M rounded down to equal
   # groups), latent and expert width 512; the third shape is the gate/up product's d_lhs

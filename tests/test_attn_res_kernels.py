@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import rel_err
 
 from pallas_kernels import attn_res as ops
 from pallas_kernels.attn_res import gpu
@@ -66,11 +67,6 @@ def operands(seed, s, shape, dtype):
   return srcs, proj, norm, g
 
 
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)  # S = 1: dproj = dnorm = 0
-
-
 def value_and_grads(f, srcs, proj, norm, g):
   """(out, d sources, d proj, d norm) of ``f`` for the cotangent g."""
   out, vjp = jax.jit(lambda s, p, n: jax.vjp(f, s, p, n))(srcs, proj, norm)
@@ -103,14 +99,14 @@ def test_matches_numpy(s, shape, dtype, cfg):
   assert got[0].dtype == dtype and all(x.dtype == dtype for x in got[1])
   assert got[2].dtype == jnp.float32 and got[3].dtype == jnp.float32
   for impl in (got, ref):
-    assert rel(impl[0], want_out) < tol
+    assert rel_err(impl[0], want_out) < tol
     for a, b in zip(impl[1], want_ds):
-      assert rel(a, b) < tol
-    assert rel(impl[2], want_dp) < 1e-4 and rel(impl[3], want_dn) < 1e-4
-  assert rel(got[0], ref[0]) < tol
+      assert rel_err(a, b) < tol
+    assert rel_err(impl[2], want_dp) < 1e-4 and rel_err(impl[3], want_dn) < 1e-4
+  assert rel_err(got[0], ref[0]) < tol
   for a, b in zip(got[1], ref[1]):
-    assert rel(a, b) < tol
-  assert rel(got[2], ref[2]) < 1e-4 and rel(got[3], ref[3]) < 1e-4
+    assert rel_err(a, b) < tol
+  assert rel_err(got[2], ref[2]) < 1e-4 and rel_err(got[3], ref[3]) < 1e-4
 
 
 def test_public_op_dispatches_and_checks_inputs():
@@ -131,14 +127,14 @@ def test_public_op_dispatches_and_checks_inputs():
     ops.attn_res(srcs, proj, norm, EPS, implementation="cuda")
 
 
-def test_resolve(monkeypatch):
+def test_resolve():
   assert ops.resolve(None) == "xla"  # CPU
   assert ops.resolve("pallas") == "pallas_gpu"
   import pallas_kernels
-  monkeypatch.setattr(pallas_kernels, "default_backend", lambda: "tpu")
-  assert ops.resolve("pallas") == "xla" and ops.resolve(None) == "xla"
-  monkeypatch.setattr(pallas_kernels, "default_backend", lambda: "gpu")
-  assert ops.resolve(None) == "pallas_gpu"
+  with pallas_kernels.target_platform("tpu"):
+    assert ops.resolve("pallas") == "xla" and ops.resolve(None) == "xla"
+  with pallas_kernels.target_platform("gpu"):
+    assert ops.resolve(None) == "pallas_gpu"
 
 
 def test_config_validates_the_implementation():
@@ -153,13 +149,9 @@ def test_config_validates_the_implementation():
 @pytest.mark.parametrize("s,d,cfg", [(2, 1024, gpu.Config()), (5, 1024, gpu.Config()),
                                      (3, 1000, gpu.Config(br=16, bd=256, bwd_br=16, bwd_bd=256))],
                          ids=["S2_d1024", "S5_d1024", "S3_d1000_chunked"])
-def test_lowers_for_cuda(monkeypatch, s, d, cfg):
+def test_lowers_for_cuda(h200_lowering, s, d, cfg):
   """Forward and backward kernels through Pallas' Triton path for an H200, without a GPU, at the
   benchmark shape (inputs as shapes only) and with a partial column chunk."""
-  gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
-  monkeypatch.setattr(gpu_info, "get_gpu_info",
-                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-  monkeypatch.setattr(gpu, "_interpret", lambda: False)  # the real Triton lowering
   srcs = tuple(jax.ShapeDtypeStruct((16, 4096, d), jnp.bfloat16) for _ in range(s))
   vec = jax.ShapeDtypeStruct((d,), jnp.float32)
   f = lambda a, p, n: gpu.attn_res(a, p, n, EPS, cfg)
@@ -172,14 +164,13 @@ def test_lowers_for_cuda(monkeypatch, s, d, cfg):
 
 
 @pytest.mark.parametrize("remat,fwd_runs", [("dots", 2), ("dots_kernels", 1)])
-def test_remat_dots_kernels_keeps_the_mixture(monkeypatch, remat, fwd_runs):
+def test_remat_dots_kernels_keeps_the_mixture(h200_lowering, remat, fwd_runs):
   """In the gradient of the tiny preset's loss, every AttnRes call inside a decoder layer runs the
   forward kernel once under ``dots_kernels`` (its output kept), twice under ``dots`` (the layer
   recompute reruns it); the model-level mix (outside the remat) once; the backward kernel once
   per call. Traced, no GPU."""
   from conftest import tiny_config
   from test_model import _grad_kernel_counts
-  monkeypatch.setattr(gpu, "_interpret", lambda: False)
   cfg = tiny_config("model.attn_res.implementation=pallas_gpu", f"model.remat={remat}")
   n_layers = cfg.model.num_layers
   in_layers = 2 * n_layers - 1  # layer 0 has no blocks before its attention: no mix there
@@ -220,7 +211,7 @@ def _mesh_body():
                       ("data2_context4", dict(data=2, context=4))):
     with jax.set_mesh(mesh_lib.make_mesh(MeshConfig(**{"data": 1, **sizes}))):
       got = jax.jit(step)(srcs, proj, norm)
-    errs[name] = max(float(rel(a, b)) for a, b in zip(got, want))
+    errs[name] = max(float(rel_err(a, b)) for a, b in zip(got, want))
   print(json.dumps(errs))
 
 

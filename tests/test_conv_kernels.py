@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import rel_err
 
 from k3jax.kda import short_conv
 from pallas_kernels import conv
@@ -34,11 +35,6 @@ def np_conv(x, w, seg, dy):
     dx[b, u] += w[j] * dz[b, i]
     dw[j] += x[b, u] * dz[b, i]
   return z * sig, dx, dw
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def packed_segments(t, starts):
@@ -83,7 +79,7 @@ def test_values_and_grads_match_numpy(case, impl):
   ry, rdx, rdw = np_conv(x, w, None if seg is None else np.asarray(seg), dy)
   tol = 1e-5 if dtype == jnp.float32 else 8e-3
   for name, got, want in (("y", y, ry), ("dx", dx, rdx), ("dw", dw, rdw)):
-    assert rel(got, want) < tol, (name, rel(got, want))
+    assert rel_err(got, want) < tol, (name, rel_err(got, want))
 
 
 @pytest.mark.parametrize("width", [4, 1])
@@ -97,7 +93,7 @@ def test_small_tiles_cross_program_boundaries(width):
   cfg = gpu.Config(rows=16, bc=32, bwd_rows=16, bwd_bc=64, unroll=4, bwd_unroll=2)
   y, vjp = jax.vjp(lambda x, w: gpu.causal_conv_silu(x, w, seg, cfg), x, w)
   for name, got, want in zip(("y", "dx", "dw"), (y, *vjp(dy)), np_conv(x, w, np.asarray(seg), dy)):
-    assert rel(got, want) < 1e-5, (name, rel(got, want))
+    assert rel_err(got, want) < 1e-5, (name, rel_err(got, want))
 
 
 @pytest.mark.parametrize("case", CASES[1:3], ids=IDS[1:3])
@@ -125,22 +121,18 @@ def test_bad_shapes_raise():
     conv.causal_conv_silu(x, jnp.ones((4, 16), jnp.float32), implementation="cuda")
 
 
-def test_resolve(monkeypatch):
+def test_resolve():
   assert conv.resolve(None) == "xla"  # CPU
   assert conv.resolve("pallas") == "pallas_gpu"
   import pallas_kernels
-  monkeypatch.setattr(pallas_kernels, "default_backend", lambda: "tpu")
-  assert conv.resolve("pallas") == "xla" and conv.resolve(None) == "xla"
+  with pallas_kernels.target_platform("tpu"):
+    assert conv.resolve("pallas") == "xla" and conv.resolve(None) == "xla"
 
 
 @pytest.mark.parametrize("c,segmented", [(1024, True), (160, False)], ids=["C1024_seg", "C160"])
-def test_lowers_for_cuda(monkeypatch, c, segmented):
+def test_lowers_for_cuda(h200_lowering, c, segmented):
   """Forward and backward kernels through Pallas' Triton path for an H200, without a GPU, at the
   benchmark shape (inputs as shapes only) and with a partial channel tile."""
-  gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
-  monkeypatch.setattr(gpu_info, "get_gpu_info",
-                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-  monkeypatch.setattr(gpu, "_interpret", lambda: False)  # the real Triton lowering
   x = jax.ShapeDtypeStruct((16, 4096, c), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((4, c), jnp.bfloat16)
   seg = jax.ShapeDtypeStruct((16, 4096), jnp.int32) if segmented else None

@@ -91,36 +91,30 @@ def test_input_checks():
     gpu.kth_smallest(x, 0, gpu.Config(bits=4, full_bits=6))
 
 
-def test_resolve(monkeypatch):
+def test_resolve():
   assert select.resolve(None) == ("pallas_gpu" if jax.default_backend() == "gpu" else "xla")
   assert select.resolve("pallas") == "pallas_gpu"
   for backend, default in (("gpu", "pallas_gpu"), ("tpu", "xla"), ("cpu", "xla")):
-    monkeypatch.setattr(pallas_kernels, "default_backend", lambda backend=backend: backend)
-    assert select.resolve(None) == default, backend
-    assert select.resolve("pallas") == ("xla" if backend == "tpu" else "pallas_gpu"), backend
+    with pallas_kernels.target_platform(backend):
+      assert select.resolve(None) == default, backend
+      assert select.resolve("pallas") == ("xla" if backend == "tpu" else "pallas_gpu"), backend
 
 
 @pytest.mark.parametrize("config", [gpu.Config(), gpu.Config(bits=1, full_bits=16, rows=16)])
-def test_kernel_lowers_for_cuda(monkeypatch, config):
+def test_kernel_lowers_for_cuda(h200_lowering, config):
   """The Triton lowering at exact QB's shape (N 65536 tokens, E 48 experts)."""
-  monkeypatch.setattr(gpu, "_interpret", lambda: False)
-  gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
-  monkeypatch.setattr(gpu_info, "get_gpu_info",
-                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
   args = (jax.ShapeDtypeStruct((65536, 48), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
   lowered = jax.jit(lambda x, k: gpu.kth_smallest(x, k, config)).trace(*args).lower(
       lowering_platforms=("cuda",))
   assert "kth_smallest" in lowered.as_text()
 
 
-def test_exact_qb_selects_in_xla_when_tokens_are_split(monkeypatch):
+def test_exact_qb_selects_in_xla_when_tokens_are_split(h200_lowering):
   """With the tokens split over a mesh, exact QB's select stays in XLA (GSPMD splits its count
   reductions; the Pallas kernel would gather every rank's margins); on one device it takes the
-  kernel. Traced on an abstract mesh with the kernel forced as the default."""
+  kernel. Traced for the GPU (where the kernel is the default), on an abstract mesh."""
   from k3jax.config import MoEConfig
   from sharding import balance
-  monkeypatch.setattr(select, "resolve",
-                      lambda impl: "xla" if impl == "xla" else "pallas_gpu")
   cfg = MoEConfig(num_experts=8, top_k=2, balancing="quantile", balancing_iters=1)
   scores = jax.ShapeDtypeStruct((64, 8), jnp.float32)
   bias = jax.ShapeDtypeStruct((8,), jnp.float32)

@@ -7,7 +7,7 @@ local memory) of each ``pallas_call``, compiled for the H200 (sm_90a) on the CPU
 two environments:
 
   # 1. the project's venv: lower the op for CUDA and write each kernel's Triton IR
-  python tools/triton_report.py dump OUT [--op kda|glu|logsumexp|conv] [--set MODULE:NAME=VALUE]
+  python tools/triton_report.py dump OUT [--op kda|glu|logsumexp|conv] [--set NAME=VALUE]
   # 2. a venv with Triton's wheel (it brings ptxas and cuobjdump): compile and report
   python -m venv /tmp/tvenv && /tmp/tvenv/bin/pip install triton==3.6.0
   /tmp/tvenv/bin/python tools/triton_report.py report OUT [OTHER_OUT ...]
@@ -41,9 +41,24 @@ SHAPES = {"kda": (1, 16384, 32, 128), "glu": (524288, 1024), "logsumexp": (4096,
           "conv": (16, 4096, 1024)}
 
 
-def _ops(name):
+def _configs(name):
+  """The default kernel config of op ``name`` whose fields ``--set`` replaces (None: the op has
+  none here)."""
+  if name == "glu":
+    from pallas_kernels.glu import gpu
+    return gpu.Config()
+  if name == "logsumexp":
+    from pallas_kernels.logsumexp import gpu
+    return gpu.default_config("float32")
+  if name == "conv":
+    from pallas_kernels.conv import gpu
+    return gpu.Config()
+  return None
+
+
+def _ops(name, config):
   """(function, abstract arguments) whose lowering holds the op's kernels, forward and
-  backward."""
+  backward, built with the kernel ``config``."""
   import jax
   import jax.numpy as jnp
   sds, bf16, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
@@ -62,15 +77,16 @@ def _ops(name):
     return jax.grad(loss, argnums=tuple(range(7))), args
   if name == "glu":
     from pallas_kernels.glu import glu_packed
-    fn = lambda gu: jnp.sum(glu_packed(gu, "situ", implementation="pallas_gpu").astype(f32))
+    fn = lambda gu: jnp.sum(glu_packed(gu, "situ", implementation="pallas_gpu",
+                                       config=config).astype(f32))
     return jax.grad(fn), [sds(shape, bf16)]
   if name == "logsumexp":
     from pallas_kernels.logsumexp import logsumexp
-    return (lambda x: logsumexp(x, implementation="pallas_gpu")), [sds(shape, f32)]
+    return (lambda x: logsumexp(x, implementation="pallas_gpu", config=config)), [sds(shape, f32)]
   if name == "conv":
-    from pallas_kernels.conv import causal_conv_silu
+    from pallas_kernels.conv import gpu
     b, t, c = shape
-    fn = lambda x, w: jnp.sum(causal_conv_silu(x, w, implementation="pallas_gpu").astype(f32))
+    fn = lambda x, w: jnp.sum(gpu.causal_conv_silu(x, w, config=config).astype(f32))
     return jax.grad(fn, argnums=(0, 1)), [sds((b, t, c), bf16), sds((4, c), bf16)]
   raise SystemExit(f"triton_report: unknown op {name!r}; one of {sorted(SHAPES)}")
 
@@ -79,21 +95,21 @@ def dump(out, op, sets):
   """Lowers ``op`` for an H200 on the CPU and writes each Triton kernel's IR (``NAME.ttir``) and
   its launch options (``kernels.json``) to ``out``."""
   sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
-  import importlib
-
   import jax
   from jax._src.interpreters import mlir
   from jax._src.pallas.triton import gpu_info, lowering
-  from timing import set_module_option
+
+  import pallas_kernels
+  from timing import replace_options
   gpu_info.get_gpu_info = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-  for m in ("kda.gpu", "kda.prep_vjp", "glu.gpu", "logsumexp.gpu", "conv.gpu"):
-    importlib.import_module("pallas_kernels." + m)._interpret = lambda: False  # real lowering
-  for spec in sets:
-    try:
-      set_module_option(spec)
-    except ValueError as e:
-      raise SystemExit(f"triton_report: {e}") from None
-  fn, args = _ops(op)
+  config = _configs(op)
+  if sets and config is None:
+    raise SystemExit(f"triton_report: --set: no kernel config of {op} here")
+  try:
+    config = replace_options(config, sets) if sets else config
+  except ValueError as e:
+    raise SystemExit(f"triton_report: {e}") from None
+  fn, args = _ops(op, config)
   os.makedirs(out, exist_ok=True)
   last, kernels = {}, {}
   lower_module = lowering.lower_jaxpr_to_triton_module
@@ -119,7 +135,8 @@ def dump(out, op, sets):
   lowering.lower_jaxpr_to_triton_module = keep_module
   mlir.custom_call = keep_call
   try:
-    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    with pallas_kernels.target_platform("gpu"):  # the real lowering, not interpret mode
+      jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
   finally:
     lowering.lower_jaxpr_to_triton_module = lower_module
     mlir.custom_call = custom_call
@@ -229,7 +246,8 @@ def main():
   d = sub.add_parser("dump", help="lower an op for CUDA and write its kernels' Triton IR")
   d.add_argument("out")
   d.add_argument("--op", default="kda", choices=sorted(SHAPES))
-  d.add_argument("--set", action="append", default=[], metavar="MODULE:NAME=VALUE")
+  d.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                 help="a field of the op's kernel config (a Python literal)")
   r = sub.add_parser("report", help="compile dumped kernels for sm_90a and report")
   r.add_argument("folders", nargs="+")
   a = p.parse_args()

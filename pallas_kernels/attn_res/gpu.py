@@ -47,10 +47,8 @@ class Config:
   column tile, is halved while the float32 tiles a pass holds at once (S, or S + 1 with g) would
   take more than ``regs`` registers per thread (ptxas's total is about twice that: ``regs=48``
   keeps the kernels near 128 registers, two or more programs per SM, without spills).
-  Backward tiles and warps from `benchmarks/attn_res.py`'s sweep on an H200 at [16, 4096, 1024]
-  bf16 (2026-12-01): 4 warps with 2 rows at S=2 (0.339 ms forward+backward) and 1 row at S=5
-  (0.782 ms), which this register rule gives; the first defaults (8 warps, 4 rows) took 0.356
-  and 1.032 ms."""
+  Backward tiles and warps from ``benchmarks/attn_res.py``'s sweep on an H200, which this
+  register rule gives (benchmarks/RESULTS.md, "Step glue kernels", Block AttnRes mixture)."""
   br: int = 2
   bd: int = 1024
   warps: int = 4

@@ -35,9 +35,7 @@ from pallas_kernels import default_backend, triton_math as tm
 class Config:
   """Rows ``rows`` x channels ``bc`` per program, ``warps`` warps, loads issued ``unroll`` rows
   at a time; ``bwd_*`` the same for the backward. Defaults: the fastest of
-  `benchmarks/conv.py`'s sweep on an H200 at x [16, 4096, 1024] bf16 (2026-12-01, 07:41 UTC:
-  forward+backward 0.311 ms, forward 0.106 ms; 512 channels at 4 warps 0.314 / 0.103, rows of
-  32 or 128 0.32, unroll 8 0.334, unroll 2 0.340; the earlier tiled kernels 0.677 / 0.127)."""
+  ``benchmarks/conv.py``'s sweep on an H200 (benchmarks/RESULTS.md, "Short convolutions", run 2)."""
   rows: int = 64
   bc: int = 256
   warps: int = 2

@@ -5,8 +5,8 @@ shared experts).
 One program per ``[bm, bf]`` tile of ``h``: it loads the matching gate and up tiles, evaluates
 :func:`pallas_kernels.glu.reference.glu_math` in float32 and stores ``h`` (forward) or the gate's
 and up's gradients (backward, with the cotangent tile of ``g``). One read of every operand and one
-write of every result: XLA's fusions of the same maths ran at about 2.2 TB/s on an H200 (the
-packed backward's concatenation a second pass of its own).
+write of every result, where XLA's autodiff of the packed form writes the backward's halves in a
+second pass of its own (benchmarks/RESULTS.md, "Step glue kernels").
 
 Rows and columns past the array are masked.
 """
