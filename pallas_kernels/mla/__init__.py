@@ -141,14 +141,16 @@ def padded_dot_product_attention(q, k, v, *, segment_ids=None, kv_segment_ids=No
   return o
 
 
-def mla_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, implementation=None):
+def mla_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, implementation=None,
+               config=None):
   """Absorbed-query attention over a paged latent cache.
 
   q: ``[N, Tn, H, R + Dr]`` absorbed queries (R = kv_lora_rank latent part, Dr shared key part);
   cache: ``[P, page_size, R + Dr]`` pages of ``[c, k_r]``; page_table: ``[N, max_pages]`` int32;
   lengths: ``[N]`` int32 cached tokens per request *including* the Tn new ones, which sit at
   positions ``lengths - Tn .. lengths - 1`` and attend causally. Returns ``[N, Tn, H, R]``
-  (the attention-weighted latent values; float32 accumulation, q's dtype).
+  (the attention-weighted latent values; float32 accumulation, q's dtype). ``config``: how the
+  Pallas kernels run (:class:`pallas_kernels.mla.decode.DecodeConfig`; None its defaults).
   """
   impl = resolve(implementation)
   if impl in ("xla", "cudnn"):
@@ -156,7 +158,7 @@ def mla_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale, implementa
                                   scale=scale)
   from pallas_kernels.mla import decode
   return decode.mla_decode(q, cache, page_table, lengths, kv_lora_rank=kv_lora_rank, scale=scale,
-                           backend=_pallas_backend(impl))
+                           backend=_pallas_backend(impl), config=config or decode.DecodeConfig())
 
 
 __all__ = ["mla_attention", "mla_attention_grad", "mla_decode", "padded_dot_product_attention",
