@@ -230,6 +230,18 @@ def test_gmm_gpu_tilings_match_numpy(tiles, transpose_rhs):
   assert np.all(np.asarray(out[sum(sizes):], np.float32) == 0)
 
 
+def test_gmm_lowered_for_cuda_is_traced_again_here():
+  """``gpu.gmm`` is a jitted function that picks its form (SM count, persistent pipeline,
+  interpret mode) from the platform at trace time: lowered for CUDA under
+  ``target_platform("gpu")``, it is traced again for this host, not reused."""
+  sizes = (0, 150, 3, 0, 33, 1)
+  x, w = operands(4, 208, 128, 128, len(sizes))
+  gs = jnp.asarray(sizes, jnp.int32)
+  with pallas_kernels.target_platform("gpu"):
+    assert "mosaic_gpu" in gpu.gmm.trace(x, w, gs).lower(lowering_platforms=("cuda",)).as_text()
+  assert rel_err(gpu.gmm(x, w, gs), np_gmm(x, w, sizes)[0]) < 1e-2
+
+
 def test_default_tiles_fit_and_divide():
   for m, e, k, n in [(32768, 64, 2048, 1024), (65536, 32, 3584, 6144), (32768, 8, 1024, 512),
                      (4096, 256, 448, 192)]:
