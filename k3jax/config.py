@@ -41,7 +41,7 @@ class KDAConfig:
   # The short convs (pallas_kernels.conv): None = the fused Pallas kernels on GPU, XLA elsewhere.
   conv_implementation: str | None = None
   # Pallas GPU under differentiation: the forward keeps its intermediates for the backward
-  # (~2.6 KB per token and value head; fwd+bwd 1.2x faster); False recomputes them.
+  # (~2.6 KB per token and value head, a faster backward); False recomputes them.
   save_residuals: bool = True
 
   @property
@@ -82,8 +82,8 @@ class MoEConfig:
   balancing: str = "quantile"  # "quantile" (exact), "quantile_hist", "sign", "none"
   balancing_bins: int = 1000
   # Exact QB: updates computed on the same batch, each from the bias the last produced. One is
-  # the SPEC's rule; more fit the batch closer (a skewed batch's max/mean load 2.4 -> 1.15 with
-  # one, 1.03 with four) at ~3.5 ms per update per k3_1b step (16 x 4096 tokens, 15 layers).
+  # the SPEC's rule; more fit the batch closer at a radix select per update (benchmarks/
+  # RESULTS.md, Training run 37).
   balancing_iters: int = 1
   sign_update_rate: float = 1e-3
   capacity_factor: float = 0.0  # 0: dropless
@@ -128,8 +128,8 @@ class ModelConfig:
   # Each decoder layer's backward hands out its weight gradients together with its input
   # gradient, so the layer below starts only when they are done: otherwise XLA defers them (their
   # results only feed the optimizer) and keeps every layer's operands and unreduced gradients
-  # live to the end of the backward (K3 at 1M, 8 layers compiled for 2048 H200s: 53 GiB with,
-  # 90 without). Off lets a layer's gradient reductions overlap the next layer's backward.
+  # live to the end of the backward (benchmarks/RESULTS.md, MLA: K3 at 1M). Off lets a layer's
+  # gradient reductions overlap the next layer's backward.
   layer_grad_barrier: bool = True
   kda: KDAConfig = KDAConfig()
   mla: MLAConfig = MLAConfig()
@@ -211,8 +211,8 @@ class TrainConfig:
   max_nonfinite: int = 5
   stages: tuple[StageConfig, ...] = ()
   peak_tflops: float = 0.0  # 0: look the device up
-  # Tokens per chunk of the LM-head loss (logits [chunk, vocab] at a time). 4096: k3_1b
-  # step 759.6 ms against 768.4 at 1024 on an H200 (2026-12-01; fewer accumulations of dW).
+  # Tokens per chunk of the LM-head loss (logits [chunk, vocab] at a time): larger chunks
+  # accumulate the head's gradient fewer times (benchmarks/RESULTS.md, Training run 20).
   loss_chunk: int = 4096
   # Store the head's logits in bf16 between its matmul and the softmax (k3jax/losses.py): half
   # the traffic of the step's largest tensors, each logit rounded to bf16 before the softmax.

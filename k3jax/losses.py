@@ -39,9 +39,8 @@ def cross_entropy(h: jax.Array, w_head: jax.Array, targets: jax.Array, weights: 
   Under a mesh that splits the tokens (and not the vocabulary) each device runs the chunked loss
   on its own tokens, ``chunk_size`` of them at a time, with the whole head: the head's gradient
   is summed over the chunks on each device and reduced over the devices once. Left to the SPMD
-  partitioner, the scan over chunks reduced the ``[d, V]`` float32 gradient over all devices at
-  every chunk (K3 at 1M context on 2048 GPUs: 8192 chunks x 4.7 GB per device per step), and
-  each chunk's tokens lay on few devices.
+  partitioner, the scan over chunks would reduce the ``[d, V]`` float32 gradient over all
+  devices at every chunk, with each chunk's tokens on few devices.
   """
   tok = logical_spec(("batch", "length"))
   if logical_spec(("vocab",))[0] is not None or (tok[0] is None and tok[1] is None):

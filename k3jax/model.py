@@ -21,7 +21,7 @@ from sharding import shard
 
 _ACT = ("batch", "length", "embed")
 # Kernels whose outputs "dots_kernels" recomputes all the same: the MoE's token expansion is a
-# row gather, cheaper to redo than to keep (k3_1b: 7.5 GiB).
+# row gather, cheaper to redo than to keep (benchmarks/RESULTS.md, Training run 26).
 _RECOMPUTED_KERNELS = (EXPAND_KERNEL,)
 _REMAT_POLICIES = {
     "full": None,
@@ -181,7 +181,7 @@ class K3Model(nnx.Module):
         if cache is None:
           # The layer's balancing statistics are taken before the next layer starts: otherwise XLA
           # computes every layer's histogram bins in one fusion after the last layer, keeping
-          # each layer's router scores [tokens, E] live until then (K3 at 1M: 117 MB a layer).
+          # each layer's router scores [tokens, E] live until then.
           x, stats = jax.lax.optimization_barrier((x, stats))
         moe_stats[str(i)] = stats
     with jax.named_scope("attn_res"):

@@ -49,7 +49,7 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
   weight ``[d]`` or None.
 
   The backward keeps x in its own dtype and the rows' ``1 / rms`` ``[..., 1]``, not the float32
-  copies of ``[..., d]`` that autodiff would (k3_1b: 1.7 GiB per layer outside the remat)."""
+  copies of ``[..., d]`` that autodiff would."""
   return _rms_norm(x, weight, eps)
 
 

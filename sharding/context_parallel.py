@@ -22,8 +22,8 @@ and each block's attention is merged into the running output by log-sum-exps. Th
 (a custom VJP) gathers the latents again, rebuilds each block's keys and values and runs the
 attention's backward kernels with the whole output and log-sum-exp, as ring attention does: no
 block's output is kept or recomputed, and of the gathered sequence only the rank's own latents
-are saved. Up-projecting the whole sequence at once took ``[B, S, H, 192 + 128]`` per layer (K3
-at 1M tokens: 60 GiB, and as much for the gradients), more than an H200 holds.
+are saved. Up-projecting the whole sequence at once would take ``[B, S, H, 192 + 128]`` per
+layer, more than a device holds at 1M tokens.
 
 Both are single calls from the model layers and run only when the current mesh has a
 ``context`` axis larger than 1.
@@ -212,8 +212,8 @@ def _block_masks(cfg: _Blocks, qseg, start, seg_b, k0):
 
 def _over_blocks(cfg: _Blocks, t: int, step, first):
   """``step(i, carry)`` for key blocks 1 .. nb - 1 from the carry ``first`` (block 0's): a loop
-  whose carries start from data, not from zeros. (XLA makes every layer's zero-filled loop
-  buffers in one fusion at the start, all live at once: 9.7 GB at 16 of K3's layers at 1M.)"""
+  whose carries start from data, not from zeros: XLA makes every layer's zero-filled loop
+  buffers in one fusion at the start, all live at once."""
   nb = t // cfg.keys
   return first if nb == 1 else jax.lax.fori_loop(1, nb, step, first)
 

@@ -109,7 +109,7 @@ def moe_dispatch(x, expert_ids, weights, w_gate_up, w_down, activation, *, capac
 
   def body(x, ids, wts, w1, w2):
     # The weights' gathers wait for this layer's tokens: XLA otherwise starts every layer's at
-    # the top of the step (K3 at 1M, 16 layers: 24 GB of gathered expert weights live at once).
+    # the top of the step, every layer's gathered expert weights live at once.
     x, w1, w2 = jax.lax.optimization_barrier((x, w1, w2))
     w1 = _gather_weight(w1, w1_spec)  # [er, L, 2F]
     w2 = _gather_weight(w2, w2_spec)  # [er, F, L]
