@@ -1,4 +1,7 @@
-"""Shared fixtures: configs small enough for CPU tests."""
+"""Shared fixtures: configs small enough for CPU tests, jit / no-jit variants, H200 lowering.
+
+Tests marked ``slow`` (a subprocess, a simulated multi-device mesh, an ahead-of-time compile, a
+long interpret-mode kernel) are left out by ``pytest -m "not slow"`` (``make test-fast``)."""
 
 import os
 from pathlib import Path
@@ -22,6 +25,20 @@ def tiny_config(*overrides: str):
   """The tiny preset, shrunk further where a test does not need its full size."""
   from k3jax import config
   return config.load(ROOT / "configs" / "k3_tiny.yaml", list(overrides))
+
+
+@pytest.fixture(params=["with_jit", "without_jit"])
+def variant(request):
+  """``chex.variants(with_jit=True, without_jit=True)`` for pytest functions: ``variant(fn,
+  **jit_kwargs)`` is ``jax.jit(fn, **jit_kwargs)`` in one run of the test and ``fn`` in the other,
+  where ``chex.fake_jit`` also runs every ``jax.jit`` inside it op by op."""
+  import chex
+  import jax
+  if request.param == "with_jit":
+    yield lambda fn, **jit_kwargs: jax.jit(fn, **jit_kwargs)
+  else:
+    with chex.fake_jit():
+      yield lambda fn, **jit_kwargs: fn
 
 
 @pytest.fixture
