@@ -120,12 +120,14 @@ def _compile_all(target, backend):
   return kinds
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TPUS)
 def test_tpu_kernels_compile(target):
   """Every Mosaic TPU kernel compiles for v5e, v6e and v5p (libtpu's Mosaic compiler)."""
   _compile_all(target, "tpu")
 
 
+@pytest.mark.slow
 def test_h200_kernels_compile():
   """Every GPU kernel (Triton, and Mosaic GPU for the KDA recurrences, WY factors, grouped
   matmuls and MLA decode) compiles for an H200: XLA's Triton pipeline and ptxas for sm_90a."""
@@ -133,6 +135,7 @@ def test_h200_kernels_compile():
   assert kinds == {"triton", "mosaic_gpu"}, kinds
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target,mesh", [("v5p:2x2x1", "data=2,fsdp=2"), ("h200", "data=2")])
 def test_step_compiles_on_a_mesh(target, mesh):
   """The whole training step (k3_1b cut to one KDA and one MLA layer, MoE, Muon) compiles for a

@@ -179,6 +179,7 @@ def test_remat_dots_kernels_keeps_the_mixture(h200_lowering, remat, fwd_runs):
   assert counts["attn_res_bwd"] == in_layers + 1
 
 
+@pytest.mark.slow
 def test_on_meshes():
   """``k3jax.attn_res.attn_res`` with the kernels per device (batch, FSDP and sequence splits of
   8 simulated CPU devices) matches one device, values and gradients of sources, proj and norm."""

@@ -9,6 +9,7 @@ from k3jax.info import param_counts
 from conftest import ROOT, tiny_config
 
 
+@pytest.mark.slow
 def test_k3_counts_match_release():
   out = subprocess.run([sys.executable, "-m", "k3jax.info", str(ROOT / "configs" / "k3.yaml")],
                        capture_output=True, text=True, check=True, cwd=ROOT)

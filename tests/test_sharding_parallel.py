@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test is a subprocess with 8 simulated devices
+
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-9
 

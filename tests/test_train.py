@@ -141,6 +141,7 @@ def test_out_of_memory_gives_a_clear_error(tmp_path, monkeypatch, capsys):
   assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in err and "python -m k3jax.plan" in err
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_loadable_checkpoint(tmp_path, root):
   run_dir = tmp_path / "sigterm"
   proc = subprocess.Popen(
@@ -264,6 +265,7 @@ def test_the_step_compiles_once_per_stage(tmp_path, monkeypatch, capsys):
   assert "stage 1: seq_len 64 from step 2" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env, want", [(None, "0.92"), ("0.5", "0.5")])
 def test_train_lets_jax_use_most_of_the_gpu(root, env, want):
   """Importing train.py sets JAX's GPU memory fraction to 0.92 unless the environment sets it."""

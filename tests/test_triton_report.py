@@ -6,7 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_dump_writes_each_kernel(root, tmp_path):
   out = tmp_path / "glu"
   res = subprocess.run([sys.executable, str(root / "tools" / "triton_report.py"), "dump",
@@ -22,6 +25,7 @@ def test_dump_writes_each_kernel(root, tmp_path):
   assert meta["sets"] == ["block_m=16"]
 
 
+@pytest.mark.slow
 def test_dump_rejects_an_unknown_option(root, tmp_path):
   res = subprocess.run([sys.executable, str(root / "tools" / "triton_report.py"), "dump",
                         str(tmp_path / "x"), "--op", "glu", "--set", "blockm=16"],
