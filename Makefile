@@ -7,7 +7,7 @@ AOT := .aot
 AOT_TPU := $(AOT)/tpu/.installed
 AOT_CUDA := $(AOT)/cuda/.installed
 
-.PHONY: train test install generate clean aot
+.PHONY: train test test-fast install generate clean aot
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || "$$(scripts/python312)" -m venv $(VENV)
@@ -36,6 +36,11 @@ train: $(STAMP)
 test: $(STAMP) $(AOT_TPU)
 	JAX_COMPILATION_CACHE_DIR=$${JAX_COMPILATION_CACHE_DIR:-$$HOME/.cache/k3jax-jax} \
 	  $(PY) -m pytest -n 2 --dist loadfile tests
+
+## The quick loop while working: the suite without the tests marked slow (docs/testing.md).
+test-fast: $(STAMP)
+	JAX_COMPILATION_CACHE_DIR=$${JAX_COMPILATION_CACHE_DIR:-$$HOME/.cache/k3jax-jax} \
+	  $(PY) -m pytest -n 2 --dist loadfile -m "not slow" tests
 
 generate: $(STAMP)
 	$(PY) -m k3jax.generate --config configs/k3_tiny.yaml --prompt "def main(" --max-new-tokens 64
