@@ -240,6 +240,7 @@ def _skewed_scores(n, e, seed=0):
   return jax.nn.sigmoid(jax.random.normal(key1, (n, e)) + skew)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("experts, top_k", [(16, 4), (64, 8)])
 def test_quantile_balancing_one_update(experts, top_k):
   """Four refinements on one batch balance it; one update per batch (the default) gets there

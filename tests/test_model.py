@@ -45,6 +45,7 @@ def test_packed_documents_do_not_leak(model):
                                rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kda_impl", [None, "pallas_gpu"])
 def test_incremental_decode_matches_full_forward(model, kda_impl):
   """Greedy decoding and the logits of prefill + 4 decode steps equal the (XLA) full forward's;
@@ -149,6 +150,7 @@ def test_cross_entropy_bf16_logits(n_tok, chunk):
   assert 0 < abs(float(loss32) - float(loss)) < 0.05 * float(loss32)
 
 
+@pytest.mark.slow
 def test_float64_model_chunked_equals_naive():
   """In float64 the chunked KDA path and the token recurrence agree to 1e-10 through the whole
   model, so parity checks against other implementations can be made at that precision."""
@@ -168,6 +170,7 @@ def test_float64_model_chunked_equals_naive():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.slow
 def test_tiny_model_loss_falls_with_adamw():
   cfg = tiny_config(*SMALL)
   model = K3Model(cfg.model, rngs=nnx.Rngs(0))
@@ -258,6 +261,7 @@ def test_remat_dots_kernels_keeps_kernel_outputs(monkeypatch, remat, save, runs)
   assert counts["kda_chunk_dqkg"] == n_kda  # one backward per layer either way
 
 
+@pytest.mark.slow
 def test_remat_skip_runs_the_last_layers_without_remat(monkeypatch):
   """``model.remat_skip``: the last layers keep their activations, so the gradient runs their
   KDA forward kernels twice (forward, the kernel's backward recompute) where the remat layers
@@ -312,6 +316,7 @@ def test_remat_dots_kernels_keeps_the_expert_activation(monkeypatch, remat, runs
   assert counts["glu_fwd"] == runs * n_moe and counts["glu_bwd"] == n_moe
 
 
+@pytest.mark.slow
 def test_layer_grad_barrier_keeps_the_gradients():
   """``model.layer_grad_barrier`` only orders the backward: one ``optimization_barrier`` per
   decoder layer in the gradient, and the same loss and gradients as without it. Either way each

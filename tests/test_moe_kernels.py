@@ -106,6 +106,7 @@ def glu(gu):  # SiTU-GLU by XLA's autodiff, packed gate and up
   return 4.0 * jnp.tanh(a / 4.0) * jax.nn.sigmoid(a) * 25.0 * jnp.tanh(b / 25.0)
 
 
+@pytest.mark.slow
 def test_expert_mlp_pallas_equals_xla_values_and_grads():
   x, ids, wts, wgu, wdn = small_mlp()
   probe = jnp.cos(jnp.arange(x.shape[1], dtype=jnp.float32))

@@ -118,6 +118,7 @@ def test_plan_counts_one_micro_batch_of_activations_and_every_micro_batch_of_col
     plan.plan(acc3(), sizes, 64, 8)
 
 
+@pytest.mark.slow
 def test_plan_remat_skip_between_remat_and_none():
   """Layers taken out of the remat (``model.remat_skip``) raise the activation estimate from the
   remat policy's towards no remat, and their recompute's all-gathers leave the collectives."""
@@ -134,6 +135,7 @@ def test_plan_remat_skip_between_remat_and_none():
   assert act(everything) == act(none) and gather(everything) == gather(none)
 
 
+@pytest.mark.slow
 def test_plan_traced_activations_against_the_compiled_step():
   """Without expert, context or tensor splits the plan's activations come from the traced loss's
   residuals: against the temporaries XLA (CPU) compiles the loss's gradient to, they lie between
@@ -161,6 +163,7 @@ def test_plan_traced_activations_against_the_compiled_step():
       assert terms["one_layer_recompute"] > 0
 
 
+@pytest.mark.slow
 def test_plan_peak_for_every_remat_skip_and_the_largest_that_fits():
   """From one trace of the configured layout the plan gives the peak for every
   ``model.remat_skip`` (each layer leaving the remat adds what its backward would recompute);
@@ -183,6 +186,7 @@ def test_plan_peak_for_every_remat_skip_and_the_largest_that_fits():
   assert plan.largest_fit({0: 5.0, 1: 6.0}, 2.0, 6.5) is None
 
 
+@pytest.mark.slow
 def test_plan_traces_the_target_platforms_kernels():
   """``--platform cuda`` traces the GPU kernels on a CPU host (``pallas_kernels.target_platform``),
   which keep less than the XLA reference's float32 chunk tensors; the platform must be known."""
@@ -206,6 +210,7 @@ def test_plan_traces_the_target_platforms_kernels():
     plan.main(["configs/k3_tiny.yaml", "--mesh", "data=1", "--platform", "metal"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("platform,kernels", [("tpu", {"mosaic_tpu"}),
                                               ("cuda", {"triton", "mosaic_gpu"})])
 def test_plan_lowers_the_whole_step_with_the_targets_kernels(platform, kernels):

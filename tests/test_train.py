@@ -54,6 +54,7 @@ def full_run(tmp_path_factory, root):
   return cwd / "runs" / "k3_tiny"
 
 
+@pytest.mark.slow
 def test_default_path_trains_and_logs(full_run):
   records = metrics.read_jsonl(full_run / "metrics.jsonl")
   steps = [r for r in records if "loss" in r]
@@ -69,6 +70,7 @@ def test_default_path_trains_and_logs(full_run):
   assert (full_run / "config.yaml").exists()
 
 
+@pytest.mark.slow
 def test_resume_after_crash_skips_a_corrupt_checkpoint_and_is_bitwise_exact(
     full_run, tmp_path, monkeypatch, capsys):
   run_dir = tmp_path / "crash"
@@ -107,6 +109,7 @@ def test_resume_after_crash_skips_a_corrupt_checkpoint_and_is_bitwise_exact(
   assert losses_by_step(run_dir) == losses_by_step(full_run)  # floats compared exactly
 
 
+@pytest.mark.slow
 def test_resume_with_another_optimizer_layout_stops_and_moves_nothing(full_run, tmp_path,
                                                                        capsys):
   """Resuming a run whose checkpoints hold AdamW's state with Muon (another optimizer state
