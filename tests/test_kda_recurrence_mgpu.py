@@ -83,6 +83,7 @@ def _close(got, want, tol, name):
 # (batch, chunks, value heads, K, V, V tile, ring slots): one chunk (fewer chunks than the
 # prologue fetches), two and five (both S / V' buffers reused, the ring wrapping), two V tiles;
 # K = 128 with a 128-wide V tile: single-buffered S / V' / O, dS / dV' (three chunks reuse them)
+@pytest.mark.slow
 @pytest.mark.parametrize("b,nc,hv,kd,vd,bv,stages", [
     (1, 1, 1, 64, 32, 32, 3), (2, 2, 2, 64, 16, 16, 2), (1, 5, 1, 128, 64, 32, 3),
     (1, 3, 1, 128, 128, 128, 3)])
@@ -189,6 +190,7 @@ def test_auto_takes_the_mosaic_forward_within_one_wave(monkeypatch):
     assert gpu._mosaic(cfg, *two_waves, BF16, forward=True) == want
 
 
+@pytest.mark.slow
 def test_single_buffered_tile_gives_the_same_op_results(monkeypatch):
   """The whole op (forward, final state, every gradient) at K = V = 128 with the 128-wide V tile
   (single-buffered passes) equals the default 64-wide tiles bit for bit: the V columns of the

@@ -81,6 +81,7 @@ def _err(got, want):
 # (batch, chunks, value heads, K, V, segment starts, key similarity): K 64 and 128, V down to 32,
 # two segments inside the second chunk (P_kk block diagonal, cont zero after the cut), keys
 # independent and nearly parallel
+@pytest.mark.slow
 @pytest.mark.parametrize("b,nc,hv,kd,vd,cuts,cos", [
     (1, 1, 1, 64, 128, (), 0.0), (2, 2, 2, 128, 32, (70, 100), 0.95)])
 def test_matches_float64(b, nc, hv, kd, vd, cuts, cos):

@@ -243,6 +243,7 @@ def _grad_kernel_counts(cfg):
   return _kernel_counts(jaxpr.jaxpr)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat, save, runs", [("dots", False, 3), ("dots_kernels", False, 2),
                                                ("dots", True, 2), ("dots_kernels", True, 1)])
 def test_remat_dots_kernels_keeps_kernel_outputs(monkeypatch, remat, save, runs):
@@ -282,6 +283,7 @@ def test_remat_skip_runs_the_last_layers_without_remat(monkeypatch):
     assert every["kda_chunk_a"] == (2 if skip else 3) * len(kda)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat,runs", [("dots", 8), ("dots_kernels", 6)])
 def test_remat_dots_kernels_keeps_the_grouped_matmuls(monkeypatch, remat, runs):
   """The routed experts' Mosaic GPU grouped matmuls per MoE layer in the gradient: two forward,
@@ -302,6 +304,7 @@ def test_remat_dots_kernels_keeps_the_grouped_matmuls(monkeypatch, remat, runs):
   assert counts[EXPAND_KERNEL] == 2 * n_moe
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat,runs", [("dots", 2), ("dots_kernels", 1)])
 def test_remat_dots_kernels_keeps_the_expert_activation(monkeypatch, remat, runs):
   """The routed experts' packed GLU kernel runs once per MoE layer in the gradient under

@@ -78,6 +78,7 @@ def test_parameters_a_mesh_axis_cannot_split_are_named():
   assert mesh_lib.unsplit_params(params, names, plan.parse_mesh("data=1")) == []
 
 
+@pytest.mark.slow
 def test_plan_report_tiny():
   from k3jax import plan
   cfg = config_lib.load("configs/k3_tiny.yaml", ["mesh.data=2", "mesh.expert=2", "mesh.context=2"])

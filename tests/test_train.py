@@ -243,6 +243,7 @@ def test_stages_switch_packing_length(root):
   assert train.stage_at(train.stages(cfg), 3).seq_len == 64
 
 
+@pytest.mark.slow
 def test_the_step_compiles_once_per_stage(tmp_path, monkeypatch, capsys):
   """Each stage's step is compiled ahead of time once, before its first step; its compile time
   goes to metrics.jsonl with that step, and tokens/s leaves the compile out."""
