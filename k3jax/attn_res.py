@@ -19,7 +19,7 @@ from flax import nnx
 
 import pallas_kernels.attn_res as attn_res_ops
 from k3jax.nn import constant, param
-from sharding import logical_spec, per_device
+from sharding.rules import logical_spec, per_device
 
 
 def attn_res(sources: Sequence[jax.Array], proj: jax.Array, norm: jax.Array, eps: float,

@@ -112,6 +112,9 @@ class ModelConfig:
   activation: str = "situ"  # "situ" (SiTU-GLU) or "silu" (SiLU-GLU)
   situ_beta: float = 4.0
   situ_linear_beta: float = 25.0
+  # The dense GLU's and the shared experts' activation (pallas_kernels.glu): None = the Triton
+  # pair kernels on GPU, XLA elsewhere; "xla" keeps the XLA form.
+  glu_implementation: str | None = None
   max_position: int = 1_048_576
   bos_token_id: int = 1
   eos_token_id: int = 2
@@ -197,6 +200,8 @@ class OptimizerConfig:
   # Matmul operands of Muon's Newton-Schulz iteration: "bf16" (float32 accumulation; float32
   # elsewhere) or "f32" (the backend's float32 matmul: TF32 on NVIDIA GPUs, exact on CPU).
   muon_ns_precision: str = "bf16"
+  # The form of each Newton-Schulz step: "polynomial" or "sums" (k3jax.optim.NS_FORMS).
+  ns_form: str = "polynomial"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,6 +414,8 @@ def validate(cfg: Config) -> None:
           "model.kda.conv_implementation")
   _one_of(m.attn_res.implementation, (None, "xla", "pallas", "pallas_gpu"),
           "model.attn_res.implementation")
+  _one_of(m.glu_implementation, (None, "xla", "pallas", "pallas_gpu", "pallas_tpu"),
+          "model.glu_implementation")
   _check(k.head_dim in KERNEL_HEAD_DIMS, "model.kda.head_dim",
          f"the KDA kernels take head dims {KERNEL_HEAD_DIMS}, got {k.head_dim}")
   _check(k.v_head_dim in KERNEL_HEAD_DIMS, "model.kda.v_head_dim",
@@ -454,6 +461,7 @@ def validate(cfg: Config) -> None:
   _one_of(o.name, ("adamw", "muon"), "optimizer.name")
   _one_of(o.schedule, ("wsd", "cosine", "constant"), "optimizer.schedule")
   _one_of(o.muon_ns_precision, ("bf16", "f32"), "optimizer.muon_ns_precision")
+  _one_of(o.ns_form, ("sums", "polynomial"), "optimizer.ns_form")
   _check(cfg.checkpoint.every > 0, "checkpoint.every", "must be positive")
   _check(cfg.checkpoint.keep > 0, "checkpoint.keep", "must be positive")
   for name in ("data", "fsdp", "expert", "context", "tensor"):

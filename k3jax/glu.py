@@ -12,8 +12,7 @@ from jax.sharding import PartitionSpec as P
 from k3jax.config import ModelConfig
 from k3jax.nn import Linear
 from pallas_kernels.glu import glu, glu_packed
-from sharding import logical_spec, per_device, shard
-from sharding.rules import token_spec
+from sharding.rules import logical_spec, per_device, shard, token_spec
 
 
 def situ_glu(a: jax.Array, b: jax.Array, beta: float = 4.0, beta_lin: float = 25.0) -> jax.Array:
@@ -21,23 +20,19 @@ def situ_glu(a: jax.Array, b: jax.Array, beta: float = 4.0, beta_lin: float = 25
   return glu(a, b, "situ", beta, beta_lin)
 
 
-# The dense GLU's (and the shared experts') activation: None takes the Triton pair kernels on GPU
-# (pallas_kernels.glu.glu), the XLA form elsewhere; "xla" keeps the XLA form (for timing one
-# against the other). Under a mesh each device runs it on its share of the tokens and mlp columns.
-PAIR_IMPLEMENTATION: str | None = None
-
-
 def glu_activation(cfg: ModelConfig, *, packed: bool = False):
-  """The config's activation: ``(gate, up) -> h``, or ``gu [..., 2F] -> h`` when ``packed`` (the
-  routed experts' form, with the MoE's ``implementation``)."""
+  """The config's activation: ``(gate, up) -> h`` with ``model.glu_implementation``, or ``gu
+  [..., 2F] -> h`` when ``packed`` (the routed experts' form, with the MoE's
+  ``implementation``)."""
   kw = dict(kind=cfg.activation, beta=cfg.situ_beta, beta_lin=cfg.situ_linear_beta)
   if packed:
     return functools.partial(glu_packed, implementation=cfg.moe.implementation, **kw)
-  return functools.partial(glu, **kw)
+  return functools.partial(glu, implementation=cfg.glu_implementation, **kw)
 
 
 class GLU(nnx.Module):
-  """``down(act(gate(x), up(x)))``: x ``[B, T, d]`` -> ``[B, T, d]``."""
+  """``down(act(gate(x), up(x)))``: x ``[B, T, d]`` -> ``[B, T, d]``; under a mesh each device
+  runs the activation on its share of the tokens and mlp columns."""
 
   def __init__(self, cfg: ModelConfig, intermediate: int, *, rngs: nnx.Rngs):
     dt, d, std = cfg.pdtype, cfg.hidden_size, cfg.init_std
@@ -51,8 +46,7 @@ class GLU(nnx.Module):
     gate, up = self.gate_proj(x), self.up_proj(x)
     names = (("batch", "length", "mlp") if x.ndim == 3
              else P(token_spec()[0], logical_spec(("mlp",))[0]))
-    act = functools.partial(self.act, implementation=PAIR_IMPLEMENTATION)
-    h = per_device(act, (names, names), names)(gate, up)
+    h = per_device(self.act, (names, names), names)(gate, up)
     if h.ndim == 3:
       h = shard(h, names)
     return self.down_proj(h)

@@ -20,7 +20,8 @@ import pallas_kernels.conv as conv_ops
 import pallas_kernels.kda as kda_ops
 from k3jax.config import ModelConfig
 from k3jax.nn import Linear, RMSNorm, constant, param
-from sharding import context_parallel, logical_spec, per_device, shard
+from sharding import context_parallel
+from sharding.rules import logical_spec, per_device, shard
 
 
 def short_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,

@@ -13,7 +13,8 @@ from k3jax import router
 from k3jax.config import ModelConfig
 from k3jax.glu import GLU, glu_activation
 from k3jax.nn import Linear, RMSNorm, normal, param
-from sharding import balance, expert_parallel, shard
+from sharding import expert_parallel
+from sharding.rules import shard
 
 
 class RouterBias(nnx.Variable):
@@ -115,6 +116,6 @@ class LatentMoE(nnx.Module):
     with jax.named_scope("balance"):
       stats = {
           "load": router.expert_load(ids, m.num_experts, vf),
-          "bias_stat": jax.lax.stop_gradient(balance.bias_stat(scores, bias, ids, m, vf)),
+          "bias_stat": jax.lax.stop_gradient(router.sharded_bias_stat(scores, bias, ids, m, vf)),
       }
     return shard(y.reshape(b, t, d), ("batch", "length", "embed")), stats

@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels.mla as mla_ops
 from k3jax.config import ModelConfig
 from k3jax.nn import Linear, RMSNorm
-from sharding import context_parallel, logical_spec, per_device, shard
+from sharding import context_parallel
+from sharding.rules import logical_spec, per_device, shard
 
 PAGE_SIZE = 64
 

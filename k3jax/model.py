@@ -17,7 +17,7 @@ from k3jax.mla import MLA
 from k3jax.nn import Embed, Linear, RMSNorm
 from pallas_kernels import KERNEL_OUTPUT
 from pallas_kernels.moe.permute_gpu import EXPAND_KERNEL
-from sharding import shard
+from sharding.rules import shard
 
 _ACT = ("batch", "length", "embed")
 # Kernels whose outputs "dots_kernels" recomputes all the same: the MoE's token expansion is a

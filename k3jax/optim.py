@@ -201,16 +201,14 @@ def _viewed(inner: optax.GradientTransformation, roles) -> optax.GradientTransfo
 
 NS_COEFFS = (3.4445, -4.775, 2.0315)  # the quintic Newton-Schulz step of optax / Keller Jordan
 NS_STEPS = 5
-# How a step forms ``X <- a X + (b A + c A^2) X``:
+# How a step forms ``X <- a X + (b A + c A^2) X`` (``optimizer.ns_form``):
 # - "sums": two elementwise sums, ``b A + c A^2`` over [m, m] and ``a X + (.) X`` over [m, n];
 # - "polynomial": ``X <- P X`` with ``P = (c A) A + (b A + a I)``: one elementwise pass over A
 #   forms both ``c A`` and ``b A + a I`` (the scalars in float32), and the sum rides the matmul
-#   as its added operand (XLA's GPU GEMM rewriter folds such an add into the cuBLAS call, as it
-#   does the LM head's ``dw +`` product: the step profile's ``badd`` kernels), so there is no
-#   pass over X. In bf16 its distance to a float64 iteration is that of "sums" on random
-#   matrices and 20% less on nearly low-rank ones. k3_1b's whole update on an H200: 46.7 ms
-#   against 49.5 for "sums" (benchmarks/optim.py, both in one run: RESULTS.md, Training run 45).
-NS_FORM = "polynomial"
+#   as its added operand (XLA's GPU GEMM rewriter folds such an add into the cuBLAS call), so
+#   there is no pass over X. In bf16 its distance to a float64 iteration is that of "sums" on
+#   random matrices and less on nearly low-rank ones (benchmarks/RESULTS.md, Training run 45).
+NS_FORMS = ("sums", "polynomial")
 _NS_DTYPE = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 
 
@@ -244,21 +242,21 @@ def _matrices(x: jax.Array, dims: MuonDimensionNumbers, transpose: bool | None =
   return (y.mT if transpose else y), math.sqrt(max(m, n)), undo
 
 
-def _iterate(y: jax.Array, dtype) -> jax.Array:
+def _iterate(y: jax.Array, dtype, form: str) -> jax.Array:
   """``NS_STEPS`` steps ``X <- a X + (b A + c A^2) X``, ``A = X X^T``, on wide matrices ``y
-  [..., m, n]`` (in the form ``NS_FORM`` names): the iterate, every matmul's operands and outputs
+  [..., m, n]`` in ``form`` (:data:`NS_FORMS`): the iterate, every matmul's operands and outputs
   in ``dtype`` (each matmul accumulates in float32 and rounds once at its output, so no float32
   product is written to memory and converted), the elementwise sums in float32."""
-  if NS_FORM not in ("sums", "polynomial"):
-    raise ValueError(f"optim.NS_FORM: expected 'sums' or 'polynomial', got {NS_FORM!r}")
+  if form not in NS_FORMS:
+    raise ValueError(f"Newton-Schulz form: expected one of {NS_FORMS}, got {form!r}")
   a, b, c = NS_COEFFS
   dot = lambda u, v: jnp.matmul(u, v, preferred_element_type=dtype)
   y = y.astype(dtype)
-  a_eye = a * jnp.eye(y.shape[-2], dtype=jnp.float32) if NS_FORM == "polynomial" else None
+  a_eye = a * jnp.eye(y.shape[-2], dtype=jnp.float32) if form == "polynomial" else None
   for _ in range(NS_STEPS):
     s = dot(y, y.mT)  # A
     f = s.astype(jnp.float32)
-    if NS_FORM == "sums":
+    if form == "sums":
       s = (b * f + c * dot(s, s).astype(jnp.float32)).astype(dtype)  # b A + c A^2
       y = (a * y.astype(jnp.float32) + dot(s, y).astype(jnp.float32)).astype(dtype)
     else:
@@ -267,10 +265,10 @@ def _iterate(y: jax.Array, dtype) -> jax.Array:
 
 
 def newton_schulz(xs: list[jax.Array], dims: list[MuonDimensionNumbers], dtype,
-                  rms: float) -> list[jax.Array]:
+                  rms: float, *, form: str) -> list[jax.Array]:
   """The orthogonalised ``xs`` (each Frobenius-normalised per matrix already), times ``rms *
-  sqrt(max(fan_in, fan_out))``, each in its dtype. Each x is viewed as matrices ``[batch,
-  fan_in, fan_out]`` by its dimension numbers; leaves whose views have one shape (the same
+  sqrt(max(fan_in, fan_out))``, each in its dtype, the steps in ``form`` (:data:`NS_FORMS`).
+  Each x is viewed as matrices ``[batch, fan_in, fan_out]`` by its dimension numbers; leaves whose views have one shape (the same
   projection in every layer, every layer's experts) are stacked and iterated together, so the
   optimizer runs a few large batched matmuls instead of thousands of small kernels. The stack
   axis goes after each view's batch axis (``[batch, leaves, m, n]``, merged into one batch axis
@@ -283,7 +281,7 @@ def newton_schulz(xs: list[jax.Array], dims: list[MuonDimensionNumbers], dtype,
   for members in groups.values():
     y = jnp.stack([views[i][0] for i in members], axis=1)
     nb, nl, m, n = y.shape
-    done = _iterate(y.reshape(nb * nl, m, n), dtype).reshape(nb, nl, m, n)
+    done = _iterate(y.reshape(nb * nl, m, n), dtype, form).reshape(nb, nl, m, n)
     for k, i in enumerate(members):
       _, scale, undo = views[i]
       out[i] = undo(done[:, k].astype(jnp.float32) * (rms * scale))
@@ -291,7 +289,7 @@ def newton_schulz(xs: list[jax.Array], dims: list[MuonDimensionNumbers], dtype,
 
 
 def mesh_newton_schulz(xs: list[jax.Array], dims: list[MuonDimensionNumbers], specs: list,
-                       dtype, rms: float) -> list[jax.Array]:
+                       dtype, rms: float, *, form: str) -> list[jax.Array]:
   """:func:`newton_schulz` of leaves laid out on the current mesh by ``specs`` (PartitionSpecs
   of the leaves as viewed): where a matrix's rows or columns are split over mesh axes, one
   ``all_to_all`` over those axes gives each device whole matrices, about its share of the
@@ -319,7 +317,7 @@ def mesh_newton_schulz(xs: list[jax.Array], dims: list[MuonDimensionNumbers], sp
       plain.append(i)
   out_leaves: list = [None] * len(xs)
   for i, x in zip(plain, newton_schulz([xs[i] for i in plain], [dims[i] for i in plain], dtype,
-                                       rms)):
+                                       rms, form=form)):
     out_leaves[i] = x
   for (m, n, rows, cols), members in groups.items():
     k = math.prod(sizes[a] for a in rows + cols)
@@ -333,7 +331,7 @@ def mesh_newton_schulz(xs: list[jax.Array], dims: list[MuonDimensionNumbers], sp
       y = jnp.pad(y, ((0, -b % k), (0, 0), (0, 0)))
       for dim, axes in ((1, rows), (2, cols)):
         y = _whole(y, axes, dim)
-      y = _iterate(y, dtype)
+      y = _iterate(y, dtype, form)
       for dim, axes in ((2, cols), (1, rows)):
         y = _split(y, axes, dim)
       done, start = [], 0
@@ -373,9 +371,10 @@ def _split(y: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
   return y.reshape((-1,) + y.shape[2:])
 
 
-def _orthogonalise(dims_fn, dtype, rms: float, specs_fn=None) -> optax.GradientTransformation:
-  """Stateless: :func:`newton_schulz` on the leaves whose dimension numbers are set; on a mesh,
-  with ``specs_fn`` (the updates tree -> each leaf's PartitionSpec, None where unknown) giving
+def _orthogonalise(dims_fn, dtype, rms: float, form: str,
+                   specs_fn=None) -> optax.GradientTransformation:
+  """Stateless: :func:`newton_schulz` (in ``form``) on the leaves whose dimension numbers are
+  set; on a mesh, with ``specs_fn`` (the updates tree -> each leaf's PartitionSpec, None where unknown) giving
   every such leaf's layout, :func:`mesh_newton_schulz`."""
   is_dims = lambda d: d is None or isinstance(d, MuonDimensionNumbers)
 
@@ -391,9 +390,9 @@ def _orthogonalise(dims_fn, dtype, rms: float, specs_fn=None) -> optax.GradientT
       specs = treedef.flatten_up_to(specs_fn(updates))
       specs = [specs[i] for i in picked]
     if specs is not None and all(s is not None for s in specs):
-      done = mesh_newton_schulz(xs, ds, specs, dtype, rms)
+      done = mesh_newton_schulz(xs, ds, specs, dtype, rms, form=form)
     else:
-      done = newton_schulz(xs, ds, dtype, rms)
+      done = newton_schulz(xs, ds, dtype, rms, form=form)
     for i, x in zip(picked, done):
       leaves[i] = x
     return treedef.unflatten(leaves), state
@@ -431,7 +430,8 @@ def make_optimizer(cfg: Config, params, names=None
         # momentum and the per-matrix normalisation only (no Newton-Schulz step): ns_steps=0
         optax.contrib.scale_by_muon(ns_steps=0, beta=o.muon_beta, eps=o.eps, nesterov=True,
                                     weight_dimension_numbers=muon_dims),
-        _orthogonalise(muon_dims, _NS_DTYPE[o.muon_ns_precision], rms=0.2, specs_fn=muon_specs),
+        _orthogonalise(muon_dims, _NS_DTYPE[o.muon_ns_precision], rms=0.2, form=o.ns_form,
+                       specs_fn=muon_specs),
         optax.add_decayed_weights(o.weight_decay),
         optax.scale_by_learning_rate(schedule))
     adam = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,

@@ -7,6 +7,12 @@ mean-centred. At scale the same quantile is read from per-expert histograms of
 ``alpha_i - s_ij`` (bins over ``[min b - 1, max b + 1]``), which sum across micro-batches and
 ranks. The baseline it replaces: ``b_j += gamma * sign(mean_load - load_j)``.
 
+With the tokens split over a mesh (:func:`sharded_bias_stat`), ``quantile_hist`` builds each
+device's histogram ``[E, bins]`` of its own tokens and one ``psum`` over every token axis sums
+them: ``E * bins`` int32 per step and layer, whatever the batch. The bins depend only on the
+current bias, which is replicated, so every rank reads the same counts and computes the same next
+bias. The other modes take the global arrays (GSPMD inserts their collectives).
+
 All functions are pure; the bias is non-trainable state that the train step updates.
 """
 
@@ -20,6 +26,7 @@ import jax.numpy as jnp
 from k3jax.config import MoEConfig
 from pallas_kernels import select
 from pallas_kernels.moe import reference as moe_reference
+from sharding.rules import token_spec, token_sum
 
 
 def route(scores: jax.Array, bias: jax.Array, cfg: MoEConfig):
@@ -125,6 +132,19 @@ def bias_stat(scores, bias, ids, cfg: MoEConfig, valid=None, implementation=None
   if cfg.balancing == "quantile_hist":
     return quantile_histogram(scores, bias, cfg, valid)
   return expert_load(ids, cfg.num_experts, valid)
+
+
+def sharded_bias_stat(scores, bias, ids, cfg: MoEConfig, valid=None):
+  """:func:`bias_stat` for scores ``[N, E]``, ids ``[N, k]``, valid ``[N]`` whose N is split over
+  the token axes of the current mesh (whole without one). There exact QB selects with XLA's
+  reductions, which GSPMD splits too, rather than the one-device Pallas kernel (which would
+  gather every rank's margins first)."""
+  split = token_spec()[0] is not None
+  if cfg.balancing != "quantile_hist" or not split:
+    return bias_stat(scores, bias, ids, cfg, valid, implementation="xla" if split else None)
+  if valid is None:
+    return token_sum(lambda s, b: quantile_histogram(s, b, cfg), (scores,), (bias,))
+  return token_sum(lambda s, v, b: quantile_histogram(s, b, cfg, v), (scores, valid), (bias,))
 
 
 def sign_update(bias, load, rate: float) -> jax.Array:

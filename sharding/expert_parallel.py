@@ -25,7 +25,8 @@ dim, gathered inside). Per MoE layer:
 Everything is differentiable: the weight fetch is a collective whose transpose sends the copies'
 gradients back to their home rank, where they add to the home expert's gradient.
 
-``configure(moonep=...)`` (called by :func:`sharding.setup` from ``mesh.moonep``) switches MoonEP.
+MoonEP is on inside ``with sharding.layout(cfg.mesh)`` when ``mesh.moonep`` says so (the default
+layout has it on).
 """
 
 from __future__ import annotations
@@ -39,18 +40,13 @@ import pallas_kernels.moe as moe_ops
 from pallas_kernels.moe.reference import inverse_map, move_rows
 from sharding import moonep as moonep_lib
 from sharding.context_parallel import axis_size
-from sharding.rules import logical_spec, per_device, token_spec
-_OPTIONS = {"moonep": True}
-
-
-def configure(*, moonep: bool) -> None:
-  """Turns MoonEP on (balanced, with redundant experts) or off (plain capacity-based dispatch)."""
-  _OPTIONS["moonep"] = bool(moonep)
+from sharding.rules import active_layout, logical_spec, per_device, token_spec
 
 
 def axes() -> tuple[str, ...]:
   """The mesh axes (larger than 1) the routed experts are split over on the current mesh: those
-  the ``expert`` rule names (:func:`sharding.rules.configure`), in rule order."""
+  the ``expert`` rule of the active layout (:func:`sharding.rules.layout`) names, in rule
+  order."""
   spec = logical_spec(("expert",))[0]
   return () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
 
@@ -93,7 +89,7 @@ def moe_dispatch(x, expert_ids, weights, w_gate_up, w_down, activation, *, capac
   x: ``[N, L]`` tokens; expert_ids, weights: ``[N, k]``; w_gate_up ``[E, L, 2F]``; w_down
   ``[E, F, L]``; activation ``gu [M, 2F] -> h [M, F]``. Returns ``[N, L]``.
   """
-  moonep = _OPTIONS["moonep"] if moonep is None else moonep
+  moonep = active_layout().moonep if moonep is None else moonep
   ax = axes()
   r = math.prod(axis_size(a) for a in ax)
   e = w_gate_up.shape[0]
@@ -210,5 +206,5 @@ def routed_experts(x, expert_ids, weights, w_gate_up, w_down, activation, *, cap
   return y.reshape(b, t, width)
 
 
-__all__ = ["configure", "axes", "active", "moe_dispatch", "local_experts", "routed_experts",
+__all__ = ["axes", "active", "moe_dispatch", "local_experts", "routed_experts",
            "capacity"]

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from k3jax.config import Config, ConfigError, MeshConfig
+from k3jax.config import ConfigError, MeshConfig
 from sharding.rules import DEFAULT_RULES, TOKEN_AXES, logical_spec
 
 AXES = ("data", "fsdp", "expert", "context", "tensor")
@@ -78,15 +78,6 @@ def initialize_distributed() -> bool:
     return False
   jax.distributed.initialize(**kwargs)
   return True
-
-
-def setup(cfg: Config) -> jax.sharding.Mesh:
-  """Multi-host start-up (when the environment says so), the mesh of ``cfg.mesh`` over all
-  devices, installed with ``jax.set_mesh``. Returns the mesh."""
-  initialize_distributed()
-  mesh = make_mesh(cfg.mesh)
-  jax.set_mesh(mesh)
-  return mesh
 
 
 def var_names(var) -> tuple | None:
@@ -196,16 +187,11 @@ def param_shardings(state, mesh, rules=None):
                       is_leaf=lambda x: isinstance(x, P))
 
 
-def names_tree(model_cfg, *filters, model=None):
-  """Logical axis names of the model's variables as a pure dict (the structure of
-  ``nnx.to_pure_dict`` of ``nnx.split(model, *filters)``), without allocating. With several
-  filters, one tree per filter. ``model``: the abstract model (``nnx.eval_shape``) when the caller
-  has built it already."""
+def names_tree(model, *filters):
+  """Logical axis names of the variables of ``model`` (an NNX module, typically abstract:
+  ``nnx.eval_shape``) as a pure dict (the structure of ``nnx.to_pure_dict`` of
+  ``nnx.split(model, *filters)``). With several filters, one tree per filter; none: ``nnx.Param``."""
   from flax import nnx
-  from k3jax.model import K3Model
-  if model is None:  # outside any mesh context: the names are not laid out on a mesh's axes
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-      model = nnx.eval_shape(lambda: K3Model(model_cfg, rngs=nnx.Rngs(0)))
   filters = filters or (nnx.Param,)
   states = nnx.split(model, *filters, ...)[1:1 + len(filters)]
   trees = [nnx.to_pure_dict(jax.tree.map(lambda v: v.replace(_Names(var_names(v))), st,
@@ -294,7 +280,7 @@ def batch_sharding(mesh, ndim: int = 2) -> NamedSharding:
 
 
 __all__ = ["AXES", "TOKEN_AXES", "axis_sizes", "make_mesh", "abstract_mesh", "initialize_distributed",
-           "setup", "spec_tree", "fit_spec", "path_key", "spec_axes", "unsplit_params", "unsplit_warning",
+           "spec_tree", "fit_spec", "path_key", "spec_axes", "unsplit_params", "unsplit_warning",
            "param_shardings", "shard_params", "names_tree",
            "pure_shardings", "optimizer_shardings", "batch_sharding", "var_names",
            "DEFAULT_RULES"]

@@ -9,10 +9,17 @@ large activation passes through :func:`shard`. The logical names are:
 With no mesh set (``jax.set_mesh``) everything runs unchanged on one device. A name without a rule
 is replicated; a rule naming a mesh axis the current mesh lacks is dropped, so one rule table
 serves every layout.
+
+The layout choices of ``MeshConfig`` that are not axis sizes (the axes the routed experts are split
+over, MoonEP) hold inside ``with layout(cfg.mesh): ...`` and are restored on exit; they are part of
+JAX's tracing and compilation cache keys, so a function traced under one layout is traced again
+under another.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -43,14 +50,34 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
 }
 
 
-_ACTIVE: dict[str, tuple[str, ...]] = dict(DEFAULT_RULES)
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The layout choices of ``MeshConfig`` beyond the axis sizes: the mesh axes the routed experts
+  are split over (``mesh.expert_axes``: the ``expert`` rule) and MoonEP (``mesh.moonep``)."""
+  expert_axes: tuple[str, ...] = ("expert",)
+  moonep: bool = True
+
+  @property
+  def rules(self) -> dict[str, tuple[str, ...]]:
+    """:data:`DEFAULT_RULES` with the ``expert`` rule of this layout."""
+    return {**DEFAULT_RULES, "expert": self.expert_axes}
 
 
-def configure(*, expert_axes=("expert",)) -> None:
-  """Sets the rules used when none are passed: :data:`DEFAULT_RULES` with the routed experts
-  split over ``expert_axes`` (``mesh.expert_axes``)."""
-  _ACTIVE.clear()
-  _ACTIVE.update(DEFAULT_RULES, expert=tuple(expert_axes))
+_LAYOUT = jax.make_user_context(Layout())
+
+
+@contextlib.contextmanager
+def layout(mesh_cfg):
+  """``with layout(cfg.mesh): ...``: the layout of ``MeshConfig`` ``mesh_cfg`` (see
+  :class:`Layout`) for the rules used when none are passed and for expert parallelism; the one
+  before is restored on exit."""
+  with _LAYOUT(Layout(tuple(mesh_cfg.expert_axes), bool(mesh_cfg.moonep))):
+    yield
+
+
+def active_layout() -> Layout:
+  """The :class:`Layout` of the innermost :func:`layout` (the defaults outside any)."""
+  return _LAYOUT.value
 
 
 def logical_spec(names: Sequence[str | None], rules: dict[str, tuple[str, ...]] | None = None,
@@ -59,7 +86,7 @@ def logical_spec(names: Sequence[str | None], rules: dict[str, tuple[str, ...]] 
 
   A mesh axis is used at most once per spec (the first dimension that asks for it gets it).
   """
-  rules = _ACTIVE if rules is None else rules
+  rules = active_layout().rules if rules is None else rules
   if mesh_axes is None:
     mesh = jax.sharding.get_abstract_mesh()
     mesh_axes = () if mesh.empty else mesh.axis_names
@@ -97,6 +124,20 @@ def token_spec() -> P:
   sizes = {} if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes))
   axes = tuple(a for a in TOKEN_AXES if sizes.get(a, 1) > 1)
   return P(axes if axes else None, None)
+
+
+def token_sum(fn, tokens: Sequence[jax.Array], replicated: Sequence[jax.Array] = ()):
+  """``fn(*tokens, *replicated)`` summed over the devices: each applies ``fn`` to its share of
+  ``tokens`` (arrays ``[N, ...]`` whose N is split over the token axes of the current mesh, as
+  :func:`token_spec` says) and the whole ``replicated`` arrays, and one ``psum`` over the token
+  axes adds the results (replicated on every device). Without a mesh splitting N: ``fn`` on the
+  whole arrays."""
+  axes = token_spec()[0]
+  if axes is None:
+    return fn(*tokens, *replicated)
+  specs = tuple(P(axes, *([None] * (x.ndim - 1))) for x in tokens) + (P(),) * len(replicated)
+  body = lambda *a: jax.lax.psum(fn(*a), axes)
+  return jax.shard_map(body, in_specs=specs, out_specs=P(), check_vma=False)(*tokens, *replicated)
 
 
 def per_device(fn, in_names, out_names):
