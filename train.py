@@ -16,7 +16,6 @@ The loop, step by step:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import signal
 import sys
@@ -28,17 +27,16 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import yaml  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from k3jax import checkpoint as checkpoint_lib  # noqa: E402
 from k3jax import config as config_lib  # noqa: E402
 from k3jax import data as data_lib  # noqa: E402
 from k3jax import flops as flops_lib  # noqa: E402
 from k3jax import metrics as metrics_lib  # noqa: E402
-from k3jax import optim  # noqa: E402
 from k3jax import train_step as step_lib  # noqa: E402
+from k3jax.data import stage_at, stages  # noqa: E402
+from k3jax.train_state import abstract_model, abstract_train_state, init_train_state  # noqa: E402
 import sharding  # noqa: E402
 
 DEFAULT_CONFIG = "configs/k3_tiny.yaml"
@@ -58,83 +56,18 @@ def parse_args(argv):
   return p.parse_args(argv)
 
 
-# ---------------------------------------------------------------------------------------------
-# Stages: [start, end) step ranges with their packing length.
-
-
-@dataclasses.dataclass(frozen=True)
-class Stage:
-  index: int
-  start: int
-  end: int
-  seq_len: int
-
-
-def stages(cfg: config_lib.Config) -> list[Stage]:
-  """``train.stages`` as step ranges; the last stage runs to ``train.steps``. Without stages, one
-  stage of ``data.seq_len``."""
-  total = cfg.train.steps
-  if not cfg.train.stages:
-    return [Stage(0, 0, total, cfg.data.seq_len)]
-  out, start = [], 0
-  for i, s in enumerate(cfg.train.stages):
-    last = i == len(cfg.train.stages) - 1
-    end = max(total, start + s.steps) if last else start + s.steps
-    out.append(Stage(i, start, end, s.seq_len))
-    start = end
-  return out
-
-
-def stage_at(all_stages: list[Stage], step: int) -> Stage:
-  return next((s for s in all_stages if s.start <= step < s.end), all_stages[-1])
-
-
-# ---------------------------------------------------------------------------------------------
-
-
 def check_run_dir(run_dir: Path, cfg: config_lib.Config) -> None:
-  """Writes ``config.yaml`` on the first run; on a resume, refuses a different model."""
+  """Writes ``config.yaml`` on the first run; on a resume, refuses a different model (keys the
+  saved config lacks take their defaults)."""
   run_dir.mkdir(parents=True, exist_ok=True)
   path = run_dir / "config.yaml"
   current = config_lib.to_dict(cfg)
   if path.exists():
     saved = yaml.safe_load(path.read_text()) or {}
-    if saved.get("model") != current["model"]:
+    if config_lib.from_dict({"model": saved.get("model") or {}}).model != cfg.model:
       raise TrainError(f"{run_dir} holds a run of a different model (see {path}); "
                        "use another --run-dir")
   path.write_text(yaml.safe_dump(current, sort_keys=False))
-
-
-def init_model(cfg: config_lib.Config, mesh=None, *, threefry_kernel: bool = True):
-  """(graphdef, params, biases): the model split into a static graph and pure-dict state, placed
-  on ``mesh`` by the parameters' logical axis names; the state is created by one jitted call
-  (nothing is initialised op by op, nothing gathered on one device).
-
-  XLA expands every parameter's threefry draw into a fusion of its own, and a model of a few
-  hundred parameters then takes minutes to compile for GPU; ``threefry_kernel`` draws the same
-  bits with the CUDA threefry kernel instead (``jax_threefry_gpu_kernel_lowering``; GPU only)."""
-  from k3jax.latent_moe import RouterBias
-  from k3jax.model import K3Model
-
-  def create():
-    model = K3Model(cfg.model, rngs=nnx.Rngs(cfg.train.seed))
-    _, params, biases = nnx.split(model, nnx.Param, RouterBias)
-    return nnx.to_pure_dict(params), nnx.to_pure_dict(biases)
-
-  abstract = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0)))
-  graphdef = nnx.split(abstract, nnx.Param, RouterBias)[0]
-  out_shardings = None
-  if mesh is not None:
-    names = sharding.mesh.names_tree(cfg.model, nnx.Param, RouterBias, model=abstract)
-    shapes = jax.eval_shape(create)
-    out_shardings = tuple(sharding.mesh.pure_shardings(s, mesh, n) for s, n in zip(shapes, names))
-  previous = jax.config.jax_threefry_gpu_kernel_lowering
-  jax.config.update("jax_threefry_gpu_kernel_lowering", threefry_kernel)
-  try:
-    params, biases = jax.jit(create, out_shardings=out_shardings)()
-  finally:
-    jax.config.update("jax_threefry_gpu_kernel_lowering", previous)
-  return graphdef, params, biases
 
 
 class _Signals:
@@ -154,46 +87,27 @@ class _Signals:
       signal.signal(s, h)
 
 
-def init_optimizer(tx, params):
-  """``tx.init(params)`` laid out like the parameters (:func:`sharding.mesh.optimizer_shardings`:
-  each moment split as its parameter, not replicated on every device)."""
-  shardings = sharding.mesh.optimizer_shardings(jax.eval_shape(tx.init, params), params)
-  return jax.jit(tx.init, out_shardings=shardings)(params)
-
-
-def on_mesh(tree, mesh):
-  """Leaves not yet laid out on ``mesh`` (optimizer counters, the rng) replicated over it."""
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-  def put(x):
-    s = x.sharding
-    ok = isinstance(s, jax.sharding.NamedSharding) and s.mesh.devices.size == mesh.devices.size
-    return x if ok else jax.device_put(x, replicated)
-  return jax.tree.map(put, tree)
-
-
-def place(batch: dict, batch_sharding) -> dict:
-  """This process's rows -> global ``[B, T]`` arrays split over the mesh's batch axes."""
-  return {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in batch.items()}
-
-
 def evaluate(eval_fn, params, biases, data: data_lib.Data, seq_len: int, batches: int,
              batch_sharding) -> float:
   """Mean held-out token loss over the first ``batches`` eval batches (the same every time)."""
   it = iter(data.dataset("eval", seq_len))
   loss, weight = 0.0, 0.0
   for _ in range(batches):
-    l, w = eval_fn(params, biases, place(next(it), batch_sharding))
+    l, w = eval_fn(params, biases, step_lib.place_batch(next(it), batch_sharding))
     loss, weight = loss + float(l), weight + float(w)
   return loss / max(weight, 1.0)
 
 
 def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> dict:
   """Runs (or resumes) the training of ``cfg`` in ``run_dir``; returns the last metrics record."""
-  # Multi-host start-up and the mesh of cfg.mesh (one device: every axis 1). The model is built
-  # outside the mesh context (its logical axis names are not mesh axes); the steps run inside.
   sharding.mesh.initialize_distributed()
-  sharding.configure(cfg.mesh)
+  with sharding.layout(cfg.mesh):
+    return _train(cfg, run_dir, progress)
+
+
+def _train(cfg: config_lib.Config, run_dir: Path, progress: bool) -> dict:
+  # The mesh of cfg.mesh (one device: every axis 1). The state is built outside the mesh context
+  # (the model's logical axis names are not mesh axes); the steps run inside.
   mesh = sharding.make_mesh(cfg.mesh)
   check_run_dir(run_dir, cfg)
   data = data_lib.Data(cfg, process_index=jax.process_index(), process_count=jax.process_count())
@@ -201,11 +115,7 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
   total = cfg.train.steps
   batch_sharding = sharding.batch_sharding(mesh)
 
-  graphdef, params, biases = init_model(cfg, mesh)
-  tx, schedule = optim.make_optimizer(cfg, params)
-  opt_state = on_mesh(init_optimizer(tx, params), mesh)
-  rng = on_mesh(jax.random.key_data(jax.random.key(cfg.train.seed)), mesh)
-  state = {"params": params, "opt_state": opt_state, "biases": biases, "rng": rng}
+  state = init_train_state(cfg, mesh)
 
   def data_iter(step: int):  # the iterator a checkpoint at ``step`` saved: that of step - 1
     stage = stage_at(all_stages, max(step - 1, 0))
@@ -217,34 +127,34 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
                                        async_save=cfg.checkpoint.async_save)
   step, nonfinite_run = 0, 0
   it = None
-  restored = ckpt and ckpt.restore_latest(step_lib.abstract_like(state), data_iter)
+  restored = ckpt and ckpt.restore_latest(abstract_train_state(cfg, mesh).arrays(), data_iter)
   if restored is not None:
-    step, state, meta, it = restored
+    step, arrays, meta, it = restored
+    state = state.replace(**arrays)
     nonfinite_run = int(meta.get("nonfinite_run", 0))
   stage = stage_at(all_stages, max(step - 1, 0))
   it = it or data_iter(step)
-  params, opt_state, biases, rng = (state[k] for k in ("params", "opt_state", "biases", "rng"))
-  del state
 
   donate = jax.default_backend() != "cpu"
-  shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state, biases))
-  step_fn = step_lib.jit_train_step(step_lib.make_train_step(cfg, graphdef, tx, schedule),
-                                    donate=donate, state_shardings=shardings)
-  eval_fn = jax.jit(step_lib.make_eval_step(graphdef, cfg.train))
+  step_fn = step_lib.jit_train_step(
+      step_lib.make_train_step(cfg, state.graphdef, state.tx, state.schedule), donate=donate,
+      state=state)
+  eval_fn = jax.jit(step_lib.make_eval_step(state.graphdef, cfg.train))
   peak, peak_note = flops_lib.device_peak_flops(cfg.train.peak_tflops)
   is_main = jax.process_index() == 0
   metrics = metrics_lib.Metrics(run_dir, total_steps=total, start_step=step, enabled=is_main,
                                 progress=progress)
-  n_params = sum(x.size for x in jax.tree.leaves(params))
+  n_params = sum(x.size for x in jax.tree.leaves(state.params))
   metrics.say(f"{cfg.model.name}: {n_params / 1e6:.2f}M parameters, {data.num_docs('train')} "
               f"training / {data.num_docs('eval')} held-out documents, {total} steps of "
               f"{cfg.train.batch_size} rows, run dir {run_dir}")
   metrics.say(f"mfu peak: {peak_note}")
   if mesh.devices.size > 1:  # parameters a mesh axis cannot split (one device splits nothing)
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    names = sharding.names_tree(abstract_model(cfg))
     whole = sharding.mesh.unsplit_warning(
-        sharding.mesh.unsplit_params(params, sharding.mesh.names_tree(cfg.model), sizes), sizes,
-        sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
+        sharding.mesh.unsplit_params(state.params, names, sizes), sizes,
+        sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params)))
     if whole:
       metrics.say(whole)
   if restored is not None:
@@ -256,8 +166,7 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
     if ckpt is None:
       return
     meta = {"step": at_step, "stage": stage.index, "nonfinite_run": nonfinite_run}
-    state = {"params": params, "opt_state": opt_state, "biases": biases, "rng": rng}
-    ckpt.save(at_step, state, it, meta, wait=wait)
+    ckpt.save(at_step, state.arrays(), it, meta, wait=wait)
 
   signals = _Signals()
   record: dict = {}
@@ -275,12 +184,12 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
         metrics.say(f"stage {now.index}: seq_len {now.seq_len} from step {step}")
       host_batch = next(it)
       contexts.append(flops_lib.mean_causal_context(host_batch["segment_ids"]))
-      batch = place(host_batch, batch_sharding)
+      batch = step_lib.place_batch(host_batch, batch_sharding)
       try:
         if stage.seq_len not in compiled:
           compiled[stage.seq_len], report = step_lib.compile_train_step(
-              step_fn, params, opt_state, biases, rng,
-              step_lib.batch_spec(cfg.train.batch_size, stage.seq_len, batch_sharding))
+              step_fn, state, step_lib.batch_spec(cfg.train.batch_size, stage.seq_len,
+                                                  batch_sharding))
           compile_s = report.total_s
           mem = report.memory
           temps = "" if mem is None else f"; {mem.temp_size_in_bytes / 2**30:.1f} GiB of " \
@@ -289,8 +198,7 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
                       f"{report}{temps}")
           last_time, last_step = time.perf_counter(), step  # tokens/s: steps, not compiles
           contexts[:] = contexts[-1:]
-        params, opt_state, biases, out = compiled[stage.seq_len](
-            params, opt_state, biases, jnp.int32(step), rng, batch)
+        state, out = step_lib.apply_step(compiled[stage.seq_len], state, step, batch)
       except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
           raise
@@ -332,8 +240,8 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
       if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == total) and \
           data.num_docs("eval"):
         t_eval = time.perf_counter()
-        eval_loss = evaluate(eval_fn, params, biases, data, stage.seq_len, cfg.train.eval_batches,
-                             batch_sharding)
+        eval_loss = evaluate(eval_fn, state.params, state.biases, data, stage.seq_len,
+                             cfg.train.eval_batches, batch_sharding)
         metrics.write({"step": step, "eval_loss": eval_loss})
         metrics.say(f"step {step:6d}  eval loss {eval_loss:.4f}")
         last_time += time.perf_counter() - t_eval

@@ -12,9 +12,8 @@ grouped expert matmul, dense matmul, collectives, other fusions), read from the 
 and by model scope (the ``jax.named_scope`` of each kernel's HLO instruction: ``kda``, ``mla``,
 ``moe/permute``, ``attn_res``, ``lm_head_loss``, ``optimizer``..., ``(bwd)`` for the backward).
 
-``--set MODULE:NAME=VALUE`` sets a module option before tracing (a Python literal, e.g.
-``--set pallas_kernels.kda.gpu:DQKG_SLICE_K=16``) to time a kernel variant inside the step.
-``--json PATH`` writes every figure to PATH. ``--lock PATH`` holds an exclusive ``flock`` on PATH
+Kernel variants are timed by the kernel benchmarks; config overrides (``model.*``, ``mesh.*``...)
+pick what this one times. ``--json PATH`` writes every figure to PATH. ``--lock PATH`` holds an exclusive ``flock`` on PATH
 from the first step to the end, so several layouts can compile side by side (CPU work) while
 their timed steps run one at a time; it is taken once the card has the step's memory free
 (processes that cannot start let the others go first).
@@ -39,13 +38,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import train  # noqa: E402
-from k3jax import config as config_lib, data as data_lib, flops, optim  # noqa: E402
+import sharding  # noqa: E402
+from k3jax import config as config_lib, data as data_lib, flops  # noqa: E402
 from k3jax import train_step as step_lib  # noqa: E402
-from timing import COLLECTIVES, kernel_times, set_module_option  # noqa: E402
+from k3jax.train_state import abstract_train_state, init_train_state  # noqa: E402
+from timing import COLLECTIVES, kernel_times  # noqa: E402
 
 SCOPES = ("embed", "kda", "mla", "attn_res", "moe", "mlp", "router", "balance", "permute",
           "experts", "unpermute", "shared_experts", "lm_head_loss", "optimizer")
@@ -120,62 +119,43 @@ def main(argv=None):
   p.add_argument("--json", default=None, help="write the results to this file")
   p.add_argument("--hlo", default=None, help="write the compiled step's HLO text (gzip) here")
   p.add_argument("--lock", default=None, help="run the steps holding an exclusive flock on this file")
-  p.add_argument("--set", action="append", default=[], metavar="MODULE:NAME=VALUE",
-                 help="set a module option (a Python literal) before tracing; repeatable")
   p.add_argument("overrides", nargs="*")
   args = p.parse_intermixed_args(argv)  # overrides may follow options
-  for opt in args.set:
-    try:
-      set_module_option(opt)
-    except ValueError as e:
-      p.error(str(e))
   if args.steps < 3:
     p.error("--steps must be at least 3 (two untimed warm-up steps)")
   cfg = config_lib.load(args.config, ["checkpoint.enabled=false", *args.overrides])
+  with sharding.layout(cfg.mesh):
+    run(args, cfg)
+
+
+def run(args, cfg: config_lib.Config) -> None:
+  """The benchmark of ``cfg`` under its layout."""
   b, t = cfg.train.batch_size, cfg.data.seq_len
-  train.sharding.configure(cfg.mesh)
-  mesh = train.sharding.make_mesh(cfg.mesh)
+  mesh = sharding.make_mesh(cfg.mesh)
   layout = {a: s for a, s in zip(mesh.axis_names, mesh.axis_sizes) if s > 1}
   print(f"{cfg.model.name}: batch {b} x {t}, {len(mesh.devices.flat)} x "
         f"{jax.devices()[0].device_kind}, mesh {layout or 'one device'}, experts over "
         f"{list(cfg.mesh.expert_axes)}, moonep {cfg.mesh.moonep}, jax {jax.__version__}", flush=True)
-  result = {"config": cfg.model.name, "overrides": args.overrides + args.set, "batch": b, "seq_len": t,
+  result = {"config": cfg.model.name, "overrides": args.overrides, "batch": b, "seq_len": t,
             "devices": len(mesh.devices.flat), "mesh": layout}
 
   t0 = time.perf_counter()
-  if args.lower:
-    from flax import nnx
-    from k3jax.latent_moe import RouterBias
-    from k3jax.model import K3Model
-    abstract = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0)))
-    graphdef, params, biases = nnx.split(abstract, nnx.Param, RouterBias)
-    params, biases = nnx.to_pure_dict(params), nnx.to_pure_dict(biases)
-  else:
-    graphdef, params, biases = train.init_model(cfg, mesh)
-  tx, schedule = optim.make_optimizer(cfg, params)
-  if args.lower:
-    opt_state = jax.eval_shape(tx.init, params)
-  else:
-    opt_state = train.on_mesh(train.init_optimizer(tx, params), mesh)
-  shardings = None if args.lower else jax.tree.map(lambda x: x.sharding,
-                                                     (params, opt_state, biases))
-  fn = step_lib.jit_train_step(step_lib.make_train_step(cfg, graphdef, tx, schedule),
-                               donate=not args.lower, state_shardings=shardings)
-  sh = None if args.lower else train.sharding.batch_sharding(mesh)
+  state = abstract_train_state(cfg) if args.lower else init_train_state(cfg, mesh)
+  fn = step_lib.jit_train_step(
+      step_lib.make_train_step(cfg, state.graphdef, state.tx, state.schedule),
+      donate=not args.lower, state=None if args.lower else state)
+  sh = None if args.lower else sharding.batch_sharding(mesh)
   batch_spec = step_lib.batch_spec(b, t, sh)
-  rng = jax.random.key_data(jax.random.key(cfg.train.seed))
-  if not args.lower:
-    rng = train.on_mesh(rng, mesh)
   print(f"init {time.perf_counter() - t0:.1f} s", flush=True)
   with jax.set_mesh(mesh):
     if args.lower:
       t0 = time.perf_counter()
-      traced = fn.trace(params, opt_state, biases, jnp.int32(0), rng, batch_spec)
+      traced = step_lib.trace_train_step(fn, state, batch_spec)
       t_trace = time.perf_counter() - t0
       traced.lower(lowering_platforms=(args.lower,))
       print(f"trace {t_trace:.1f} s, lower for {args.lower} {time.perf_counter() - t0 - t_trace:.1f} s")
       return
-    compiled, report = step_lib.compile_train_step(fn, params, opt_state, biases, rng, batch_spec)
+    compiled, report = step_lib.compile_train_step(fn, state, batch_spec)
     print(f"compile: {report}", flush=True)
     result["compile_s"] = report.total_s
     if args.hlo:
@@ -195,9 +175,9 @@ def main(argv=None):
       for i in range(args.steps):
         host_batch = next(it)
         contexts.append(flops.mean_causal_context(host_batch["segment_ids"]))
-        batch = train.place(host_batch, sh)
+        batch = step_lib.place_batch(host_batch, sh)
         s0 = time.perf_counter()
-        params, opt_state, biases, m = compiled(params, opt_state, biases, jnp.int32(i), rng, batch)
+        state, m = step_lib.apply_step(compiled, state, i, batch)
         jax.block_until_ready(m)
         if i >= 2:
           times.append(time.perf_counter() - s0)
@@ -231,8 +211,7 @@ def main(argv=None):
       if args.profile:
         with jax.profiler.trace(args.profile, create_perfetto_trace=True):
           for i in range(2):
-            params, opt_state, biases, m = compiled(params, opt_state, biases, jnp.int32(i), rng,
-                                                    train.place(next(it), sh))
+            state, m = step_lib.apply_step(compiled, state, i, step_lib.place_batch(next(it), sh))
           jax.block_until_ready(m)
         by_kind, by_name, by_device, by_op = kernel_times(args.profile)
         report_kernels(by_kind, by_name, by_device, steps=2)

@@ -1,5 +1,5 @@
 """How long the parameter initialisation of a config takes (compile and run), with XLA's threefry
-expansion and with the CUDA threefry kernel (``train.init_model(threefry_kernel=...)``), and
+expansion and with the CUDA threefry kernel (``k3jax.train_state.init_train_state(threefry_kernel=...)``), and
 whether both give the same parameters.
 
   python benchmarks/init_compile.py --config configs/k3_1b.yaml
@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-import train  # noqa: E402
 from k3jax import config as config_lib  # noqa: E402
+from k3jax.train_state import init_train_state  # noqa: E402
 
 
 def main(argv=None):
@@ -30,7 +30,7 @@ def main(argv=None):
   sums = {}
   for kernel in (True, False):
     t0 = time.perf_counter()
-    _, params, _ = train.init_model(cfg, threefry_kernel=kernel)
+    params = init_train_state(cfg, threefry_kernel=kernel).params
     leaves = jax.block_until_ready(jax.tree.leaves(params))
     sums[kernel] = [float(np.asarray(x, np.float64).sum()) for x in leaves]
     print(f"threefry {'CUDA kernel' if kernel else 'XLA expansion'}: {len(leaves)} parameters, "

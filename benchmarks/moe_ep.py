@@ -84,9 +84,8 @@ def main(argv=None):
   for moonep in (False, True):
     name = "moonep" if moonep else "plain"
     mesh_cfg = MeshConfig(data=1, expert=r, moonep=moonep)
-    sharding.configure(mesh_cfg)
     mesh = sharding.make_mesh(mesh_cfg)
-    with jax.set_mesh(mesh):
+    with sharding.layout(mesh_cfg), jax.set_mesh(mesh):
       tok = jax.sharding.NamedSharding(mesh, sharding.rules.token_spec())
       wsh = jax.sharding.NamedSharding(mesh, sharding.logical_spec(("expert", None, None)))
       xs, w1s, w2s = jax.device_put(x, tok), jax.device_put(w1, wsh), jax.device_put(w2, wsh)
@@ -115,7 +114,6 @@ def main(argv=None):
           f"{imbalance and f'{imbalance:.2f}'}); collectives "
           f"{', '.join(f'{v:.2f}' for v in coll.values())} ms; rel err vs one device "
           f"{', '.join(f'{v:.1e}' for v in errs)}", flush=True)
-  sharding.configure(MeshConfig())
   if args.json:
     Path(args.json).write_text(json.dumps({"args": vars(args), **results}, indent=1))
 

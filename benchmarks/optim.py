@@ -7,7 +7,7 @@ state.
 
   python3 benchmarks/optim.py configs/k3_1b.yaml                  # the config's optimizer
   python3 benchmarks/optim.py configs/k3_tiny.yaml optimizer.name=adamw --hlo /tmp/opt.hlo
-  python3 benchmarks/optim.py configs/k3_1b.yaml --set 'k3jax.optim:NS_FORM="polynomial"' --tag poly
+  python3 benchmarks/optim.py configs/k3_1b.yaml optimizer.ns_form=sums --tag sums
 
 Rows go to ``$OUT/optim_bench.json``.
 """
@@ -28,16 +28,15 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from k3jax import config as config_lib, optim  # noqa: E402
-from k3jax.model import K3Model  # noqa: E402
-from timing import Rows, median_ms, set_module_option  # noqa: E402
+from k3jax.train_state import abstract_model  # noqa: E402
+from timing import Rows, median_ms  # noqa: E402
 
 ROWS = Rows("optim_bench.json")
 
 
 def param_shapes(cfg):
   """The model's trainable parameters as a pure dict of ShapeDtypeStructs (nothing allocated)."""
-  model = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0)))
-  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  return nnx.to_pure_dict(nnx.state(abstract_model(cfg), nnx.Param))
 
 
 def random_tree(shapes, seed, scale):
@@ -62,17 +61,10 @@ def main():
   p.add_argument("overrides", nargs="*")
   p.add_argument("--hlo", help="write the compiled update's HLO text here")
   p.add_argument("--tag", default="", help="a name for this code in the row")
-  p.add_argument("--set", action="append", default=[], metavar="MODULE:NAME=VALUE",
-                 help="set a module option (a Python literal) before tracing; repeatable")
   a = p.parse_args()
-  for opt in a.set:
-    try:
-      set_module_option(opt)
-    except ValueError as e:
-      p.error(str(e))
   cfg = config_lib.load(a.config, a.overrides)
-  # The random tree's draws through the CUDA threefry kernel: XLA's expansion of k3_1b's 439
-  # draws did not compile within the 240 s the device round gives this script (2026-12-05).
+  # The random tree's draws through the CUDA threefry kernel: XLA's expansion of every draw into
+  # a fusion of its own compiles for minutes.
   jax.config.update("jax_threefry_gpu_kernel_lowering", True)
   shapes = param_shapes(cfg)
   tx, _ = optim.make_optimizer(cfg, shapes)
@@ -101,7 +93,7 @@ def main():
 
   ms = median_ms(run, reps=9, inner=5)
   ROWS.emit({"name": f"optimizer update {cfg.model.name} {cfg.optimizer.name} {a.tag}".strip(),
-             "ms": round(ms, 3), "params": sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)),
+             "ns_form": cfg.optimizer.ns_form, "ms": round(ms, 3), "params": sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)),
              "bytes_accessed_GB": round(cost.get("bytes accessed", float("nan")) / 1e9, 2),
              "floor_GB": round(floor / 1e9, 2), "floor_GBps": round(floor / ms / 1e6, 1),
              "device": jax.devices()[0].device_kind})

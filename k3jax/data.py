@@ -24,6 +24,7 @@ process reads its own slice of the documents (``jax.process_index()::jax.process
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import json
@@ -361,3 +362,35 @@ class Data:
     if self.cfg.data.prefetch:  # a background thread; the saved state stays that of the consumer
       ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=self.cfg.data.prefetch)
     return ds
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages: [start, end) step ranges with their packing length.
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  index: int
+  start: int
+  end: int
+  seq_len: int
+
+
+def stages(cfg: Config) -> list[Stage]:
+  """``train.stages`` as step ranges; the last stage runs to ``train.steps``. Without stages, one
+  stage of ``data.seq_len``."""
+  total = cfg.train.steps
+  if not cfg.train.stages:
+    return [Stage(0, 0, total, cfg.data.seq_len)]
+  out, start = [], 0
+  for i, s in enumerate(cfg.train.stages):
+    last = i == len(cfg.train.stages) - 1
+    end = max(total, start + s.steps) if last else start + s.steps
+    out.append(Stage(i, start, end, s.seq_len))
+    start = end
+  return out
+
+
+def stage_at(all_stages: list[Stage], step: int) -> Stage:
+  """The stage that runs ``step`` (the last one past the end)."""
+  return next((s for s in all_stages if s.start <= step < s.end), all_stages[-1])

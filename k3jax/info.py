@@ -23,9 +23,8 @@ from k3jax.config import ModelConfig
 
 def abstract_params(cfg: ModelConfig):
   """The model's parameter state as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""
-  from k3jax.model import K3Model
-  model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
-  return nnx.state(model, nnx.Param)
+  from k3jax.train_state import abstract_model
+  return nnx.state(abstract_model(cfg), nnx.Param)
 
 
 def _component(path: tuple) -> str:

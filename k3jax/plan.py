@@ -62,8 +62,10 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels
+import sharding
 from k3jax import aot, config as config_lib
 from k3jax.config import Config, MeshConfig
+from k3jax.train_state import abstract_model, abstract_train_state, state_names
 from sharding import context_parallel, mesh as mesh_lib
 from sharding.expert_parallel import capacity
 from sharding.rules import logical_spec
@@ -105,21 +107,18 @@ def _leaves(tree):
 
 
 def abstract_state(cfg: Config):
-  """(graphdef, abstract params, abstract biases, params names) of the model, no allocation."""
-  from k3jax.latent_moe import RouterBias
-  from k3jax.model import K3Model
-  model = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0)))
-  names = mesh_lib.names_tree(cfg.model, model=model)
-  graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
-  return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(biases), names
+  """(abstract :class:`~k3jax.train_state.TrainState` without shardings, the parameters' logical
+  axis names) of ``cfg``: nothing is allocated."""
+  model = abstract_model(cfg)
+  return abstract_train_state(cfg, model=model), state_names(model)[0]
 
 
 def state_bytes(cfg: Config, sizes: dict[str, int], abstract=None) -> dict:
   """Exact per-device bytes of parameters, gradients and optimizer state, and the per-leaf
   layout the collective accounting needs; ``abstract``: :func:`abstract_state` of ``cfg`` when
   the caller has it."""
-  from k3jax.optim import make_optimizer
-  _, params, _, names = abstract or abstract_state(cfg)
+  state, names = abstract or abstract_state(cfg)
+  params = state.params
   flat_names = {mesh_lib.path_key(p): n for p, n in _leaves(mesh_lib._wrap(names))}
   per_leaf = []
   for path, x in _leaves(params):
@@ -129,8 +128,7 @@ def state_bytes(cfg: Config, sizes: dict[str, int], abstract=None) -> dict:
     per_leaf.append({"path": mesh_lib.path_key(path), "bytes": _nbytes(x),
                      "local": _nbytes(x) / split, "axes": axes,
                      "expert": bool(n and n[0] == "expert")})
-  tx, _ = make_optimizer(cfg, params, names)
-  opt = jax.eval_shape(tx.init, params)
+  opt = state.opt_state
   by_path = {leaf["path"]: leaf for leaf in per_leaf}
   opt_local = 0.0
   for path, x in _leaves(opt):
@@ -325,15 +323,16 @@ def traced_activations(cfg: Config, batch: int, seq_len: int, platform: str = "c
   :func:`abstract_state` of ``cfg`` when the caller has it."""
   from k3jax import train_step as ts
   m = cfg.model
-  graphdef, params, biases, _ = abstract or abstract_state(cfg)
+  state = (abstract or abstract_state(cfg))[0]
+  graphdef = state.graphdef
   with pallas_kernels.target_platform(PLATFORMS[platform]):
-    saved = _residual_bytes(lambda p, b, x: ts._loss(graphdef, p, b, x, cfg.train)[0], params,
-                            biases, _abstract_batch(batch, seq_len))
+    saved = _residual_bytes(lambda p, b, x: ts._loss(graphdef, p, b, x, cfg.train)[0],
+                            state.params, state.biases, _abstract_batch(batch, seq_len))
     # layers of one mixer and MLP kind recompute alike but for their AttnRes sources: the last
     # of each kind has the most and stands for all
     kind = lambda i: (m.layer_kind(i), m.is_moe(i))
     last = {kind(i): i for i in range(m.num_layers)} if m.remat != "none" else {}
-    layers = nnx.merge(graphdef, params, biases).layers if last else []
+    layers = nnx.merge(graphdef, state.params, state.biases).layers if last else []
     delta = {k: _layer_recompute_bytes(cfg, layers[i], i, batch, seq_len)
              for k, i in last.items()}
   chunk = min(cfg.train.loss_chunk, batch * seq_len)
@@ -368,32 +367,18 @@ def cut_layers(cfg: Config, layers: int) -> Config:
 
 def _traced_step(cfg: Config, mesh, seq_len: int, batch: int, target: str):
   """The training step (forward, backward, optimizer, bias update) traced on ``mesh`` (abstract
-  or of compile-only devices) with the kernels of ``target`` ("gpu", "tpu", "cpu"), jitted as
-  ``train.py`` does: the state donated and its outputs laid out as its inputs."""
+  or of compile-only devices) with the kernels of ``target`` ("gpu", "tpu", "cpu"), as
+  ``train.py`` traces it (:func:`k3jax.train_step.trace_train_step` of the state
+  :func:`k3jax.train_state.abstract_train_state` lays out), the state donated."""
   from k3jax import train_step as ts
-  from k3jax.optim import make_optimizer
-  import sharding
-  sharding.configure(cfg.mesh)
-  graphdef, params, biases, names = abstract_state(cfg)  # outside the mesh: names are not axes
+  state = abstract_train_state(cfg, mesh)  # outside the mesh: the names are not axes
   in_mesh = (jax.sharding.use_abstract_mesh if isinstance(mesh, jax.sharding.AbstractMesh)
              else jax.set_mesh)
-  with in_mesh(mesh), pallas_kernels.target_platform(target):
-    tx, schedule = make_optimizer(cfg, params, names)
-    step_fn = ts.make_train_step(cfg, graphdef, tx, schedule)
-    psh = mesh_lib.pure_shardings(params, mesh, names)
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-    a_params = jax.tree.map(sds, params, psh)
-    bias_sh = jax.tree.map(lambda _: rep, biases)
-    a_biases = jax.tree.map(sds, biases, bias_sh)
-    a_opt = jax.eval_shape(tx.init, a_params)
-    osh = mesh_lib.optimizer_shardings(a_opt, a_params)
-    a_opt = jax.tree.map(sds, a_opt, osh)
-    a_batch = ts.batch_spec(batch, seq_len, mesh_lib.batch_sharding(mesh))
-    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    jitted = ts.jit_train_step(step_fn, donate=True, state_shardings=(psh, osh, bias_sh))
-    return jitted.trace(a_params, a_opt, a_biases, step, key, a_batch)
+  with sharding.layout(cfg.mesh), in_mesh(mesh), pallas_kernels.target_platform(target):
+    step_fn = ts.make_train_step(cfg, state.graphdef, state.tx, state.schedule)
+    jitted = ts.jit_train_step(step_fn, donate=True, state=state)
+    return ts.trace_train_step(jitted, state, ts.batch_spec(batch, seq_len,
+                                                            mesh_lib.batch_sharding(mesh)))
 
 
 def lower_step(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, layers: int,

@@ -12,6 +12,7 @@ from flax import nnx
 
 from k3jax import convert as hf_convert
 from k3jax.model import K3Model
+from k3jax.train_state import abstract_model
 
 
 def _is_orbax(path: Path) -> bool:
@@ -43,7 +44,7 @@ def from_pretrained(path: str | Path, *, dtype: str | None = None,
     if dtype not in ("float32", "bfloat16"):
       raise hf_convert.ConversionError(f"from_pretrained: dtype must be float32 or bfloat16, got {dtype!r}")
     cfg = dataclasses.replace(cfg, param_dtype=dtype, compute_dtype=dtype)
-  model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
+  model = abstract_model(cfg)
   flat_state = nnx.to_flat_state(nnx.state(model))
   shardings = None
   if mesh is not None:

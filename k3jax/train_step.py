@@ -132,12 +132,12 @@ def make_eval_step(graphdef, train: TrainConfig = TrainConfig()) -> Callable:
   return eval_step
 
 
-def jit_train_step(step_fn: Callable, *, donate: bool, state_shardings: tuple | None = None
-                   ) -> Callable:
-  """jax.jit of the step; donates params, optimizer state and biases when ``donate``;
-  ``state_shardings`` (of params, optimizer state, biases) pins the outputs to the inputs'
-  layout."""
-  out = None if state_shardings is None else (*state_shardings, None)
+def jit_train_step(step_fn: Callable, *, donate: bool, state=None) -> Callable:
+  """jax.jit of the step; donates params, optimizer state and biases when ``donate``; ``state``
+  (a :class:`~k3jax.train_state.TrainState` of arrays or of ``ShapeDtypeStruct``s with
+  shardings) pins the outputs to its layout."""
+  out = None if state is None else (
+      *jax.tree.map(lambda x: x.sharding, (state.params, state.opt_state, state.biases)), None)
   return jax.jit(step_fn, donate_argnums=(0, 1, 2) if donate else (), out_shardings=out)
 
 
@@ -147,6 +147,28 @@ def batch_spec(batch: int, seq_len: int, sharding=None) -> dict[str, jax.ShapeDt
   return {k: jax.ShapeDtypeStruct((batch, seq_len), jnp.float32 if k == "weights" else jnp.int32,
                                   sharding=sharding)
           for k in ("input_ids", "targets", "segment_ids", "positions", "weights")}
+
+
+def place_batch(batch: dict, sharding) -> dict:
+  """This process's rows -> global ``[B, T]`` arrays laid out by ``sharding``
+  (:func:`sharding.batch_sharding`)."""
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+
+
+def trace_train_step(jitted: Callable, state, batch: dict[str, jax.ShapeDtypeStruct]):
+  """The jitted step traced for ``state`` (a :class:`~k3jax.train_state.TrainState` of arrays or
+  of ``ShapeDtypeStruct``s: their shardings are the program's) and ``batch``
+  (:func:`batch_spec`), under the current mesh: the program ``train.py`` compiles and
+  :mod:`k3jax.plan` lowers."""
+  return jitted.trace(state.params, state.opt_state, state.biases, jnp.int32(0), state.rng, batch)
+
+
+def apply_step(executable: Callable, state, step: int, batch: dict) -> tuple[Any, dict]:
+  """One step of the jitted or compiled train step on ``state`` (a
+  :class:`~k3jax.train_state.TrainState`) at ``step`` (0-based): (the next state, the metrics)."""
+  params, opt_state, biases, metrics = executable(state.params, state.opt_state, state.biases,
+                                                  jnp.int32(step), state.rng, batch)
+  return state.replace(params=params, opt_state=opt_state, biases=biases), metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,24 +189,16 @@ class CompileReport:
             f"{self.compile_s:.1f} s = {self.total_s:.1f} s")
 
 
-def compile_train_step(jitted: Callable, params, opt_state, biases, rng,
-                       batch: dict[str, jax.ShapeDtypeStruct]) -> tuple[Callable, CompileReport]:
-  """The jitted step traced, lowered and compiled ahead of time for this state (arrays: their
-  shardings are the executable's) and ``batch`` (:func:`batch_spec`), under the current mesh.
-
-  Calling the executable never compiles again (arguments laid out otherwise raise an error
-  instead): through ``jax.jit``'s own dispatch, step 2 of a k3_1b run on an H200 took 151 s, as
-  long as a second lowering and compile (benchmarks/RESULTS.md, Training run 48)."""
+def compile_train_step(jitted: Callable, state, batch: dict[str, jax.ShapeDtypeStruct]
+                       ) -> tuple[Callable, CompileReport]:
+  """:func:`trace_train_step`, lowered and compiled ahead of time. Calling the executable never
+  compiles again (arguments laid out otherwise raise an error instead), where ``jax.jit``'s own
+  dispatch may compile a second time (benchmarks/RESULTS.md, Training run 48)."""
   t0 = time.perf_counter()
-  traced = jitted.trace(params, opt_state, biases, jnp.int32(0), rng, batch)
+  traced = trace_train_step(jitted, state, batch)
   t1 = time.perf_counter()
   lowered = traced.lower()
   t2 = time.perf_counter()
   compiled = lowered.compile()
   t3 = time.perf_counter()
   return compiled, CompileReport(t1 - t0, t2 - t1, t3 - t2, compiled.memory_analysis())
-
-
-def abstract_like(tree: Any) -> Any:
-  """ShapeDtypeStructs (with shardings) of a tree of arrays."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
