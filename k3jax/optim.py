@@ -170,10 +170,11 @@ class _Placement:
 def _placements(cfg: Config, params, roles, names=None) -> Any:
   """A :class:`_Placement` per leaf of ``params`` by its logical axis ``names`` (built from the
   model when None), or None when ``params`` is not the model's parameter tree."""
+  from k3jax.train_state import abstract_model
   from sharding.mesh import names_tree
   is_names = lambda x: x is None or (isinstance(x, tuple)
                                      and all(isinstance(a, (str, type(None))) for a in x))
-  names = names_tree(cfg.model) if names is None else names
+  names = names_tree(abstract_model(cfg)) if names is None else names
   if jax.tree.structure(names, is_leaf=is_names) != jax.tree.structure(params):
     return None
   return jax.tree.map(lambda n, x, r: _Placement(n, tuple(x.shape), r.view), names, params, roles,

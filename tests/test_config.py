@@ -45,6 +45,10 @@ def test_overrides_apply_and_validate():
     ("mesh.expert_axes=[expert,context]", None),
     ("mesh.expert_axes=[expert,tensor]", "mesh.expert_axes"),
     ("mesh.expert_axes=[]", "mesh.expert_axes"),
+    ("model.glu_implementation=xla", None),
+    ("model.glu_implementation=triton", "model.glu_implementation"),
+    ("optimizer.ns_form=sums", None),
+    ("optimizer.ns_form=cubic", "optimizer.ns_form"),
 ])
 def test_config_errors_name_the_key(override, key):
   if key is None:  # a valid override
@@ -52,6 +56,12 @@ def test_config_errors_name_the_key(override, key):
     return
   with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
     config.load(ROOT / "configs" / "k3_tiny.yaml", [override])
+
+
+def test_model_level_choices_default_to_the_kernels_and_the_polynomial_step():
+  cfg = config.load(ROOT / "configs" / "k3_tiny.yaml")
+  assert cfg.model.glu_implementation is None  # the pair kernels on GPU, XLA elsewhere
+  assert cfg.optimizer.ns_form == "polynomial"
 
 
 def test_missing_file_and_bad_override():

@@ -99,12 +99,12 @@ def test_muon_update_rms_matches_adamw_scale():
 
 @pytest.mark.parametrize("form", ["sums", "polynomial"])
 @pytest.mark.parametrize("precision,operand", [("bf16", "bf16"), ("f32", "f32")])
-def test_muon_newton_schulz_precision(precision, operand, form, monkeypatch):
+def test_muon_newton_schulz_precision(precision, operand, form):
   """``muon_ns_precision=bf16`` carries the Newton-Schulz iterate in bf16: every matmul of the
   optimizer takes bf16 operands and gives a bf16 product (float32 accumulation inside); ``f32``
-  keeps float32 operands and products. Both step forms (``optim.NS_FORM``)."""
-  monkeypatch.setattr(optim, "NS_FORM", form)
-  cfg = cfg_with("optimizer.name=muon", f"optimizer.muon_ns_precision={precision}", *NO_DECAY_NO_CLIP)
+  keeps float32 operands and products. Both step forms (``optimizer.ns_form``)."""
+  cfg = cfg_with("optimizer.name=muon", f"optimizer.muon_ns_precision={precision}",
+                 f"optimizer.ns_form={form}", *NO_DECAY_NO_CLIP)
   params = fake_params()
   tx, _ = optim.make_optimizer(cfg, params)
   text = jax.jit(tx.update).lower(random_like(params, 0), jax.jit(tx.init)(params), params).as_text()
@@ -116,6 +116,8 @@ def test_muon_newton_schulz_precision(precision, operand, form, monkeypatch):
     assert line.rstrip().endswith("x" + operand + ">"), line
   with pytest.raises(ValueError, match="muon_ns_precision"):
     cfg_with("optimizer.muon_ns_precision=fp8")
+  with pytest.raises(ValueError, match="optimizer.ns_form"):
+    cfg_with("optimizer.ns_form=cubic")
 
 
 @pytest.mark.parametrize("per_head", [True, False])
@@ -138,13 +140,12 @@ def test_muon_per_head_orthogonalisation(per_head):
 @pytest.mark.parametrize("form", ["sums", "polynomial"])
 @pytest.mark.parametrize("shape,dims", [((6, 10), (0, 1)), ((12, 5), (0, 1)),
                                         ((3, 4, 2, 7), (1, 3)), ((2, 9, 4), (2, 1))])
-def test_newton_schulz_matches_a_float64_loop(shape, dims, form, monkeypatch):
+def test_newton_schulz_matches_a_float64_loop(shape, dims, form):
   """:func:`optim.newton_schulz` in float32 against the same quintic iteration in float64 NumPy,
   matrix by matrix, on wide and tall matrices and on batched views whose fan-in and fan-out axes
   are not the last two (including fan-out before fan-in); three leaves of one view shape are
   stacked (one scaled: each leaf must get the iteration of its own matrices). Both step forms."""
   from optax.contrib import MuonDimensionNumbers
-  monkeypatch.setattr(optim, "NS_FORM", form)
   rng = np.random.default_rng(len(shape))
   red, out = dims
   batch = [a for a in range(len(shape)) if a not in dims]
@@ -168,7 +169,7 @@ def test_newton_schulz_matches_a_float64_loop(shape, dims, form, monkeypatch):
   xj = jnp.asarray(xn, jnp.float32)
   with jax.default_matmul_precision("highest"):
     got = optim.newton_schulz([xj, xj * 0.5, xj], [MuonDimensionNumbers(red, out)] * 3,
-                              jnp.float32, rms=0.2)
+                              jnp.float32, rms=0.2, form=form)
   for g, want in zip(got, (ns64(mats), ns64(mats * 0.5), ns64(mats))):
     np.testing.assert_allclose(np.asarray(g, np.float64), want, rtol=1e-4, atol=1e-4)
 

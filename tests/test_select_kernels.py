@@ -113,15 +113,16 @@ def test_exact_qb_selects_in_xla_when_tokens_are_split(h200_lowering):
   """With the tokens split over a mesh, exact QB's select stays in XLA (GSPMD splits its count
   reductions; the Pallas kernel would gather every rank's margins); on one device it takes the
   kernel. Traced for the GPU (where the kernel is the default), on an abstract mesh."""
+  from k3jax import router
   from k3jax.config import MoEConfig
-  from sharding import balance
   cfg = MoEConfig(num_experts=8, top_k=2, balancing="quantile", balancing_iters=1)
   scores = jax.ShapeDtypeStruct((64, 8), jnp.float32)
   bias = jax.ShapeDtypeStruct((8,), jnp.float32)
   ids = jax.ShapeDtypeStruct((64, 2), jnp.int32)
 
   def has_kernel():
-    jaxpr = jax.make_jaxpr(lambda s, b, i: balance.bias_stat(s, b, i, cfg))(scores, bias, ids)
+    stat = lambda s, b, i: router.sharded_bias_stat(s, b, i, cfg)
+    jaxpr = jax.make_jaxpr(stat)(scores, bias, ids)
     return "pallas_call" in str(jaxpr)
 
   assert has_kernel()

@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax import config as config_lib
 from k3jax.config import ConfigError, MeshConfig
+from k3jax.train_state import abstract_model, abstract_train_state
 from sharding import mesh as mesh_lib
 from sharding.rules import logical_spec
 
@@ -42,7 +43,7 @@ def test_logical_specs_for_k3_layout():
 
 def test_names_tree_and_pure_shardings():
   cfg = config_lib.load("configs/k3_tiny.yaml")
-  names = mesh_lib.names_tree(cfg.model)
+  names = mesh_lib.names_tree(abstract_model(cfg))
   assert names["layers"][1]["mlp"]["experts"]["w_gate_up"] == ("expert", "latent", "mlp")
   assert names["embed_tokens"]["embedding"] == ("vocab", "embed")
   amesh = mesh_lib.abstract_mesh(MeshConfig(data=2, expert=2, context=2), 8)
@@ -57,7 +58,8 @@ def test_parameters_a_mesh_axis_cannot_split_are_named():
   plan (and train.py at start-up) warn once they hold more than 1% of the model."""
   from k3jax import plan
   cfg = config_lib.load("configs/k3_tiny.yaml")
-  _, params, _, names = plan.abstract_state(cfg)
+  state, names = plan.abstract_state(cfg)
+  params = state.params
   total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   three = plan.parse_mesh("fsdp=3")
   unsplit = mesh_lib.unsplit_params(params, names, three)
@@ -92,7 +94,7 @@ def test_plan_report_tiny():
     assert coll[key] > 0, key
   # replicated on one device: the parameter bytes are the whole model
   one = plan.plan(config_lib.load("configs/k3_tiny.yaml"), plan.parse_mesh("data=1"), 64, 8)
-  total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(plan.abstract_state(cfg)[1]))
+  total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(plan.abstract_state(cfg)[0].params))
   assert one["per_device_bytes"]["params"] == total > b["params"]
   with pytest.raises(ConfigError, match="unknown axis"):
     plan.parse_mesh("pipeline=2")
@@ -152,9 +154,10 @@ def test_plan_traced_activations_against_the_compiled_step():
     terms = act["terms_GB"]
     est = terms["saved_residuals"] + max(terms["loss_chunk_logits_and_gradient"],
                                          terms["one_layer_recompute"])
-    graphdef, params, biases, _ = plan.abstract_state(cfg)
-    grad = jax.grad(lambda p, bi, x: ts._loss(graphdef, p, bi, x, cfg.train)[0])
-    compiled = jax.jit(grad).trace(params, biases, plan._abstract_batch(b, t)).lower().compile()
+    state = plan.abstract_state(cfg)[0]
+    grad = jax.grad(lambda p, bi, x: ts._loss(state.graphdef, p, bi, x, cfg.train)[0])
+    compiled = jax.jit(grad).trace(state.params, state.biases,
+                                   plan._abstract_batch(b, t)).lower().compile()
     temps = compiled.memory_analysis().temp_size_in_bytes / plan.GB
     assert 0.5 * temps < est < temps, (over, est, temps)
     if over == ["model.remat=dots"]:
@@ -251,24 +254,17 @@ def test_prefix_compose_equals_associative_scan():
 @pytest.mark.parametrize("opt", ["adamw", "muon"])
 def test_optimizer_state_is_split_like_the_parameters(opt):
   """``optimizer_shardings`` lays each moment out as its parameter (``jit(tx.init)`` alone
-  replicated all of it on every device): on fsdp=8 the per-device optimizer bytes equal the
-  plan's exact count, an eighth of the whole, for AdamW and for Muon (whose packed w_gate_up
-  momentum has its own shape)."""
+  replicated all of it on every device): on fsdp=8 the per-device optimizer bytes of the train
+  state equal the plan's exact count, an eighth of the whole, for AdamW and for Muon (whose
+  packed w_gate_up momentum has its own shape)."""
   from k3jax import plan
-  from k3jax.optim import make_optimizer
   sizes = plan.parse_mesh("fsdp=8")
   cfg = config_lib.load("configs/k3_tiny.yaml", ["mesh.fsdp=8", f"optimizer.name={opt}"])
   amesh = mesh_lib.abstract_mesh(MeshConfig(fsdp=8), 8)
-  _, params, _, names = plan.abstract_state(cfg)
-  with jax.sharding.use_abstract_mesh(amesh):
-    psh = mesh_lib.pure_shardings(params, amesh, names)
-    a_params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            params, psh)
-    tx, _ = make_optimizer(cfg, params)
-    a_opt = jax.eval_shape(tx.init, a_params)
-    osh = mesh_lib.optimizer_shardings(a_opt, a_params)
-  nbytes = lambda x, s: math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
-  per_device = sum(map(nbytes, jax.tree.leaves(a_opt), jax.tree.leaves(osh)))
+  a_opt = abstract_train_state(cfg, amesh).opt_state
+  nbytes = lambda x: math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+  per_device = sum(map(nbytes, jax.tree.leaves(a_opt)))
   whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(a_opt))
   assert per_device == plan.state_bytes(cfg, sizes)["optimizer"] < whole / 7, (per_device, whole)
+  params = plan.abstract_state(cfg)[0].params
   assert mesh_lib.optimizer_shardings(a_opt, params) is None  # parameters not on a mesh

@@ -72,7 +72,7 @@ def model_layouts(only: str = ""):
     return l / w, jax.tree.map(lambda x: x / w, g), stats
 
   ref_l, ref_g, ref_stats = jax.jit(loss_and_grad)(params, biases, batch)
-  names = mesh_lib.names_tree(cfg.model)
+  names = mesh_lib.names_tree(model)
   layouts = [("data", dict(data=8), True), ("fsdp", dict(data=1, fsdp=8), True),
              ("expert", dict(data=2, expert=4), True), ("expert_plain", dict(data=2, expert=4), False),
              ("context", dict(data=2, context=4), True),
@@ -86,8 +86,7 @@ def model_layouts(only: str = ""):
     print(name, file=sys.stderr, flush=True)
     mesh_cfg = MeshConfig(**{"data": 1, **sizes, "moonep": moonep})
     mesh = mesh_lib.make_mesh(mesh_cfg)
-    sharding.configure(mesh_cfg)
-    with jax.set_mesh(mesh):
+    with sharding.layout(mesh_cfg), jax.set_mesh(mesh):
       p = mesh_lib.shard_params(params, mesh, names)
       bt = jax.tree.map(lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh)), batch)
       l, g, stats = jax.jit(loss_and_grad)(p, biases, bt)
@@ -99,7 +98,6 @@ def model_layouts(only: str = ""):
     stat_err = max(_max_rel(a, b) for a, b in zip(jax.tree.leaves(ref_stats), jax.tree.leaves(stats)))
     out[name] = {"loss": abs(float(l) - float(ref_l)), "grad": errs["float64"],
                  "grad_f32": errs.get("float32", 0.0), "stats": stat_err}
-  sharding.configure(MeshConfig())
   return out
 
 
@@ -111,21 +109,19 @@ def moe_local_sort():
   from flax import nnx
   from k3jax.config import load
   from k3jax.latent_moe import RouterBias
-  from k3jax.model import K3Model
+  from k3jax.train_state import abstract_model
   from k3jax.train_step import _loss
   import sharding
 
   cfg = load("configs/k3_tiny.yaml", [])
-  model = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0)))
-  graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
+  graphdef, params, biases = nnx.split(abstract_model(cfg), nnx.Param, RouterBias)
   params, biases = nnx.to_pure_dict(params), nnx.to_pure_dict(biases)
   b, t = 8, 64
   out = {"pairs": b * t * cfg.model.moe.top_k}
   for name, sizes in (("data8", dict(data=8)), ("context8", dict(data=1, context=8))):
     mesh_cfg = MeshConfig(**sizes)
-    sharding.configure(mesh_cfg)
     mesh = mesh_lib.make_mesh(mesh_cfg)
-    with jax.set_mesh(mesh):
+    with sharding.layout(mesh_cfg), jax.set_mesh(mesh):
       sh = mesh_lib.batch_sharding(mesh)
       batch = {k: jax.ShapeDtypeStruct((b, t), jnp.float32 if k == "weights" else jnp.int32,
                                        sharding=sh)
@@ -133,7 +129,6 @@ def moe_local_sort():
       grad = jax.jit(jax.grad(lambda p, bs, bt: _loss(graphdef, p, bs, bt)[0]))
       text = grad.lower(params, biases, batch).compile().as_text()
     out[name] = sorted({int(n) for n in re.findall(r"= \(?s32\[(\d+)\][^\n]*? sort\(", text)})
-  sharding.configure(MeshConfig())
   return out
 
 
@@ -326,11 +321,11 @@ def muon_sharded():
   from k3jax.latent_moe import RouterBias
   from k3jax.model import K3Model
   cfg = load("configs/k3_tiny.yaml", ["optimizer.name=muon", "optimizer.muon_ns_precision=f32"])
-  _, params, _ = nnx.split(K3Model(cfg.model, rngs=nnx.Rngs(0)), nnx.Param, RouterBias)
-  params = nnx.to_pure_dict(params)
+  model = K3Model(cfg.model, rngs=nnx.Rngs(0))
+  params = nnx.to_pure_dict(nnx.split(model, nnx.Param, RouterBias)[1])
   rng = np.random.default_rng(6)
   grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), params)
-  names = mesh_lib.names_tree(cfg.model)
+  names = mesh_lib.names_tree(model)
   tx, _ = optim.make_optimizer(cfg, params, names)
 
   def update(p, g):
@@ -338,7 +333,7 @@ def muon_sharded():
 
   iterated = []  # matrices per Newton-Schulz call, as traced (per device inside shard_map)
   iterate = optim._iterate
-  optim._iterate = lambda y, dtype: iterated.append(y.shape[0]) or iterate(y, dtype)
+  optim._iterate = lambda y, *a: iterated.append(y.shape[0]) or iterate(y, *a)
   try:
     with jax.default_matmul_precision("highest"):
       ref = jax.jit(update)(params, grads)
@@ -360,7 +355,6 @@ def qb_histogram():
   """Histogram QB summed over ranks vs exact sort-based QB on the global batch."""
   from k3jax import router
   from k3jax.config import MoEConfig
-  from sharding import balance
   rng = np.random.default_rng(4)
   n, e = 512, 16
   cfg = MoEConfig(num_experts=e, top_k=4, balancing="quantile_hist", balancing_bins=200,
@@ -372,7 +366,8 @@ def qb_histogram():
   exact = router.quantile_bias(scores, bias, cfg, valid)
   lo, width = router.hist_edges(bias, cfg.balancing_bins)
   with jax.set_mesh(_mesh(data=2, expert=2, context=2)):
-    hist = jax.jit(lambda s, b, i, v: balance.bias_stat(s, b, i, cfg, v))(scores, bias, ids, valid)
+    hist = jax.jit(lambda s, b, i, v: router.sharded_bias_stat(s, b, i, cfg, v))(scores, bias,
+                                                                                ids, valid)
   approx = router.bias_from_histogram(hist, bias, cfg)
   local = router.quantile_histogram(scores, bias, cfg, valid)
   return {"max_err_in_bins": float(jnp.max(jnp.abs(approx - exact)) / width),

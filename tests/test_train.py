@@ -15,7 +15,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train.py lives at the repo root
 import train  # noqa: E402
-from k3jax import checkpoint, metrics, optim, train_step  # noqa: E402
+import sharding  # noqa: E402
+from k3jax import checkpoint, metrics, train_state, train_step  # noqa: E402
 
 # One shape for every run here, so the persistent compilation cache serves all but the first
 # (a constant schedule keeps train.steps out of the compiled step).
@@ -169,14 +170,12 @@ def test_sigterm_saves_a_loadable_checkpoint(tmp_path, root):
   # Loadable: the same tree restores, and the data iterator comes back.
   from k3jax import config as config_lib, data as data_lib
   cfg = config_lib.load(root / "configs" / "k3_tiny.yaml", [*SMALL])
-  graphdef, params, biases = train.init_model(cfg)
-  tx, _ = optim.make_optimizer(cfg, params)
-  state = {"params": params, "opt_state": tx.init(params), "biases": biases,
-           "rng": jax.random.key_data(jax.random.key(0))}
+  abstract = train_state.abstract_train_state(cfg, sharding.make_mesh(cfg.mesh))
+  state = {"params": abstract.params, "opt_state": abstract.opt_state, "biases": abstract.biases,
+           "rng": abstract.rng}  # the checkpoint's tree, as every earlier run saved it
   d = data_lib.Data(cfg)
   ckpt = checkpoint.Checkpointer(run_dir / "checkpoints")
-  step, restored, meta, _ = ckpt.restore_latest(train_step.abstract_like(state),
-                                                lambda s: iter(d.dataset("train", 64)))
+  step, restored, meta, _ = ckpt.restore_latest(state, lambda s: iter(d.dataset("train", 64)))
   ckpt.close()
   assert step == steps[0] == meta["step"]
   assert jax.tree.structure(restored) == jax.tree.structure(state)
@@ -234,13 +233,13 @@ def test_metrics_jsonl_and_tensorboard(tmp_path, monkeypatch):
 
 
 def test_stages_switch_packing_length(root):
-  from k3jax import config as config_lib
+  from k3jax import config as config_lib, data as data_lib
   cfg = config_lib.load(root / "configs" / "k3_tiny.yaml", [
       "train.steps=10", "train.stages=[{seq_len: 32, steps: 3}, {seq_len: 64, steps: 4}]"])
-  got = [(s.start, s.end, s.seq_len) for s in train.stages(cfg)]
+  got = [(s.start, s.end, s.seq_len) for s in data_lib.stages(cfg)]
   assert got == [(0, 3, 32), (3, 10, 64)]
-  assert train.stage_at(train.stages(cfg), 2).seq_len == 32
-  assert train.stage_at(train.stages(cfg), 3).seq_len == 64
+  assert data_lib.stage_at(data_lib.stages(cfg), 2).seq_len == 32
+  assert data_lib.stage_at(data_lib.stages(cfg), 3).seq_len == 64
 
 
 @pytest.mark.slow
