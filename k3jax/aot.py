@@ -11,8 +11,7 @@ handed to the CUDA PJRT plugin, for TPUs a topology name handed to libtpu (``v5e
   Triton pipeline and ptxas for sm_90a, Mosaic GPU kernels for Hopper;
 - its memory analysis is what the device would allocate (temporaries, arguments, outputs);
   without the device XLA cannot autotune (GEMM backends, CUB sort scratch), so a GPU figure can
-  be a few GiB off: the k3_1b step compiled to 91.3 GiB of temporaries here and to 95.3 GiB on
-  an H200 (benchmarks/RESULTS.md, Training).
+  be a few GiB off (benchmarks/RESULTS.md, Training).
 
 The plugins stay out of the project's venv, where every CPU run would probe for their devices:
 ``make aot`` installs them under ``.aot/`` (or ``$K3JAX_AOT_DIR``): libtpu for the TPU targets

@@ -295,9 +295,8 @@ def mesh_newton_schulz(xs: list[jax.Array], dims: list[MuonDimensionNumbers], sp
   of the leaves as viewed): where a matrix's rows or columns are split over mesh axes, one
   ``all_to_all`` over those axes gives each device whole matrices, about its share of the
   stack, to iterate, and another sends them back. Left to the parameters' layout, XLA formed
-  partial Gram matrices of each device's columns and all-reduced them at every step (K3 at 1M
-  on 2048 H200s: 290 GB of temporaries and 487 GB of all-reduce per device per update for the
-  experts). Newton-Schulz commutes with permuting a matrix's rows and columns, so the order the
+  partial Gram matrices of each device's columns and all-reduced them at every step
+  (benchmarks/RESULTS.md, MLA, "What grew per layer"). Newton-Schulz commutes with permuting a matrix's rows and columns, so the order the
   exchange puts them in does not matter. Leaves whose matrices are whole on every device take
   :func:`newton_schulz` as they lie."""
   from sharding.mesh import spec_axes

@@ -8,7 +8,7 @@
   ``tx.init``) divided by the mesh axes its logical names shard it over (:mod:`sharding.rules`);
   ``unsplit_params`` lists the leaves a rule asks to split over an axis that divides none of
   their dimensions (whole on every device of it), and ``warning`` names them when they hold
-  more than 1% of the model (K3 on ``fsdp=2048``: the experts' ``w_down``, 1.8 TB per device);
+  more than 1% of the model;
 - ``activations``: per-device peak for ``model.remat`` and ``model.remat_skip``, of one
   micro-batch (``--batch / train.grad_accum`` sequences: the step runs them one at a time, and
   ``collectives`` counts each one's gathers and gradient reductions). With no expert,
@@ -17,11 +17,8 @@
   policy, the kernels of ``--platform``, at the per-device batch), plus the larger of the two
   transients: the loss chunk's logits and their gradient (formed in the forward), and the
   recompute of one remat layer (its residuals without the policy less those kept). It is counted
-  before XLA's fusion and buffer reuse: k3_1b at 16 x 4096 with 0 / 6 / 12 layers out of the
-  ``dots_kernels`` remat gives 88.9 / 97.0 / 104.9 GiB with the gradients, where an H200 compiled
-  82.5 / 95.3 / 108.1 GiB of temporaries before RMSNorm's and the router's backwards kept less
-  and the dense GLU's kernel its output
-  (benchmarks/RESULTS.md, Training, "The memory plan against the compiled step"). Traced, it also
+  before XLA's fusion and buffer reuse (against the compiled step: benchmarks/RESULTS.md,
+  Training, "The memory plan against the compiled step"). Traced, it also
   gives the peak for every ``model.remat_skip`` (``by_remat_skip_GB``: a layer leaving the remat
   adds what its backward would form again); ``--memory GB`` says whether the total fits (``fit``)
   and, traced, the largest ``model.remat_skip`` that does. With expert, context or tensor splits
@@ -44,8 +41,8 @@
   against the device's usable memory (``fits``), the compile time, the kernels and the bytes each
   collective leaves on a device per step (``collectives_GB_received``, loops counted). This is the
   program the device would run, so it settles what the traced and analytical estimates above
-  approximate; on a GPU target without autotuning it can be a few GiB off (k3_1b: 91.3 GiB of
-  temporaries compiled here, 95.3 on an H200).
+  approximate; on a GPU target without autotuning it can be a few GiB off
+  (benchmarks/RESULTS.md, Training).
 """
 
 from __future__ import annotations

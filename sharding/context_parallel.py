@@ -22,8 +22,8 @@ and each block's attention is merged into the running output by log-sum-exps. Th
 (a custom VJP) gathers the latents again, rebuilds each block's keys and values and runs the
 attention's backward kernels with the whole output and log-sum-exp, as ring attention does: no
 block's output is kept or recomputed, and of the gathered sequence only the rank's own latents
-are saved. Up-projecting the whole sequence at once would take ``[B, S, H, 192 + 128]`` per
-layer, more than a device holds at 1M tokens.
+are saved, so the whole sequence's keys and values (``[B, S, H, 192 + 128]`` per layer) never
+exist at once.
 
 Both are single calls from the model layers and run only when the current mesh has a
 ``context`` axis larger than 1.
@@ -212,8 +212,9 @@ def _block_masks(cfg: _Blocks, qseg, start, seg_b, k0):
 
 def _over_blocks(cfg: _Blocks, t: int, step, first):
   """``step(i, carry)`` for key blocks 1 .. nb - 1 from the carry ``first`` (block 0's): a loop
-  whose carries start from data, not from zeros: XLA makes every layer's zero-filled loop
-  buffers in one fusion at the start, all live at once."""
+  whose carries start from data, not from zeros. (XLA makes every layer's zero-filled loop
+  buffers in one fusion at the start, all live at once: benchmarks/RESULTS.md, MLA, "What grew
+  per layer".)"""
   nb = t // cfg.keys
   return first if nb == 1 else jax.lax.fori_loop(1, nb, step, first)
 

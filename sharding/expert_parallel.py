@@ -105,7 +105,7 @@ def moe_dispatch(x, expert_ids, weights, w_gate_up, w_down, activation, *, capac
 
   def body(x, ids, wts, w1, w2):
     # The weights' gathers wait for this layer's tokens: XLA otherwise starts every layer's at
-    # the top of the step, every layer's gathered expert weights live at once.
+    # the top of the step, all live at once (benchmarks/RESULTS.md, MLA, "What grew per layer").
     x, w1, w2 = jax.lax.optimization_barrier((x, w1, w2))
     w1 = _gather_weight(w1, w1_spec)  # [er, L, 2F]
     w2 = _gather_weight(w2, w2_spec)  # [er, F, L]
