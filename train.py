@@ -5,11 +5,11 @@ standard library's source, byte-level tokens) into ``runs/k3_tiny``. Running aga
 run directory resumes from its latest complete checkpoint, exactly where it stopped.
 
 The loop, step by step:
-  config -> data (grain, packed rows) -> model (NNX, split into pure param / router-bias dicts)
-  -> optimizer -> restore the latest checkpoint if any -> for each step: next batch, the train
-  step (compiled ahead of time once per stage, so nothing recompiles it), metrics, eval every
-  ``train.eval_every`` steps, an async checkpoint every ``checkpoint.every`` steps -> a final
-  checkpoint. SIGTERM / SIGINT finish the current step, save a checkpoint and exit with status
+  config -> data (grain, packed rows) -> the training state (:mod:`k3jax.train_state`: the model
+  split into pure param / router-bias dicts, the optimizer state, the rng) -> restore the latest
+  checkpoint if any -> for each step: next batch, the train step (compiled ahead of time once
+  per stage, so nothing recompiles it), metrics, eval every ``train.eval_every`` steps, an async
+  checkpoint every ``checkpoint.every`` steps -> a final checkpoint. SIGTERM / SIGINT finish the current step, save a checkpoint and exit with status
   128 + signal number.
 """
 

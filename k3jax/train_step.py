@@ -160,7 +160,8 @@ def trace_train_step(jitted: Callable, state, batch: dict[str, jax.ShapeDtypeStr
   of ``ShapeDtypeStruct``s: their shardings are the program's) and ``batch``
   (:func:`batch_spec`), under the current mesh: the program ``train.py`` compiles and
   :mod:`k3jax.plan` lowers."""
-  return jitted.trace(state.params, state.opt_state, state.biases, jnp.int32(0), state.rng, batch)
+  step = jax.ShapeDtypeStruct((), jnp.int32)  # laid out as the scalar each call passes
+  return jitted.trace(state.params, state.opt_state, state.biases, step, state.rng, batch)
 
 
 def apply_step(executable: Callable, state, step: int, batch: dict) -> tuple[Any, dict]:
