@@ -231,9 +231,9 @@ def _grad_kernel_counts(cfg):
   """Pallas kernel name -> calls in the traced gradient of the loss of ``cfg``'s model (shapes
   only: nothing is lowered or run)."""
   from k3jax.latent_moe import RouterBias
+  from k3jax.train_state import abstract_model
   from k3jax.train_step import _loss
-  model = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0)))
-  graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
+  graphdef, params, biases = nnx.split(abstract_model(cfg), nnx.Param, RouterBias)
   params, biases = nnx.to_pure_dict(params), nnx.to_pure_dict(biases)
   batch = {k: jax.ShapeDtypeStruct((1, 64), jnp.float32 if k == "weights" else jnp.int32)
            for k in ("input_ids", "targets", "segment_ids", "positions", "weights")}
