@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax import convert as hf_convert
+from k3jax import convert
 from k3jax.model import K3Model
 from k3jax.train_state import abstract_model
 
@@ -31,18 +31,18 @@ def from_pretrained(path: str | Path, *, dtype: str | None = None,
   """
   path = Path(path)
   if not path.is_dir():
-    raise hf_convert.ConversionError(f"from_pretrained: {path} is not a directory")
+    raise convert.ConversionError(f"from_pretrained: {path} is not a directory")
   orbax = _is_orbax(path)
   if orbax:
-    cfg = hf_convert.load_orbax_config(path, config)
+    cfg = convert.load_orbax_config(path, config)
   elif (path / "config.json").is_file():
-    cfg = hf_convert.config_from_hf(hf_convert.read_hf_config(path), name=path.name)
+    cfg = convert.config_from_hf(convert.read_hf_config(path), name=path.name)
   else:
-    raise hf_convert.ConversionError(
+    raise convert.ConversionError(
         f"from_pretrained: {path} holds neither an Orbax checkpoint nor an HF config.json")
   if dtype is not None:
     if dtype not in ("float32", "bfloat16"):
-      raise hf_convert.ConversionError(f"from_pretrained: dtype must be float32 or bfloat16, got {dtype!r}")
+      raise convert.ConversionError(f"from_pretrained: dtype must be float32 or bfloat16, got {dtype!r}")
     cfg = dataclasses.replace(cfg, param_dtype=dtype, compute_dtype=dtype)
   model = abstract_model(cfg)
   flat_state = nnx.to_flat_state(nnx.state(model))
@@ -54,9 +54,9 @@ def from_pretrained(path: str | Path, *, dtype: str | None = None,
       names = getattr(var, "sharding_names", None) or var.get_metadata().get("out_sharding")
       shardings[".".join(map(str, p))] = named_sharding(mesh, names or (None,) * var.get_value().ndim)
   if orbax:
-    _, values = hf_convert.load_orbax_params(path, config=config, shardings=shardings)
+    _, values = convert.load_orbax_params(path, config=config, shardings=shardings)
   else:
-    _, values = hf_convert.load_hf_params(path, cfg)
+    _, values = convert.load_hf_params(path, cfg)
   missing = []
   for p, var in flat_state:
     key = ".".join(map(str, p))
@@ -66,7 +66,7 @@ def from_pretrained(path: str | Path, *, dtype: str | None = None,
     want = var.get_value()
     x = values[key]
     if tuple(x.shape) != tuple(want.shape):
-      raise hf_convert.ConversionError(f"{key}: checkpoint shape {list(x.shape)}, model {list(want.shape)}")
+      raise convert.ConversionError(f"{key}: checkpoint shape {list(x.shape)}, model {list(want.shape)}")
     if isinstance(x, np.ndarray):
       x = jnp.asarray(x, dtype=want.dtype)
       if shardings is not None:
@@ -75,7 +75,7 @@ def from_pretrained(path: str | Path, *, dtype: str | None = None,
       x = x.astype(want.dtype)
     var.set_value(x)
   if missing:
-    raise hf_convert.ConversionError("from_pretrained: parameters missing from the checkpoint: "
+    raise convert.ConversionError("from_pretrained: parameters missing from the checkpoint: "
                                      + ", ".join(missing))
   nnx.update(model, nnx.from_flat_state(flat_state))
   return model
