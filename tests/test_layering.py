@@ -67,7 +67,7 @@ def test_the_import_check_sees_every_form(tmp_path):
                                    "k3jax.router", "k3jax.train_state"])
 def test_any_module_imports_first(first):
   """No package depends on the order its modules are imported in."""
-  proc = subprocess.run([sys.executable, "-c", f"import {first}; import train"], cwd=ROOT,
+  proc = subprocess.run([sys.executable, "-c", f"import {first}; import k3jax.train"], cwd=ROOT,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
 

@@ -13,10 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train.py lives at the repo root
-import train  # noqa: E402
-import sharding  # noqa: E402
-from k3jax import checkpoint, metrics, train_state, train_step  # noqa: E402
+from k3jax import train
+import sharding
+from k3jax import checkpoint, metrics, train_state, train_step
 
 # One shape for every run here, so the persistent compilation cache serves all but the first
 # (a constant schedule keeps train.steps out of the compiled step).
@@ -271,11 +270,12 @@ def test_the_step_compiles_once_per_stage(tmp_path, monkeypatch, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("env, want", [(None, "0.92"), ("0.5", "0.5")])
 def test_train_lets_jax_use_most_of_the_gpu(root, env, want):
-  """Importing train.py sets JAX's GPU memory fraction to 0.92 unless the environment sets it."""
+  """train.py sets JAX's GPU memory fraction to 0.92 unless the environment sets it."""
   environ = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
   if env is not None:
     environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = env
-  out = subprocess.run([sys.executable, "-c", "import os, train; "
+  out = subprocess.run([sys.executable, "-c", "import os; from k3jax import train; "
+                        "train.main(['--config', 'missing.yaml']); "
                         "print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])"],
                        cwd=root, env=environ, capture_output=True, text=True, check=True).stdout
   assert out.split() == [want]

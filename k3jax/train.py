@@ -1,0 +1,294 @@
+"""The training loop behind ``python train.py [--config CONFIG] [--run-dir DIR] [key=value ...]``.
+
+With no arguments it trains ``configs/k3_tiny.yaml`` on the embedded default data (the Python
+standard library's source, byte-level tokens) into ``runs/k3_tiny``. Running again with the same
+run directory resumes from its latest complete checkpoint, exactly where it stopped.
+
+The loop, step by step:
+  config -> data (grain, packed rows) -> the training state (:mod:`k3jax.train_state`: the model
+  split into pure param / router-bias dicts, the optimizer state, the rng) -> restore the latest
+  checkpoint if any -> for each step: next batch, the train step (compiled ahead of time once
+  per stage, so nothing recompiles it), metrics, eval every ``train.eval_every`` steps, an async
+  checkpoint every ``checkpoint.every`` steps -> a final checkpoint. SIGTERM / SIGINT finish the current step, save a checkpoint and exit with status
+  128 + signal number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import jax
+import yaml
+
+from k3jax import checkpoint as checkpoint_lib
+from k3jax import config as config_lib
+from k3jax import data as data_lib
+from k3jax import flops as flops_lib
+from k3jax import metrics as metrics_lib
+from k3jax import train_step as step_lib
+from k3jax.data import stage_at, stages
+from k3jax.train_state import abstract_model, abstract_train_state, init_train_state
+import sharding
+
+DEFAULT_CONFIG = "configs/k3_tiny.yaml"
+
+
+class TrainError(RuntimeError):
+  """The run cannot continue (bad run directory, repeated non-finite steps)."""
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(prog="train.py", description="Pre-trains a K3 model.",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default {DEFAULT_CONFIG})")
+  p.add_argument("--run-dir", default=None, help="run directory (default runs/<model.name>)")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("overrides", nargs="*", help="config overrides, e.g. train.steps=100")
+  return p.parse_args(argv)
+
+
+def check_run_dir(run_dir: Path, cfg: config_lib.Config) -> None:
+  """Writes ``config.yaml`` on the first run; on a resume, refuses a different model (keys the
+  saved config lacks take their defaults)."""
+  run_dir.mkdir(parents=True, exist_ok=True)
+  path = run_dir / "config.yaml"
+  current = config_lib.to_dict(cfg)
+  if path.exists():
+    saved = yaml.safe_load(path.read_text()) or {}
+    if config_lib.from_dict({"model": saved.get("model") or {}}).model != cfg.model:
+      raise TrainError(f"{run_dir} holds a run of a different model (see {path}); "
+                       "use another --run-dir")
+  path.write_text(yaml.safe_dump(current, sort_keys=False))
+
+
+class _Signals:
+  """Turns SIGTERM / SIGINT into a flag that the loop checks after every step."""
+
+  def __init__(self):
+    self.received: int | None = None
+    self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+  def _handle(self, signum, frame):
+    if self.received is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt  # a second Ctrl-C stops at once
+    self.received = signum
+
+  def restore(self):
+    for s, h in self._old.items():
+      signal.signal(s, h)
+
+
+def evaluate(eval_fn, params, biases, data: data_lib.Data, seq_len: int, batches: int,
+             batch_sharding) -> float:
+  """Mean held-out token loss over the first ``batches`` eval batches (the same every time)."""
+  it = iter(data.dataset("eval", seq_len))
+  loss, weight = 0.0, 0.0
+  for _ in range(batches):
+    l, w = eval_fn(params, biases, step_lib.place_batch(next(it), batch_sharding))
+    loss, weight = loss + float(l), weight + float(w)
+  return loss / max(weight, 1.0)
+
+
+def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> dict:
+  """Runs (or resumes) the training of ``cfg`` in ``run_dir``; returns the last metrics record."""
+  sharding.mesh.initialize_distributed()
+  with sharding.layout(cfg.mesh):
+    return _train(cfg, run_dir, progress)
+
+
+def _train(cfg: config_lib.Config, run_dir: Path, progress: bool) -> dict:
+  # The mesh of cfg.mesh (one device: every axis 1). The state is built outside the mesh context
+  # (the model's logical axis names are not mesh axes); the steps run inside.
+  mesh = sharding.make_mesh(cfg.mesh)
+  check_run_dir(run_dir, cfg)
+  data = data_lib.Data(cfg, process_index=jax.process_index(), process_count=jax.process_count())
+  all_stages = stages(cfg)
+  total = cfg.train.steps
+  batch_sharding = sharding.batch_sharding(mesh)
+
+  state = init_train_state(cfg, mesh)
+
+  def data_iter(step: int):  # the iterator a checkpoint at ``step`` saved: that of step - 1
+    stage = stage_at(all_stages, max(step - 1, 0))
+    return iter(data.dataset("train", stage.seq_len, seed=cfg.data.seed + stage.index))
+
+  ckpt = None
+  if cfg.checkpoint.enabled:
+    ckpt = checkpoint_lib.Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep,
+                                       async_save=cfg.checkpoint.async_save)
+  step, nonfinite_run = 0, 0
+  it = None
+  restored = ckpt and ckpt.restore_latest(abstract_train_state(cfg, mesh).arrays(), data_iter)
+  if restored is not None:
+    step, arrays, meta, it = restored
+    state = state.replace(**arrays)
+    nonfinite_run = int(meta.get("nonfinite_run", 0))
+  stage = stage_at(all_stages, max(step - 1, 0))
+  it = it or data_iter(step)
+
+  donate = jax.default_backend() != "cpu"
+  step_fn = step_lib.jit_train_step(
+      step_lib.make_train_step(cfg, state.graphdef, state.tx, state.schedule), donate=donate,
+      state=state)
+  eval_fn = jax.jit(step_lib.make_eval_step(state.graphdef, cfg.train))
+  peak, peak_note = flops_lib.device_peak_flops(cfg.train.peak_tflops)
+  is_main = jax.process_index() == 0
+  metrics = metrics_lib.Metrics(run_dir, total_steps=total, start_step=step, enabled=is_main,
+                                progress=progress)
+  n_params = sum(x.size for x in jax.tree.leaves(state.params))
+  metrics.say(f"{cfg.model.name}: {n_params / 1e6:.2f}M parameters, {data.num_docs('train')} "
+              f"training / {data.num_docs('eval')} held-out documents, {total} steps of "
+              f"{cfg.train.batch_size} rows, run dir {run_dir}")
+  metrics.say(f"mfu peak: {peak_note}")
+  if mesh.devices.size > 1:  # parameters a mesh axis cannot split (one device splits nothing)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    names = sharding.names_tree(abstract_model(cfg))
+    whole = sharding.mesh.unsplit_warning(
+        sharding.mesh.unsplit_params(state.params, names, sizes), sizes,
+        sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params)))
+    if whole:
+      metrics.say(whole)
+  if restored is not None:
+    metrics.say(f"resumed from step {step} ({run_dir / 'checkpoints' / str(step)})")
+  if step >= total:
+    metrics.say(f"the run is complete (step {step} of train.steps={total}); nothing to do")
+
+  def save(at_step: int, *, wait: bool = False) -> None:
+    if ckpt is None:
+      return
+    meta = {"step": at_step, "stage": stage.index, "nonfinite_run": nonfinite_run}
+    ckpt.save(at_step, state.arrays(), it, meta, wait=wait)
+
+  signals = _Signals()
+  record: dict = {}
+  compiled: dict[int, object] = {}  # seq_len -> the step's executable: one compile per stage
+  compile_s = None  # the last compile's seconds, logged with the step after it
+  last_time, last_step = time.perf_counter(), step
+  contexts: list[float] = []  # mean attention context of each step's rows since the last log
+  in_mesh = jax.set_mesh(mesh)
+  in_mesh.__enter__()
+  try:
+    while step < total:
+      now = stage_at(all_stages, step)
+      if now.index != stage.index:
+        stage, it = now, iter(data.dataset("train", now.seq_len, seed=cfg.data.seed + now.index))
+        metrics.say(f"stage {now.index}: seq_len {now.seq_len} from step {step}")
+      host_batch = next(it)
+      contexts.append(flops_lib.mean_causal_context(host_batch["segment_ids"]))
+      batch = step_lib.place_batch(host_batch, batch_sharding)
+      try:
+        if stage.seq_len not in compiled:
+          compiled[stage.seq_len], report = step_lib.compile_train_step(
+              step_fn, state, step_lib.batch_spec(cfg.train.batch_size, stage.seq_len,
+                                                  batch_sharding))
+          compile_s = report.total_s
+          mem = report.memory
+          temps = "" if mem is None else f"; {mem.temp_size_in_bytes / 2**30:.1f} GiB of " \
+                                         "temporaries per device"
+          metrics.say(f"compiled the step for {cfg.train.batch_size} x {stage.seq_len} tokens: "
+                      f"{report}{temps}")
+          last_time, last_step = time.perf_counter(), step  # tokens/s: steps, not compiles
+          contexts[:] = contexts[-1:]
+        state, out = step_lib.apply_step(compiled[stage.seq_len], state, step, batch)
+      except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+          raise
+        raise TrainError(out_of_memory(cfg, stage.seq_len, step + 1, e)) from e
+      step += 1
+      out = jax.device_get(out)
+      if out["nonfinite"]:
+        nonfinite_run += 1
+        metrics.say(f"step {step}: non-finite loss or gradient, update skipped "
+                    f"({nonfinite_run} in a row)")
+        if nonfinite_run >= cfg.train.max_nonfinite:
+          raise TrainError(f"{nonfinite_run} non-finite steps in a row (train.max_nonfinite="
+                           f"{cfg.train.max_nonfinite}); last loss {out['loss']}, grad norm "
+                           f"{out['grad_norm']}. Stopping; the last checkpoint is intact.")
+      else:
+        nonfinite_run = 0
+
+      if step % cfg.train.log_every == 0 or step == total or step == 1:
+        elapsed = time.perf_counter() - last_time
+        tokens = (step - last_step) * cfg.train.batch_size * stage.seq_len
+        tps = tokens / elapsed if elapsed > 0 and step > last_step else None
+        fpt = flops_lib.train_flops_per_token(cfg.model, stage.seq_len,
+                                              sum(contexts) / max(len(contexts), 1))
+        contexts.clear()
+        record = {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"],
+                  "lr": out["lr"], "tokens_per_s": tps,
+                  "mfu": (fpt * tps / peak) if (peak and tps) else None,
+                  "target_tokens": out["tokens"], "nonfinite": out["nonfinite"],
+                  "moe_load_max_mean": out["moe_load_max_mean"], "seq_len": stage.seq_len}
+        if compile_s is not None:
+          record["compile_s"], compile_s = compile_s, None
+        metrics.write(record)
+        metrics.say(f"step {step:6d}  loss {float(out['loss']):.4f}  grad_norm "
+                    f"{float(out['grad_norm']):.3f}  lr {float(out['lr']):.2e}"
+                    + (f"  {tps:,.0f} tok/s" if tps else ""))
+        metrics.progress(step, loss=float(out["loss"]), tok_s=f"{tps:,.0f}" if tps else "-")
+        last_time, last_step = time.perf_counter(), step
+
+      if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == total) and \
+          data.num_docs("eval"):
+        t_eval = time.perf_counter()
+        eval_loss = evaluate(eval_fn, state.params, state.biases, data, stage.seq_len,
+                             cfg.train.eval_batches, batch_sharding)
+        metrics.write({"step": step, "eval_loss": eval_loss})
+        metrics.say(f"step {step:6d}  eval loss {eval_loss:.4f}")
+        last_time += time.perf_counter() - t_eval
+
+      if signals.received is not None:
+        name = signal.Signals(signals.received).name
+        save(step, wait=True)
+        metrics.say(f"{name}: {'saved checkpoint' if ckpt else 'stopped'} at step {step}; exiting")
+        raise SystemExit(128 + signals.received)
+      if step % cfg.checkpoint.every == 0 or step == total:
+        t_save = time.perf_counter()
+        save(step, wait=step == total)
+        last_time += time.perf_counter() - t_save
+  finally:
+    in_mesh.__exit__(None, None, None)
+    signals.restore()
+    if ckpt is not None:
+      ckpt.close()
+    metrics.close()
+  return record
+
+
+def out_of_memory(cfg: config_lib.Config, seq_len: int, step: int, e: Exception) -> str:
+  """The message for step ``step`` (1-based, as in the logs) running out of device memory: what
+  ran, what XLA said, what helps."""
+  said = str(e).strip().splitlines()[0][:300]
+  return (f"the training step ran out of device memory at step {step} ({cfg.train.batch_size} x "
+          f"{seq_len} tokens per step, model.remat={cfg.model.remat}, "
+          f"model.remat_skip={cfg.model.remat_skip}, "
+          f"model.kda.save_residuals={cfg.model.kda.save_residuals}): {said}\n"
+          "Less memory per device: model.remat=full, model.remat_skip=0, "
+          "model.kda.save_residuals=false, a smaller "
+          "train.batch_size with train.grad_accum, or more devices on mesh.fsdp / mesh.context. "
+          "On GPUs JAX uses at most XLA_PYTHON_CLIENT_MEM_FRACTION of the memory (train.py's "
+          "default 0.92; e.g. 0.95 allows more). `python -m k3jax.plan CONFIG --mesh LAYOUT "
+          "--memory GB` estimates the peak for every model.remat_skip and names the largest that "
+          "fits. The last checkpoint is intact.")
+
+
+def main(argv=None) -> int:
+  """The command line: trains, returns the exit status (2 for a bad config, data or run dir)."""
+  # A training process owns its GPUs: JAX may use 92% of each (its default is 75%) unless told
+  # otherwise; JAX reads this when it first touches a device.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  try:
+    cfg = config_lib.load(args.config, args.overrides)
+    run_dir = Path(args.run_dir or f"runs/{cfg.model.name}")
+    train(cfg, run_dir, progress=not args.no_progress)
+  except (config_lib.ConfigError, data_lib.DataError, TrainError,
+          checkpoint_lib.LayoutError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
