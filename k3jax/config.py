@@ -9,6 +9,7 @@ head dim the kernels cannot take).
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -22,6 +23,13 @@ class ConfigError(ValueError):
 
 
 KERNEL_HEAD_DIMS = (64, 128)  # head dims the KDA kernels take
+# model.{kda,mla,moe}.implementation: None or one of the kernels' IMPLEMENTATIONS
+# (pallas_kernels.{kda,mla,moe}).
+IMPLEMENTATIONS = {
+    "kda": ("naive", "chunked", "pallas_gpu", "pallas_tpu", "pallas"),
+    "mla": ("xla", "pallas_gpu", "pallas_tpu", "pallas", "cudnn", "cudnn_fwd"),
+    "moe": ("xla", "pallas_gpu", "pallas_tpu", "pallas"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +182,9 @@ class DataConfig:
   seed: int = 0
   shuffle: bool = True
   prefetch: int = 2  # batches prepared ahead in a background thread (0: none)
+  # A resume whose data settings (k3jax.train.DATA_KEYS) differ from its checkpoint's is refused unless this
+  # is true: then the new data starts from its beginning instead of the saved iterator position.
+  reset_iterator: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,6 +270,9 @@ class Config:
 # Building dataclasses from plain dicts, with errors that name the key.
 
 
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
   origin = typing.get_origin(tp)
   if origin in (types.UnionType, typing.Union):
@@ -295,6 +309,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
   if tp is float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
       return float(value)
+    if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+      return float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
     raise ConfigError(f"{key}: expected a number, got {value!r}")
   if tp is str:
     if isinstance(value, str):
@@ -407,6 +423,9 @@ def validate(cfg: Config) -> None:
   for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
     _check(0 <= getattr(m, name) < m.vocab_size, f"model.{name}", "must be a token id < vocab_size")
 
+  for part, names in IMPLEMENTATIONS.items():
+    _one_of(getattr(m, part).implementation, (None, *names), f"model.{part}.implementation")
+
   k = m.kda
   _one_of(k.gate, ("bounded", "softplus"), "model.kda.gate")
   _one_of(k.output_gate, ("full", "low_rank"), "model.kda.output_gate")
@@ -431,6 +450,8 @@ def validate(cfg: Config) -> None:
   _check(a.num_heads > 0, "model.mla.num_heads", "must be positive")
   _check(a.kv_lora_rank > 0, "model.mla.kv_lora_rank", "must be positive")
   _check(a.q_lora_rank >= 0, "model.mla.q_lora_rank", "must be >= 0")
+  for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+    _check(getattr(a, name) > 0, f"model.mla.{name}", "must be positive")
 
   e = m.moe
   _one_of(e.balancing, ("quantile", "quantile_hist", "sign", "none"), "model.moe.balancing")
@@ -453,6 +474,10 @@ def validate(cfg: Config) -> None:
   _check(t.batch_size > 0, "train.batch_size", "must be positive")
   _check(t.grad_accum > 0, "train.grad_accum", "must be positive")
   _check(t.loss_chunk > 0, "train.loss_chunk", "must be positive")
+  _check(t.log_every > 0, "train.log_every", "must be positive")
+  _check(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0: no eval)")
+  _check(t.eval_batches > 0, "train.eval_batches", "must be positive")
+  _check(t.max_nonfinite > 0, "train.max_nonfinite", "must be positive")
   _check(t.batch_size % t.grad_accum == 0, "train.grad_accum",
          f"must divide train.batch_size={t.batch_size}")
   for i, s in enumerate(t.stages):
@@ -462,6 +487,15 @@ def validate(cfg: Config) -> None:
   _one_of(o.schedule, ("wsd", "cosine", "constant"), "optimizer.schedule")
   _one_of(o.muon_ns_precision, ("bf16", "f32"), "optimizer.muon_ns_precision")
   _one_of(o.ns_form, ("sums", "polynomial"), "optimizer.ns_form")
+  _check(o.lr > 0, "optimizer.lr", f"must be positive, got {o.lr}")
+  _check(0 <= o.min_lr_ratio <= 1, "optimizer.min_lr_ratio", "must be in [0, 1]")
+  _check(o.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
+  _check(0 <= o.decay_fraction <= 1, "optimizer.decay_fraction", "must be in [0, 1]")
+  for name in ("b1", "b2", "muon_beta"):
+    _check(0 <= getattr(o, name) < 1, f"optimizer.{name}", "must be in [0, 1)")
+  _check(o.eps > 0, "optimizer.eps", "must be positive")
+  for name in ("weight_decay", "grad_clip"):
+    _check(getattr(o, name) >= 0, f"optimizer.{name}", "must be >= 0")
   _check(cfg.checkpoint.every > 0, "checkpoint.every", "must be positive")
   _check(cfg.checkpoint.keep > 0, "checkpoint.keep", "must be positive")
   for name in ("data", "fsdp", "expert", "context", "tensor"):

@@ -1,8 +1,9 @@
 """Run metrics: ``RUN_DIR/metrics.jsonl`` (one JSON object per line), TensorBoard event files
 when ``tensorboardX`` or ``torch.utils.tensorboard`` is importable, and a tqdm progress bar.
 
-Non-finite numbers are written as ``null`` so that every line is strict JSON. A resumed run appends;
-a reader that wants one value per step should keep the last line of each step.
+Non-finite numbers are written as ``null`` so that every line is strict JSON. A run that starts at
+step ``s`` (a resume, or 0) first drops the records past ``s`` (those of steps it is about to run
+again, and a line cut short by a kill), so every step appears once.
 """
 
 from __future__ import annotations
@@ -46,6 +47,23 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
+def truncate(path: Path, step: int) -> None:
+  """Keeps the records of ``path`` up to ``step`` (and drops lines that are not JSON objects),
+  replacing the file in one rename."""
+  kept = []
+  with open(path) as f:
+    for line in f:
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError:
+        continue
+      if isinstance(record, dict) and record.get("step", 0) <= step:
+        kept.append(line if line.endswith("\n") else line + "\n")
+  tmp = path.with_name(f".{path.name}.tmp")
+  tmp.write_text("".join(kept))
+  tmp.replace(path)
+
+
 class Metrics:
   """Writes metrics of a run (only on process 0 when ``enabled`` is False elsewhere)."""
 
@@ -53,6 +71,8 @@ class Metrics:
                enabled: bool = True, progress: bool = True):
     self.enabled = enabled
     self.path = Path(run_dir) / "metrics.jsonl"
+    if enabled and self.path.exists():
+      truncate(self.path, start_step)
     self._file = open(self.path, "a") if enabled else None
     self._tb = _tb_writer(Path(run_dir) / "tensorboard") if enabled else None
     self._bar = None

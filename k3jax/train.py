@@ -16,11 +16,14 @@ The loop, step by step:
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import yaml
@@ -36,6 +39,10 @@ from k3jax.train_state import abstract_model, abstract_train_state, init_train_s
 import sharding
 
 DEFAULT_CONFIG = "configs/k3_tiny.yaml"
+# The settings that decide which rows the data iterator yields: a resume that changes one of them
+# is refused unless data.reset_iterator=true (the saved iterator position means nothing then).
+DATA_KEYS = ("data.source", "data.tokenizer", "data.text_field", "data.seq_len",
+             "data.eval_fraction", "data.seed", "data.shuffle", "train.batch_size", "train.stages")
 
 
 class TrainError(RuntimeError):
@@ -52,18 +59,82 @@ def parse_args(argv):
   return p.parse_args(argv)
 
 
+def data_settings(cfg: config_lib.Config) -> dict:
+  """``{key: value}`` of :data:`DATA_KEYS` in ``cfg``, as JSON data (what a checkpoint records)."""
+  tree = config_lib.to_dict(cfg)
+  return json.loads(json.dumps({k: tree[k.split(".")[0]][k.split(".")[1]] for k in DATA_KEYS}))
+
+
+def check_layout(cfg: config_lib.Config, num_devices: int) -> None:
+  """Refuses a batch or sequence length that the mesh of ``cfg.mesh`` on ``num_devices`` devices
+  does not split evenly (rows over the batch axes, each stage's tokens over ``context``)."""
+  sizes = sharding.mesh.axis_sizes(cfg.mesh, num_devices)
+  ways = math.prod(sizes[a] for a in sharding.DEFAULT_RULES["batch"])
+  if cfg.train.batch_size % ways:
+    raise config_lib.ConfigError(
+        f"train.batch_size={cfg.train.batch_size}: the mesh {sizes} splits the rows of a batch "
+        f"{ways} ways ({' x '.join(sharding.DEFAULT_RULES['batch'])}); use a multiple of {ways}")
+  for stage in stages(cfg):
+    if stage.seq_len % sizes["context"]:
+      key = f"train.stages[{stage.index}].seq_len" if cfg.train.stages else "data.seq_len"
+      raise config_lib.ConfigError(f"{key}={stage.seq_len}: must be a multiple of mesh.context="
+                                   f"{sizes['context']}")
+
+
+def _check_writable(path: Path) -> None:
+  """Creates ``path`` if needed and a file in it (removed at once): permissions alone do not
+  tell (root writes anyway, a read-only mount refuses anyway)."""
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / ".k3jax-write-probe").write_bytes(b"")
+    (path / ".k3jax-write-probe").unlink()
+  except OSError as e:
+    raise TrainError(f"cannot write to {path}: {e.strerror or e}; use a writable --run-dir") from e
+
+
 def check_run_dir(run_dir: Path, cfg: config_lib.Config) -> None:
-  """Writes ``config.yaml`` on the first run; on a resume, refuses a different model (keys the
-  saved config lacks take their defaults)."""
-  run_dir.mkdir(parents=True, exist_ok=True)
+  """Refuses a run directory (or its ``checkpoints``) that cannot be written, and on a resume a
+  different model (keys the saved config lacks take their defaults)."""
+  _check_writable(run_dir)
+  if cfg.checkpoint.enabled:
+    _check_writable(run_dir / "checkpoints")
   path = run_dir / "config.yaml"
-  current = config_lib.to_dict(cfg)
   if path.exists():
     saved = yaml.safe_load(path.read_text()) or {}
     if config_lib.from_dict({"model": saved.get("model") or {}}).model != cfg.model:
       raise TrainError(f"{run_dir} holds a run of a different model (see {path}); "
                        "use another --run-dir")
-  path.write_text(yaml.safe_dump(current, sort_keys=False))
+
+
+def record_config(run_dir: Path, cfg: config_lib.Config) -> None:
+  """Writes ``config.yaml``: the settings the run goes on with, once it has started from them."""
+  path = run_dir / "config.yaml"
+  tmp = path.with_name(".config.yaml.tmp")
+  tmp.write_text(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))
+  tmp.replace(path)
+
+
+def keep_data_position(cfg: config_lib.Config) -> Callable[[dict], bool]:
+  """``keep_position`` for :meth:`Checkpointer.restore_latest`: True when the checkpoint's data
+  settings are this config's; False (a fresh iterator) when they differ and
+  ``data.reset_iterator`` is set; otherwise the resume is refused naming the keys."""
+  now = data_settings(cfg)
+
+  def keep(meta: dict) -> bool:
+    saved = meta.get("data")
+    changed = [k for k in DATA_KEYS if saved is not None and k in saved and saved[k] != now[k]]
+    if not changed:
+      return True
+    diff = "; ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed)
+    if cfg.data.reset_iterator:
+      if jax.process_index() == 0:
+        print(f"data settings changed since the checkpoint ({diff}); data.reset_iterator=true: "
+              "the data starts from its beginning", flush=True)
+      return False
+    raise TrainError(f"the run's checkpoint was saved with other data settings ({diff}); its "
+                     "data position means nothing for these. Resume with the saved settings, or "
+                     "set data.reset_iterator=true to start the new data from its beginning")
+  return keep
 
 
 class _Signals:
@@ -104,8 +175,9 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
 def _train(cfg: config_lib.Config, run_dir: Path, progress: bool) -> dict:
   # The mesh of cfg.mesh (one device: every axis 1). The state is built outside the mesh context
   # (the model's logical axis names are not mesh axes); the steps run inside.
-  mesh = sharding.make_mesh(cfg.mesh)
+  check_layout(cfg, jax.device_count())
   check_run_dir(run_dir, cfg)
+  mesh = sharding.make_mesh(cfg.mesh)
   data = data_lib.Data(cfg, process_index=jax.process_index(), process_count=jax.process_count())
   all_stages = stages(cfg)
   total = cfg.train.steps
@@ -123,7 +195,9 @@ def _train(cfg: config_lib.Config, run_dir: Path, progress: bool) -> dict:
                                        async_save=cfg.checkpoint.async_save)
   step, nonfinite_run = 0, 0
   it = None
-  restored = ckpt and ckpt.restore_latest(abstract_train_state(cfg, mesh).arrays(), data_iter)
+  is_main = jax.process_index() == 0
+  restored = ckpt and ckpt.restore_latest(abstract_train_state(cfg, mesh).arrays(), data_iter,
+                                          keep_data_position(cfg))
   if restored is not None:
     step, arrays, meta, it = restored
     state = state.replace(**arrays)
@@ -137,7 +211,8 @@ def _train(cfg: config_lib.Config, run_dir: Path, progress: bool) -> dict:
       state=state)
   eval_fn = jax.jit(step_lib.make_eval_step(state.graphdef, cfg.train))
   peak, peak_note = flops_lib.device_peak_flops(cfg.train.peak_tflops)
-  is_main = jax.process_index() == 0
+  if is_main:
+    record_config(run_dir, cfg)
   metrics = metrics_lib.Metrics(run_dir, total_steps=total, start_step=step, enabled=is_main,
                                 progress=progress)
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
@@ -161,8 +236,12 @@ def _train(cfg: config_lib.Config, run_dir: Path, progress: bool) -> dict:
   def save(at_step: int, *, wait: bool = False) -> None:
     if ckpt is None:
       return
-    meta = {"step": at_step, "stage": stage.index, "nonfinite_run": nonfinite_run}
-    ckpt.save(at_step, state.arrays(), it, meta, wait=wait)
+    meta = {"step": at_step, "stage": stage.index, "nonfinite_run": nonfinite_run,
+            "data": data_settings(cfg)}
+    try:
+      ckpt.save(at_step, state.arrays(), it, meta, wait=wait)
+    except checkpoint_lib.NonFiniteError as e:
+      raise TrainError(f"{e}. Stopping; the last checkpoint is intact.") from e
 
   signals = _Signals()
   record: dict = {}

@@ -49,6 +49,16 @@ def test_overrides_apply_and_validate():
     ("model.glu_implementation=triton", "model.glu_implementation"),
     ("optimizer.ns_form=sums", None),
     ("optimizer.ns_form=cubic", "optimizer.ns_form"),
+    ("train.log_every=0", "train.log_every"),
+    ("model.mla.qk_nope_head_dim=0", "model.mla.qk_nope_head_dim"),
+    ("model.mla.v_head_dim=0", "model.mla.v_head_dim"),
+    ("optimizer.lr=-1e-3", "optimizer.lr"),
+    ("optimizer.lr=nan", "optimizer.lr"),
+    ("train.eval_batches=0", "train.eval_batches"),
+    ("model.kda.implementation=fast", "model.kda.implementation"),
+    ("model.mla.implementation=flash", "model.mla.implementation"),
+    ("model.moe.implementation=megablocks", "model.moe.implementation"),
+    ("model.kda.implementation=chunked", None),
 ])
 def test_config_errors_name_the_key(override, key):
   if key is None:  # a valid override
@@ -69,3 +79,23 @@ def test_missing_file_and_bad_override():
     config.load("configs/nope.yaml")
   with pytest.raises(ConfigError, match="key=value"):
     config.load(ROOT / "configs" / "k3_tiny.yaml", ["train.steps"])
+
+
+@pytest.mark.parametrize("text, value", [("1e-3", 1e-3), ("3E-4", 3e-4), ("-2e+1", -20.0),
+                                         ("5", 5.0)])
+def test_numbers_yaml_reads_as_strings_are_numbers(text, value, tmp_path):
+  """YAML 1.1 reads 1e-3 (no dot) as a string; a float key takes it as the number it spells, in
+  an override and in a file; a word is still refused."""
+  assert config.load(ROOT / "configs" / "k3_tiny.yaml",
+                     [f"model.init_std={text}"]).model.init_std == value
+  path = tmp_path / "c.yaml"
+  path.write_text(f"model:\n  init_std: {text}\n")
+  assert config.load(path).model.init_std == value
+
+
+def test_implementation_choices_are_the_kernels():
+  import pallas_kernels.kda, pallas_kernels.mla, pallas_kernels.moe
+  for part, names in config.IMPLEMENTATIONS.items():
+    assert names == getattr(pallas_kernels, part).IMPLEMENTATIONS
+  with pytest.raises(ConfigError, match="model.init_std"):
+    config.load(ROOT / "configs" / "k3_tiny.yaml", ["model.init_std=small"])
