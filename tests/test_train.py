@@ -106,6 +106,8 @@ def test_resume_after_crash_skips_a_corrupt_checkpoint_and_is_bitwise_exact(
   assert "resumed from step 2" in out.out
   assert (ckpts / "4.corrupt").is_dir()  # kept, not overwritten by the new step 4
   assert losses_by_step(run_dir) == losses_by_step(full_run)  # floats compared exactly
+  records = metrics.read_jsonl(run_dir / "metrics.jsonl")  # steps 3-5 ran twice, logged once
+  assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
 
 
 @pytest.mark.slow
@@ -116,6 +118,7 @@ def test_resume_with_another_optimizer_layout_stops_and_moves_nothing(full_run, 
   corrupt and nothing is trained."""
   run_dir = tmp_path / "layout"
   shutil.copytree(full_run, run_dir)
+  saved_config = (run_dir / "config.yaml").read_text()
   capsys.readouterr()
   argv = ["--no-progress", "--run-dir", str(run_dir), f"train.steps={STEPS + 2}", *SMALL,
           "optimizer.name=muon"]
@@ -124,6 +127,104 @@ def test_resume_with_another_optimizer_layout_stops_and_moves_nothing(full_run, 
   assert f"checkpoint {run_dir / 'checkpoints' / '6'} holds a training state laid out" in err
   assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2", "4", "6"]
   assert losses_by_step(run_dir) == losses_by_step(full_run)
+  assert (run_dir / "config.yaml").read_text() == saved_config  # the refused settings not kept
+
+
+def xor_middle_of_largest_file(directory):
+  """XORs 64 bytes in the middle of the largest file under ``directory`` (random nonzero mask)."""
+  path = max((os.path.join(r, f) for r, _, fs in os.walk(directory) for f in fs),
+             key=os.path.getsize)
+  with open(path, "r+b") as f:
+    middle = f.seek(0, os.SEEK_END) // 2 - 32
+    f.seek(middle)
+    chunk = f.read(64)
+    mask = np.random.default_rng().integers(1, 256, 64, dtype=np.uint8)
+    f.seek(middle)
+    f.write(bytes(b ^ int(m) for b, m in zip(chunk, mask)))
+
+
+@pytest.mark.slow
+def test_a_bit_flipped_checkpoint_is_named_and_the_run_resumes_from_the_previous_one(
+    full_run, tmp_path, capsys):
+  """The issue's experiment: 64 bytes XOR-ed in the middle of the newest checkpoint's largest data
+  file. The resume names the checkpoint and the arrays whose checksums fail, and goes on from
+  the previous checkpoint to the same losses as the uninterrupted run."""
+  run_dir = tmp_path / "flipped"
+  shutil.copytree(full_run, run_dir)
+  ckpts = run_dir / "checkpoints"
+  xor_middle_of_largest_file(ckpts / "6")
+  capsys.readouterr()
+  assert train.main(["--no-progress", "--run-dir", str(run_dir), f"train.steps={STEPS}", *SMALL,
+                     "train.eval_every=3", "train.eval_batches=1"]) == 0
+  out = capsys.readouterr()
+  assert f"checkpoint {ckpts / '6'} does not match its checksums in " in out.err
+  assert "resumed from step 4" in out.out
+  assert (ckpts / "6.corrupt").is_dir()
+  assert sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) == [2, 4, 6]
+  assert losses_by_step(run_dir) == losses_by_step(full_run)
+
+
+@pytest.mark.slow
+def test_a_data_change_on_resume_is_refused_unless_the_iterator_is_reset(full_run, tmp_path,
+                                                                          capsys):
+  run_dir = tmp_path / "datachange"
+  shutil.copytree(full_run, run_dir)
+  saved_config = (run_dir / "config.yaml").read_text()
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  rng = np.random.default_rng()
+  for i in range(4):
+    (corpus / f"d{i}.txt").write_text(" ".join(rng.choice(["a", "bc", "def"], 200)))
+  argv = ["--no-progress", "--run-dir", str(run_dir), f"train.steps={STEPS + 1}", *SMALL,
+          f"data.source={corpus}", "train.eval_every=0"]
+  capsys.readouterr()
+  assert train.main(argv) == 2
+  err = capsys.readouterr().err
+  assert "data.source: 'stdlib' -> " in err and "data.reset_iterator=true" in err
+  assert (run_dir / "config.yaml").read_text() == saved_config
+  assert train.main([*argv, "data.reset_iterator=true"]) == 0
+  out = capsys.readouterr().out
+  assert "resumed from step 6" in out and "the data starts from its beginning" in out
+  assert str(corpus) in (run_dir / "config.yaml").read_text()
+
+
+def test_a_run_whose_state_turns_non_finite_stops_without_saving_it(tmp_path, capsys):
+  """Parameters initialised past float32's range: the first save is refused, the run stops
+  with status 2 and no checkpoint holds them."""
+  run_dir = tmp_path / "inf"
+  rc = train.main(["--no-progress", "--run-dir", str(run_dir), "train.steps=3",
+                   "checkpoint.every=1", "train.max_nonfinite=10", "model.init_std=1e38", *SMALL])
+  assert rc == 2
+  assert "holds non-finite values in params." in capsys.readouterr().err
+  assert list((run_dir / "checkpoints").iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["run_dir", "checkpoints"])
+def test_an_unwritable_run_dir_is_one_clear_error_before_any_work(tmp_path, capsys, monkeypatch,
+                                                                 where):
+  """A run directory below a regular file, or a ``checkpoints`` that is a file: refused at once
+  whatever the user's rights (root writes through permission bits)."""
+  (tmp_path / "file").write_text("not a directory")
+  run_dir = tmp_path / "file" / "run" if where == "run_dir" else tmp_path / "run"
+  if where == "checkpoints":
+    run_dir.mkdir()
+    (run_dir / "checkpoints").write_text("not a directory")
+  monkeypatch.setattr(train_step, "compile_train_step", None)  # never reached
+  assert train.main(["--no-progress", "--run-dir", str(run_dir), "train.steps=2", *SMALL]) == 2
+  bad = run_dir if where == "run_dir" else run_dir / "checkpoints"
+  assert f"cannot write to {bad}:" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to a read-only directory")
+def test_a_read_only_run_dir_is_one_clear_error(tmp_path, capsys):
+  run_dir = tmp_path / "ro"
+  run_dir.mkdir()
+  run_dir.chmod(0o555)
+  try:
+    assert train.main(["--no-progress", "--run-dir", str(run_dir), "train.steps=2", *SMALL]) == 2
+  finally:
+    run_dir.chmod(0o755)
+  assert f"cannot write to {run_dir}" in capsys.readouterr().err
 
 
 def test_out_of_memory_gives_a_clear_error(tmp_path, monkeypatch, capsys):
@@ -200,6 +301,23 @@ def test_bad_config_or_data_gives_a_clear_error(argv, message, tmp_path, capsys,
   monkeypatch.chdir(root)
   assert train.main(["--run-dir", str(tmp_path / "bad"), *argv]) == 2
   assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides, devices, message", [
+    (["mesh.fsdp=8"], 8, "train.batch_size=4: the mesh"),  # k3_tiny's 4 rows on 8 devices
+    (["train.batch_size=6", "mesh.expert=4", "mesh.data=2"], 8, "use a multiple of 8"),
+    (["mesh.context=2", "mesh.data=1", "data.seq_len=127"], 2, "data.seq_len=127"),
+    (["mesh.context=4", "train.stages=[{seq_len: 64, steps: 2}, {seq_len: 66, steps: 2}]"], 4,
+     "train.stages[1].seq_len=66"),
+])
+def test_a_batch_the_mesh_does_not_divide_is_a_config_error(overrides, devices, message):
+  from conftest import tiny_config
+  from k3jax.config import ConfigError
+  cfg = tiny_config(*overrides)
+  with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(".", r"\.")):
+    train.check_layout(cfg, devices)
+  train.check_layout(tiny_config(*overrides, "train.batch_size=8", "data.seq_len=128",
+                                 "train.stages=[]"), devices)  # fits
 
 
 def test_metrics_jsonl_and_tensorboard(tmp_path, monkeypatch):
