@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import grain
 import numpy as np
 
-from k3jax.config import Config
+from k3jax.config import Config, ConfigError
 
 # Kimi's pre-tokenisation pattern (tokenization_kimi.py of the K2/K3 releases).
 KIMI_PATTERN = "|".join([
@@ -117,39 +117,104 @@ def make_tokenizer(spec: str) -> Tokenizer:
     raise DataError(f"data.tokenizer: cannot load {spec!r}: {e}") from e
 
 
+def check_special_ids(cfg: Config, tokenizer: Tokenizer) -> None:
+  """Refuses a ``model.{bos,eos,pad}_token_id`` that the tokenizer also gives to text: its
+  ordinary ids are ``0 .. vocab_size - 1``, less the special added tokens of a ``tokenizer.json``
+  (which ordinary text never becomes)."""
+  special: set[int] = set()
+  if isinstance(tokenizer, HFTokenizer):
+    with open(cfg.data.tokenizer) as f:
+      special = {t["id"] for t in json.load(f).get("added_tokens", []) if t.get("special")}
+  for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+    i = getattr(cfg.model, name)
+    if i < tokenizer.vocab_size and i not in special:
+      raise ConfigError(f"model.{name}={i}: the tokenizer {cfg.data.tokenizer!r} gives id {i} to "
+                        f"text (its ids are 0-{tokenizer.vocab_size - 1}); use an id it leaves "
+                        "free (at least its vocab_size) or one of its special tokens")
+
+
 # ---------------------------------------------------------------------------------------------
 # Document sources: random access (len, getitem) plus one stable key per document.
 
 
+def _read(path: Path) -> bytes:
+  try:
+    return path.read_bytes()
+  except OSError as e:
+    raise DataError(f"{path}: cannot read ({e.strerror or e})") from e
+
+
+def _utf8(raw: bytes) -> str | None:
+  """``raw`` as text; None for bytes that are not text (a NUL byte, or not UTF-8)."""
+  if b"\0" in raw:
+    return None
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError:
+    return None
+
+
 class TextFiles:
-  """One document per file; keys are paths relative to ``root``."""
+  """One document per UTF-8 text file; keys are paths relative to ``root``. Every file is read
+  once up front: an unreadable one is an error naming it, binary (or non-UTF-8) ones are left out
+  and listed in ``skipped``; ``sizes`` are the documents' lengths in characters."""
 
   def __init__(self, paths: list[Path], root: Path):
-    self.paths = paths
-    self.keys = [str(p.relative_to(root)) if p.is_relative_to(root) else str(p) for p in paths]
+    self.paths, self.sizes, self.skipped = [], [], []
+    for p in paths:
+      text = _utf8(_read(p))
+      if text is None:
+        self.skipped.append(p)
+      else:
+        self.paths.append(p)
+        self.sizes.append(len(text))
+    self.keys = [str(p.relative_to(root)) if p.is_relative_to(root) else str(p)
+                 for p in self.paths]
 
   def __len__(self) -> int:
     return len(self.paths)
 
   def __getitem__(self, i: int) -> str:
-    return self.paths[i].read_bytes().decode("utf-8", errors="replace")
+    text = _utf8(_read(self.paths[i]))
+    if text is None:
+      raise DataError(f"{self.paths[i]}: no longer UTF-8 text (it changed after the start)")
+    return text
 
 
 class JsonlLines:
-  """One document per non-empty line of JSONL files, read by byte offset."""
+  """One document per non-empty line of JSONL files, read by byte offset. Every line is checked
+  up front: one that is not a JSON object with a string ``field`` is an error naming
+  ``file:line``; ``sizes`` are the documents' lengths in characters."""
 
   def __init__(self, paths: list[Path], field: str):
     self.field = field
     self.index: list[tuple[Path, int]] = []
-    self.keys = []
+    self.keys, self.sizes, self.skipped = [], [], []
     for p in paths:
       offset = 0
-      with open(p, "rb") as f:
-        for n, line in enumerate(f):
-          if line.strip():
-            self.index.append((p, offset))
-            self.keys.append(f"{p.name}:{n}")
-          offset += len(line)
+      try:
+        with open(p, "rb") as f:
+          for n, line in enumerate(f):
+            if line.strip():
+              self.sizes.append(len(self._text(line, f"{p}:{n + 1}")))
+              self.index.append((p, offset))
+              self.keys.append(f"{p.name}:{n}")
+            offset += len(line)
+      except OSError as e:
+        raise DataError(f"{p}: cannot read ({e.strerror or e})") from e
+
+  def _text(self, line: bytes, where: str) -> str:
+    try:
+      record = json.loads(line)
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+      raise DataError(f"{where}: not a JSON line ({e})") from e
+    if not isinstance(record, dict) or self.field not in record:
+      fields = sorted(record) if isinstance(record, dict) else type(record).__name__
+      raise DataError(f"{where}: no field {self.field!r} (data.text_field); fields: {fields}")
+    if not isinstance(record[self.field], str):
+      raise DataError(f"{where}: field {self.field!r} is {type(record[self.field]).__name__}, "
+                      "not text")
+    return record[self.field]
 
   def __len__(self) -> int:
     return len(self.index)
@@ -159,15 +224,13 @@ class JsonlLines:
     with open(path, "rb") as f:
       f.seek(offset)
       line = f.readline()
-    record = json.loads(line)
-    if self.field not in record:
-      raise DataError(f"{path}: line at byte {offset} has no field {self.field!r} "
-                      f"(data.text_field); fields: {sorted(record)}")
-    return record[self.field]
+    return self._text(line, f"{path} at byte {offset}")
 
 
 class ParquetRows:
-  """One document per row of the ``field`` column; reads one row group at a time."""
+  """One document per row of the ``field`` column; reads one row group at a time (document sizes
+are not known up front: ``sizes`` is None)."""
+  sizes, skipped = None, []
 
   def __init__(self, paths: list[Path], field: str):
     import pyarrow.parquet as pq
@@ -175,7 +238,10 @@ class ParquetRows:
     self.index: list[tuple[Path, int, int]] = []
     self.keys = []
     for p in paths:
-      meta = pq.ParquetFile(p)
+      try:
+        meta = pq.ParquetFile(p)
+      except Exception as e:  # OSError, or pyarrow's own errors for a file that is not Parquet
+        raise DataError(f"{p}: cannot read as Parquet ({e})") from e
       if field not in meta.schema_arrow.names:
         raise DataError(f"{p}: no column {field!r} (data.text_field); columns: {meta.schema_arrow.names}")
       row = 0
@@ -199,10 +265,16 @@ class ParquetRows:
 
 
 class TokenRecords:
-  """Pre-tokenised ArrayRecord files: each record is one document's int32 ids."""
+  """Pre-tokenised ArrayRecord files: each record is one document's int32 ids (document sizes are
+not known up front: ``sizes`` is None)."""
+  sizes, skipped = None, []
 
   def __init__(self, paths: list[Path]):
-    self._src = grain.sources.ArrayRecordDataSource([str(p) for p in paths])
+    try:
+      self._src = grain.sources.ArrayRecordDataSource([str(p) for p in paths])
+    except Exception as e:  # the library's errors name no file
+      raise DataError(f"data.source: cannot read the ArrayRecord files {[str(p) for p in paths]} "
+                      f"({e})") from e
     self.keys = [str(i) for i in range(len(self._src))]
 
   def __len__(self) -> int:
@@ -322,13 +394,25 @@ class Data:
     if self.tokenizer.vocab_size > m.vocab_size:
       raise DataError(f"data.tokenizer: vocabulary of {self.tokenizer.vocab_size} ids does not fit "
                       f"model.vocab_size={m.vocab_size}")
+    check_special_ids(cfg, self.tokenizer)
     self.source = open_source(cfg.data.source, cfg.data.text_field)
     if isinstance(self.source, TokenRecords) and cfg.data.tokenizer != "byte":
       raise DataError("data.tokenizer: ArrayRecord sources are pre-tokenised; leave data.tokenizer as 'byte'")
+    if not len(self.source):
+      raise DataError(f"data.source: {cfg.data.source!r} holds no documents"
+                      + (f" ({len(self.source.skipped)} binary or non-UTF-8 files skipped)"
+                         if self.source.skipped else ""))
     train, held = split_indices(self.source.keys, cfg.data.eval_fraction)
-    if not train:
-      raise DataError(f"data.source: {cfg.data.source!r} has no training documents left after the "
-                      f"held-out split (data.eval_fraction={cfg.data.eval_fraction})")
+    if not self._text_in(train):
+      raise DataError(f"data.source: {cfg.data.source!r} has no training text: "
+                      + (f"its {len(train)} training documents are empty" if train else
+                         f"no documents left after the held-out split (data.eval_fraction="
+                         f"{cfg.data.eval_fraction})"))
+    if cfg.train.eval_every and cfg.data.eval_fraction > 0 and not self._text_in(held):
+      raise DataError(f"data.source: {cfg.data.source!r} leaves no held-out text for the eval "
+                      f"every train.eval_every={cfg.train.eval_every} steps ({len(held)} held-out "
+                      "documents, all empty); add documents, or set data.eval_fraction=0 or "
+                      "train.eval_every=0")
     self.splits = {"train": train, "eval": held}
     self.process_index, self.process_count = process_index, process_count
     if cfg.train.batch_size % process_count:
@@ -337,6 +421,11 @@ class Data:
     self.local_batch = cfg.train.batch_size // process_count
     self._encode = _Encode(self.tokenizer, m.bos_token_id, m.eos_token_id)
     self._to_batch = _ToBatch(m.pad_token_id)
+
+  def _text_in(self, indices: list[int]) -> bool:
+    """Whether the documents at ``indices`` hold any text (where sizes are known up front)."""
+    sizes = self.source.sizes
+    return bool(indices) and (sizes is None or any(sizes[i] for i in indices))
 
   def num_docs(self, split: str) -> int:
     return len(self.splits[split])

@@ -220,6 +220,9 @@ def _train(cfg: config_lib.Config, run_dir: Path, progress: bool) -> dict:
               f"training / {data.num_docs('eval')} held-out documents, {total} steps of "
               f"{cfg.train.batch_size} rows, run dir {run_dir}")
   metrics.say(f"mfu peak: {peak_note}")
+  if data.source.skipped:
+    metrics.say(f"data: skipped {len(data.source.skipped)} binary or non-UTF-8 files (the first: "
+                f"{data.source.skipped[0]})")
   if mesh.devices.size > 1:  # parameters a mesh axis cannot split (one device splits nothing)
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     names = sharding.names_tree(abstract_model(cfg))

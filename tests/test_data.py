@@ -2,6 +2,7 @@
 process sharding, the held-out split, and the iterator state through a checkpoint."""
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -156,11 +157,92 @@ def test_sources_jsonl_parquet_arrayrecord_match_text(tmp_path):
     np.testing.assert_array_equal(s, streams[0])
 
 
-def test_jsonl_without_the_text_field_is_named(tmp_path):
-  (tmp_path / "a.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
-  d = data.Data(cfg_for(tmp_path / "a.jsonl"))
-  with pytest.raises(data.DataError, match="no field 'text'"):
-    take(d.dataset("train", SEQ), 1)
+@pytest.mark.parametrize("bad, message", [
+    ('{"body": "x"}', "no field 'text' (data.text_field); fields: ['body']"),
+    ('{"text": "unterminated', "not a JSON line"),
+    ('["text"]', "no field 'text'"),
+    ('{"text": 3}', "field 'text' is int, not text"),
+])
+def test_a_bad_jsonl_line_is_named_by_file_and_line_before_any_batch(tmp_path, bad, message):
+  lines = [json.dumps({"text": t}) for t in random_texts(6, seed=3)]
+  lines.insert(4, "")  # blank lines count in the numbering
+  lines.insert(5, bad)
+  (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
+  with pytest.raises(data.DataError, match=re.escape(f"{tmp_path / 'a.jsonl'}:6: {message}")):
+    data.Data(cfg_for(tmp_path / "a.jsonl"))
+
+
+def test_binary_files_are_skipped_and_counted_never_decoded(tmp_path):
+  texts = random_texts(4, seed=5)
+  for i, t in enumerate(texts):
+    (tmp_path / f"doc{i}.txt").write_text(t, encoding="utf-8")
+  rng = np.random.default_rng()
+  (tmp_path / "image.txt").write_bytes(b"\x89PNG\r\n\x1a\n\0" + rng.bytes(200))
+  (tmp_path / "latin1.md").write_bytes("caf\u00e9 cr\u00e8me".encode("latin-1"))
+  d = data.Data(cfg_for(tmp_path, "data.shuffle=false"))
+  assert sorted(p.name for p in d.source.skipped) == ["image.txt", "latin1.md"]
+  assert len(d.source) == 4
+  stream = [x for piece in check_rows(take(d.dataset("train", SEQ), 20)) for x in piece[0]]
+  assert stream[:40] == doc_pairs(texts[0])[0][:40]
+  assert b"\xef\xbf\xbd" not in bytes(x for x in stream if x < 256)  # no U+FFFD
+
+
+def test_unreadable_empty_and_all_binary_sources_are_errors(tmp_path):
+  (tmp_path / "bad").mkdir()
+  (tmp_path / "bad" / "doc.txt").symlink_to("/proc/self/mem")  # unreadable, even for root
+  with pytest.raises(data.DataError, match=re.escape(f"{tmp_path / 'bad' / 'doc.txt'}: cannot read")):
+    data.Data(cfg_for(tmp_path / "bad"))
+  (tmp_path / "empty").mkdir()
+  for i in range(3):
+    (tmp_path / "empty" / f"{i}.txt").write_text("")
+  with pytest.raises(data.DataError, match="its 3 training documents are empty"):
+    data.Data(cfg_for(tmp_path / "empty"))
+  (tmp_path / "bin").mkdir()
+  (tmp_path / "bin" / "a.txt").write_bytes(b"\0\1\2")
+  with pytest.raises(data.DataError, match=r"holds no documents \(1 binary or non-UTF-8 files"):
+    data.Data(cfg_for(tmp_path / "bin"))
+  (tmp_path / "blank.jsonl").write_text("\n\n")
+  with pytest.raises(data.DataError, match="holds no documents"):
+    data.Data(cfg_for(tmp_path / "blank.jsonl"))
+
+
+def test_an_empty_held_out_split_is_an_error_when_eval_runs(tmp_path):
+  texts = random_texts(8, seed=9)
+  held = data.split_indices([f"doc{i}.txt" for i in range(8)], 0.3)[1]
+  for i, t in enumerate(texts):
+    (tmp_path / f"doc{i}.txt").write_text("" if i in held else t)
+  eval_on = ["data.eval_fraction=0.3", "train.eval_every=10"]
+  with pytest.raises(data.DataError, match="no held-out text for the eval every "
+                                           "train.eval_every=10 steps"):
+    data.Data(cfg_for(tmp_path, *eval_on))
+  data.Data(cfg_for(tmp_path, *eval_on[:1], "train.eval_every=0"))  # no eval: fine
+  (tmp_path / "one").mkdir()
+  (tmp_path / "one" / "a.txt").write_text(texts[0])
+  with pytest.raises(data.DataError, match=r"\(0 held-out documents"):
+    data.Data(cfg_for(tmp_path / "one", *eval_on))
+
+
+@pytest.mark.parametrize("ids, bad", [({"bos_token_id": 1}, "model.bos_token_id=1"),
+                                      ({"pad_token_id": 255}, "model.pad_token_id=255")])
+def test_special_ids_that_the_tokenizer_gives_to_text_are_refused(tmp_path, ids, bad):
+  (tmp_path / "a.txt").write_text(random_texts(1)[0])
+  with pytest.raises(config.ConfigError, match=re.escape(bad)):
+    data.Data(cfg_for(tmp_path / "a.txt", *(f"model.{k}={v}" for k, v in ids.items())))
+
+
+def test_special_ids_may_be_the_tokenizers_own_special_tokens(tmp_path):
+  from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+  tk = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+  tk.pre_tokenizer = pre_tokenizers.Whitespace()
+  tk.add_special_tokens([AddedToken("<s>"), AddedToken("</s>"), AddedToken("<pad>")])  # 3, 4, 5
+  tk.save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "a.txt").write_text("hello world")
+  tok = f"data.tokenizer={tmp_path / 'tokenizer.json'}"
+  data.Data(cfg_for(tmp_path / "a.txt", tok, "model.bos_token_id=3", "model.eos_token_id=4",
+                    "model.pad_token_id=5"))
+  with pytest.raises(config.ConfigError, match="model.eos_token_id=2"):
+    data.Data(cfg_for(tmp_path / "a.txt", tok, "model.bos_token_id=3", "model.eos_token_id=2",
+                      "model.pad_token_id=5"))
 
 
 @pytest.mark.parametrize("source, message", [
