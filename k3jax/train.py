@@ -21,6 +21,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -42,7 +43,7 @@ DEFAULT_CONFIG = "configs/k3_tiny.yaml"
 # The settings that decide which rows the data iterator yields: a resume that changes one of them
 # is refused unless data.reset_iterator=true (the saved iterator position means nothing then).
 DATA_KEYS = ("data.source", "data.tokenizer", "data.text_field", "data.seq_len",
-             "data.eval_fraction", "data.seed", "data.shuffle", "train.batch_size", "train.stages")
+             "data.eval_fraction", "data.seed", "data.shuffle", "train.batch_size")
 
 
 class TrainError(RuntimeError):
@@ -82,12 +83,12 @@ def check_layout(cfg: config_lib.Config, num_devices: int) -> None:
 
 
 def _check_writable(path: Path) -> None:
-  """Creates ``path`` if needed and a file in it (removed at once): permissions alone do not
-  tell (root writes anyway, a read-only mount refuses anyway)."""
+  """Creates ``path`` if needed and a file of a unique name in it (removed at once): permissions
+  alone do not tell (root writes anyway, a read-only mount refuses anyway)."""
   try:
     path.mkdir(parents=True, exist_ok=True)
-    (path / ".k3jax-write-probe").write_bytes(b"")
-    (path / ".k3jax-write-probe").unlink()
+    with tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-"):
+      pass
   except OSError as e:
     raise TrainError(f"cannot write to {path}: {e.strerror or e}; use a writable --run-dir") from e
 
