@@ -5,9 +5,11 @@ standard library's source, byte-level tokens) into ``runs/k3_tiny``. Running aga
 run directory resumes from its latest complete checkpoint, exactly where it stopped.
 
 The loop, step by step:
-  config -> data (grain, packed rows) -> the training state (:mod:`k3jax.train_state`: the model
-  split into pure param / router-bias dicts, the optimizer state, the rng) -> restore the latest
-  checkpoint if any -> for each step: next batch, the train step (compiled ahead of time once
+  config -> checks before any work (the mesh divides the batch, the run directory is writable)
+  -> data (grain, packed rows, every file checked) -> the training state
+  (:mod:`k3jax.train_state`: the model split into pure param / router-bias dicts, the optimizer
+  state, the rng) -> restore the latest checkpoint that matches its checksums (same data
+  settings, or ``data.reset_iterator``) -> ``config.yaml`` -> for each step: next batch, the train step (compiled ahead of time once
   per stage, so nothing recompiles it), metrics, eval every ``train.eval_every`` steps, an async
   checkpoint every ``checkpoint.every`` steps -> a final checkpoint. SIGTERM / SIGINT finish the current step, save a checkpoint and exit with status
   128 + signal number.
@@ -47,7 +49,8 @@ DATA_KEYS = ("data.source", "data.tokenizer", "data.text_field", "data.seq_len",
 
 
 class TrainError(RuntimeError):
-  """The run cannot continue (bad run directory, repeated non-finite steps)."""
+  """The run cannot continue (a run directory it cannot write or that holds another model, other
+  data settings on resume, repeated non-finite steps, a non-finite state to save)."""
 
 
 def parse_args(argv):
@@ -174,10 +177,10 @@ def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> di
 
 
 def _train(cfg: config_lib.Config, run_dir: Path, progress: bool) -> dict:
-  # The mesh of cfg.mesh (one device: every axis 1). The state is built outside the mesh context
-  # (the model's logical axis names are not mesh axes); the steps run inside.
   check_layout(cfg, jax.device_count())
   check_run_dir(run_dir, cfg)
+  # The mesh of cfg.mesh (one device: every axis 1). The state is built outside the mesh context
+  # (the model's logical axis names are not mesh axes); the steps run inside.
   mesh = sharding.make_mesh(cfg.mesh)
   data = data_lib.Data(cfg, process_index=jax.process_index(), process_count=jax.process_count())
   all_stages = stages(cfg)

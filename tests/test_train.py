@@ -188,6 +188,7 @@ def test_a_data_change_on_resume_is_refused_unless_the_iterator_is_reset(full_ru
   assert str(corpus) in (run_dir / "config.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_a_run_whose_state_turns_non_finite_stops_without_saving_it(tmp_path, capsys):
   """Parameters initialised past float32's range: the first save is refused, the run stops
   with status 2 and no checkpoint holds them."""
