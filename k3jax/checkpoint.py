@@ -23,6 +23,7 @@ replaces an existing step.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -56,7 +57,12 @@ def _leaf_checks(x: jax.Array) -> jax.Array:
   else:
     unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
     words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
-  odd = jnp.arange(words.size, dtype=jnp.uint32).reshape(words.shape) * jnp.uint32(0x9E3779B1) | 1
+  # The flat index modulo 2^32, built dim by dim: a leaf may hold more than 2^32 words.
+  position = jnp.zeros(words.shape, jnp.uint32)
+  for d in range(words.ndim):
+    stride = math.prod(words.shape[d + 1:]) % 2**32
+    position = position + jax.lax.broadcasted_iota(jnp.uint32, words.shape, d) * jnp.uint32(stride)
+  odd = position * jnp.uint32(0x9E3779B1) | 1
   return jnp.stack([jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * odd, dtype=jnp.uint32),
                     finite.astype(jnp.uint32)])
 
