@@ -91,6 +91,7 @@ def test_numbers_yaml_reads_as_strings_are_numbers(text, value, tmp_path):
   path = tmp_path / "c.yaml"
   path.write_text(f"model:\n  init_std: {text}\n")
   assert config.load(path).model.init_std == value
+  assert config.load(ROOT / "configs" / "k3_tiny.yaml", ["optimizer.lr=1e-3"]).optimizer.lr == 1e-3
 
 
 def test_implementation_choices_are_the_kernels():

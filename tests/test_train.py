@@ -189,15 +189,30 @@ def test_a_data_change_on_resume_is_refused_unless_the_iterator_is_reset(full_ru
 
 
 @pytest.mark.slow
-def test_a_run_whose_state_turns_non_finite_stops_without_saving_it(tmp_path, capsys):
-  """Parameters initialised past float32's range: the first save is refused, the run stops
-  with status 2 and no checkpoint holds them."""
+def test_a_run_whose_state_turns_non_finite_stops_without_saving_it(tmp_path, capsys,
+                                                                    monkeypatch):
+  """Parameters that turn infinite after step 3 (the update of a corrupted optimizer state, say):
+  the save of step 3 is refused, the run stops with status 2, and keep-last-2 still holds the
+  finite checkpoints of steps 1 and 2."""
+  real = train_step.apply_step
+
+  def poisoned(executable, state, step, batch):
+    state, out = real(executable, state, step, batch)
+    if step == 2:
+      leaves, tree = jax.tree.flatten(state.params)
+      where = tuple(int(i) for i in np.random.default_rng().integers(0, leaves[0].shape))
+      leaves[0] = leaves[0].at[where].set(np.inf)
+      state = state.replace(params=jax.tree.unflatten(tree, leaves))
+    return state, out
+
+  monkeypatch.setattr(train_step, "apply_step", poisoned)
   run_dir = tmp_path / "inf"
-  rc = train.main(["--no-progress", "--run-dir", str(run_dir), "train.steps=3",
-                   "checkpoint.every=1", "train.max_nonfinite=10", "model.init_std=1e38", *SMALL])
+  rc = train.main(["--no-progress", "--run-dir", str(run_dir), "train.steps=5", *SMALL,
+                   "checkpoint.every=1", "checkpoint.keep=2", "train.max_nonfinite=10"])
   assert rc == 2
-  assert "holds non-finite values in params." in capsys.readouterr().err
-  assert list((run_dir / "checkpoints").iterdir()) == []
+  assert "the training state at step 3 holds non-finite values in params." in \
+      capsys.readouterr().err
+  assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["1", "2"]
 
 
 @pytest.mark.parametrize("where", ["run_dir", "checkpoints"])
