@@ -18,8 +18,9 @@ when importable, in the same run, within a time budget (the H200 run takes about
   python3 benchmarks/kda.py --fla-first    # fla right after ours at each shape (its autotuning
                                            # outlasts the budget when it comes last), then jla
   python3 benchmarks/kda.py --check-only   # only the checks (random, similar keys, V tile 128)
-  python3 benchmarks/kda.py --set "RECURRENCE='mosaic'"  # a ``pallas_kernels.kda.gpu`` option
-                                           # (a Python literal) for the whole run (repeatable)
+  python3 benchmarks/kda.py --set "recurrence='mosaic'"  # a ``KdaGpuConfig`` option (a Python
+                                           # literal) over each shape's default_config for the
+                                           # whole run (repeatable)
   python3 benchmarks/kda.py --emulate      # CPU: the check with the GPU's matrix-unit roundings
                                            # emulated, for the default and GATE_DOTS (~2 min)
   python3 benchmarks/kda.py --decode-sweep # decode only: every tuning of decode.SWEEP at N=256,
@@ -42,10 +43,8 @@ JAX times: median over repeats of 5 back-to-back calls; fla times: triton's do_b
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import inspect
 import math
 import os
 import sys
@@ -60,10 +59,10 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
 from pallas_kernels.kda import kda, kda_decode  # noqa: E402
-from pallas_kernels.kda import gpu as kda_gpu  # noqa: E402
-from pallas_kernels.kda import prep_vjp  # noqa: E402
-from timing import (Rows, gpu_span, kernel_times, median_ms as jtime, rel_err as rel,  # noqa: E402
-                    set_module_option)
+from pallas_kernels.kda import (chunk_dense, chunk_ops, config, decode as dec,  # noqa: E402
+                                prep_vjp, recurrence)
+from timing import (Rows, config_diff, gpu_span, kernel_times, median_ms as jtime,  # noqa: E402
+                    rel_err as rel, replace_options)
 
 SHAPES = [(1, 16384, 32, 128), (4, 4096, 32, 128), (1, 65536, 16, 128)]
 DECODE_N = (64, 256)
@@ -89,23 +88,35 @@ def inputs(b, t, h, kd, seed=0, dtype=jnp.bfloat16):
   return q, k, v, f, beta, a_log, dt_bias
 
 
+SETS: list[str] = []  # --set NAME=VALUE over each shape's default tuning, for the whole run
+
+
+def tuning(v_shape, **changes):
+  """The kernels' tuning at values ``v_shape``: ``default_config`` with ``--set`` and
+  ``changes`` (a sweep's variant) applied."""
+  base = config.default_config(v_shape, use_qk_l2norm=True, beta_is_logit=True)
+  return dataclasses.replace(replace_options(base, SETS), **changes)
+
+
 def ours(q, k, v, f, beta, a_log, dt_bias, segment_ids=None, initial_state=None,
-         impl="pallas_gpu", save_residuals=True):
+         impl="pallas_gpu", save_residuals=True, changes=None):
+  extra = ({"save_residuals": save_residuals, "config": tuning(v.shape, **(changes or {}))}
+           if impl == "pallas_gpu" else {})
   return kda(q, k, v, f, beta, use_qk_l2norm=True, A_log=a_log, dt_bias=dt_bias, gate="bounded",
              lower_bound=LB, beta_is_logit=True, segment_ids=segment_ids,
-             initial_state=initial_state, output_final_state=True, implementation=impl,
-             **({"save_residuals": save_residuals} if impl.startswith("pallas") else {}))
+             initial_state=initial_state, output_final_state=True, implementation=impl, **extra)
 
 
 CHECK_TOL = 3e-2  # relative error of the bf16 kernel vs the float32 recurrence
 CHECK_SHAPE = (2, 600, 4, 128)  # B, T (3 segments: 5/12, 1/6, 5/12 of T), H, K
 
 
-def check(decode=True, tag="pallas_gpu", similar=False):
-  """bf16 kernel vs float32 naive recurrence: outputs, final state, all gradients (and the
-  decode kernel vs the XLA path if ``decode``). Returns the relative errors. ``similar``: keys
-  of cosine similarity about 0.94, gates near 0 and beta near 1, so that (I + diag(beta) A_kk)
-  has entries near 1 across whole chunks (the inverse's hard case)."""
+def check(decode=True, tag="pallas_gpu", similar=False, changes=None):
+  """bf16 kernel (its tuning with ``changes``) vs float32 naive recurrence: outputs, final
+  state, all gradients (and the decode kernel vs the XLA path if ``decode``). Returns the
+  relative errors. ``similar``: keys of cosine similarity about 0.94, gates near 0 and beta near
+  1, so that (I + diag(beta) A_kk) has entries near 1 across whole chunks (the inverse's hard
+  case)."""
   b, t, h, kd = CHECK_SHAPE
   q, k, v, f, beta, a_log, dt_bias = inputs(b, t, h, kd, seed=1)
   if similar:
@@ -120,7 +131,7 @@ def check(decode=True, tag="pallas_gpu", similar=False):
 
   def run(impl, *a):
     *a, s = a
-    return ours(*a, segment_ids=seg, initial_state=s, impl=impl)
+    return ours(*a, segment_ids=seg, initial_state=s, impl=impl, changes=changes)
 
   def loss(impl, *a):
     o, s = run(impl, *a)
@@ -190,10 +201,13 @@ def time_chunked(shape):
   return time_ours(shape, impl="chunked")
 
 
-def _cfg(kd):
-  return kda_gpu._Config(scale=kd ** -0.5, chunk=64, use_qk_l2norm=True, gate="bounded",
-                         lower_bound=LB, beta_is_logit=True,
-                         diag_rows=kda_gpu.diag_rows("bounded", LB, 64), dtype="bfloat16")
+def options(shape, **changes):
+  """The op's static options at ``shape`` [B, T, H, K] (bf16, K3's gate) with ``tuning(...)``."""
+  kd = shape[-1]
+  return config.KdaOptions(scale=kd ** -0.5, chunk=64, use_qk_l2norm=True, gate="bounded",
+                           lower_bound=LB, beta_is_logit=True,
+                           diag_rows=config.diag_rows("bounded", LB, 64), dtype="bfloat16",
+                           tuning=tuning(shape, **changes))
 
 
 class Parts:
@@ -202,59 +216,67 @@ class Parts:
 
   def __init__(self, shape):
     b, t, h, kd = shape
-    self.cfg = cfg = _cfg(kd)
+    self.shape = shape
+    self.cfg = cfg = options(shape)
     q, k, v, f, beta, a_log, dt_bias = inputs(b, t, h, kd)
     self.seg = jnp.zeros((b, t), jnp.int32)
     self.t = t
     self.x = (q, k, v, f, beta, a_log, dt_bias.reshape(h, kd))
     self.s0 = jnp.zeros((b, h, kd, kd), jnp.float32)
     self.do = jax.random.normal(jax.random.key(7), (b, t, h, kd), jnp.bfloat16)
-    self.a = jax.jit(lambda *x: kda_gpu._chunk_a(cfg, *x, self.seg, t))(*self.x)
+    self.a = jax.jit(lambda *x: chunk_dense.chunk_a(cfg, *x, self.seg, t))(*self.x)
     pkk, _, _, _, kg, _, _, _ = self.a
-    self.wu = jax.jit(lambda *x: kda_gpu._chunk_wu(cfg, *x, self.seg, t, True))(
+    self.wu = jax.jit(lambda *x: chunk_dense.chunk_wu(cfg, *x, self.seg, t, True))(
         pkk, kg, v, beta)
     w, u, x = self.wu
     _, aqk, qg, kdec, _, gc, _, _ = self.a
     self.fac = (w, u, qg, aqk, kdec, gc)
-    _, _, self.hs, self.vn = jax.jit(lambda *p: kda_gpu._recurrence_fwd(
+    _, _, self.hs, self.vn = jax.jit(lambda *p: recurrence.recurrence_fwd(
         cfg, *p, self.s0, jnp.bfloat16, store=True))(*self.fac)
-    self.dvn, self.dh, _ = jax.jit(lambda *p: kda_gpu._recurrence_bwd(cfg, *p))(
+    self.dvn, self.dh, _ = jax.jit(lambda *p: recurrence.recurrence_bwd(cfg, *p))(
         self.do, qg, aqk, kdec, w, gc, self.s0)
-    self.dwy = jax.jit(lambda *p: kda_gpu._chunk_dwy(cfg, *p, t))(
+    self.dwy = jax.jit(lambda *p: chunk_dense.chunk_dwy(cfg, *p, t))(
         v, beta, self.seg, x, pkk, kg, self.hs, self.dvn)
 
-  def fns(self):
-    """name -> (jitted function, args) for each kernel alone and the XLA pre-processing VJP."""
-    cfg, seg, t = self.cfg, self.seg, self.t
+  def fns(self, changes=None, diag_rows=None):
+    """name -> (jitted function, args) for each kernel alone and the XLA pre-processing VJP, at
+    the tuning with ``changes`` (the intermediates converted to its storage dtypes) and
+    ``diag_rows`` reference blocks (default: the op's)."""
+    cfg, seg, t = options(self.shape, **(changes or {})), self.seg, self.t
+    cfg = dataclasses.replace(cfg, diag_rows=diag_rows or cfg.diag_rows)
     q, k, v, f, beta, a_log, dtb = self.x
     pkk, _, _, _, kg, _, rq, rk = self.a
     w, u, qg, aqk, kdec, gc = self.fac
     _, _, x = self.wu
     dpkk, dy, _, dbeta = self.dwy
+    hs, dh, dvn = (a.astype(config.store_dtype(cfg, n))
+                   for a, n in ((self.hs, "h"), (self.dh, "dh"), (self.dvn, "dvn")))
     j = jax.jit
-    dq, dg = (dy.astype(kda_gpu._store_dtype(cfg, n)) for n in ("dqk", "dg"))
-    dy = dy.astype(kda_gpu._store_dtype(cfg, "dy"))
-    op = lambda save: lambda *a: jnp.sum(ours(*a, save_residuals=save)[0].astype(jnp.float32))
+    dq, dg = (dy.astype(config.store_dtype(cfg, n)) for n in ("dqk", "dg"))
+    dy = dy.astype(config.store_dtype(cfg, "dy"))
+    op = lambda save: lambda *a: jnp.sum(ours(*a, save_residuals=save, changes=changes)[0]
+                                         .astype(jnp.float32))
     whole = (q, k, v, f, beta, a_log, dtb.reshape(-1))
     return {
         "fwdbwd": (fwd_bwd(op(True), 7), whole),
         "fwdbwd_recompute": (fwd_bwd(op(False), 7), whole),  # save_residuals=False
-        "chunk_a": (j(lambda *a: kda_gpu._chunk_a(cfg, *a, seg, t)), self.x),
-        "chunk_wu": (j(lambda *a: kda_gpu._chunk_wu(cfg, *a, seg, t, False)), (pkk, kg, v, beta)),
-        "chunk_wu_keep": (j(lambda *a: kda_gpu._chunk_wu(cfg, *a, seg, t, True)),
+        "chunk_a": (j(lambda *a: chunk_dense.chunk_a(cfg, *a, seg, t)), self.x),
+        "chunk_wu": (j(lambda *a: chunk_dense.chunk_wu(cfg, *a, seg, t, False)),
+                     (pkk, kg, v, beta)),
+        "chunk_wu_keep": (j(lambda *a: chunk_dense.chunk_wu(cfg, *a, seg, t, True)),
                           (pkk, kg, v, beta)),
-        "recur_fwd": (j(lambda *p: kda_gpu._recurrence_fwd(cfg, *p, self.s0, jnp.bfloat16,
-                                                            store=False)), self.fac),
-        "recur_fwd_store": (j(lambda *p: kda_gpu._recurrence_fwd(cfg, *p, self.s0, jnp.bfloat16,
-                                                                  store=True)), self.fac),
-        "recur_bwd": (j(lambda *p: kda_gpu._recurrence_bwd(cfg, *p)),
+        "recur_fwd": (j(lambda *p: recurrence.recurrence_fwd(cfg, *p, self.s0, jnp.bfloat16,
+                                                              store=False)), self.fac),
+        "recur_fwd_store": (j(lambda *p: recurrence.recurrence_fwd(cfg, *p, self.s0, jnp.bfloat16,
+                                                                    store=True)), self.fac),
+        "recur_bwd": (j(lambda *p: recurrence.recurrence_bwd(cfg, *p)),
                       (self.do, qg, aqk, kdec, w, gc, self.s0)),
-        "chunk_dwy": (j(lambda *p: kda_gpu._chunk_dwy(cfg, *p, t)),
-                      (v, beta, seg, x, pkk, kg, self.hs, self.dvn)),
-        "chunk_dqkg": (j(lambda *p: kda_gpu._chunk_dqkg(cfg, *p, t)),
-                       (q, k, v, f, beta, a_log, dtb, seg, self.hs, self.dh, self.vn, self.do,
+        "chunk_dwy": (j(lambda *p: chunk_dense.chunk_dwy(cfg, *p, t)),
+                      (v, beta, seg, x, pkk, kg, hs, dvn)),
+        "chunk_dqkg": (j(lambda *p: chunk_dense.chunk_dqkg(cfg, *p, t)),
+                       (q, k, v, f, beta, a_log, dtb, seg, hs, dh, self.vn, self.do,
                         dy, dpkk, rq, rk)),
-        "prep_vjp": (j(lambda *a: prep_vjp.preprocess_vjp(cfg, *a)),
+        "prep_vjp": (j(lambda *a: prep_vjp.preprocess_vjp(cfg, *a, config=cfg.tuning.prep_vjp)),
                      (q, k, f, beta, a_log, dtb, dq, dq, dg, dbeta)),
     }
 
@@ -276,95 +298,69 @@ DQKG_SLICES = {16: (4,), 64: (4, 8)}  # K slice widths of chunk_dqkg other than 
 _P = jax.lax.DotAlgorithmPreset
 GATE_DOTS = {"all_x3": ((_P.BF16_BF16_F32_X3,) * 2,) * 2,  # gate-gradient variants
              "all_bf16": ((_P.BF16_BF16_F32,) * 2,) * 2}
-
-
-# Module-option variants tried on 2026-12-01 (H200, B1 T16384 H32; RESULTS.md run 13) by a
-# same-run adopt-if-faster loop (`--variants`, removed with its last variant): adopted
-# save_residuals, dP loaded per block in chunk_dqkg, chunk_dwy per V slice; removed chunk_dqkg
-# as two programs per K slice (4.64 vs 4.14 ms), 8-warp sequential passes (2.99 vs 2.27 ms),
-# TF32 P_qk gate-gradient products (ddt_bias error 4.8e-2, 5.13 vs 4.08 ms).
-
-
-STORES = {"f32": (), "+dg": ("h", "dh", "dvn", "dy", "dqk", "dg")}  # BF16_STORES variants
+STORES = {"f32": (), "+dg": ("h", "dh", "dvn", "dy", "dqk", "dg")}  # bf16_stores variants
 _STORE_USERS = ("chunk_dwy", "chunk_dqkg", "prep_vjp")
 
 
-@contextlib.contextmanager
-def option(attr, value):
-  """``kda_gpu.<attr> = value`` inside the block, its default after."""
-  default = getattr(kda_gpu, attr)
-  setattr(kda_gpu, attr, value)
-  try:
-    yield
-  finally:
-    setattr(kda_gpu, attr, default)
-
-
 def sweep_stores(parts, tag, left):
-  """The backward residuals stored in bf16 (``kda_gpu.BF16_STORES``) at each variant of
+  """The backward residuals stored in bf16 (``KdaGpuConfig.bf16_stores``) at each variant of
   ``STORES`` and the default: the check's gradient errors and the kernels that write or read
   them, each alone (the intermediates converted to the variant's dtypes)."""
-  default, kept = kda_gpu.BF16_STORES, (parts.hs, parts.dh, parts.dvn)
-  for name, stores in list(STORES.items()) + [("default", tuple(default))]:
+  for name, stores in list(STORES.items()) + [("default", parts.cfg.tuning.bf16_stores)]:
     if left() < 40:
       return
-    kda_gpu.BF16_STORES = frozenset(stores)
-    dt = lambda n: kda_gpu._store_dtype(parts.cfg, n)
-    parts.hs, parts.dh, parts.dvn = (x.astype(dt(n)) for x, n in zip(kept, ("h", "dh", "dvn")))
+    changes = {"bf16_stores": frozenset(stores)}
     try:
-      errs = check(decode=False, tag=f"bf16 stores {name}")
+      errs = check(decode=False, tag=f"bf16 stores {name}", changes=changes)
       emit(name=f"sweep bf16 stores={name} {tag}",
-           **{n: round(_time(parts, n), 4) for n in _STORE_USERS},
+           **{n: round(_time(parts, n, changes), 4) for n in _STORE_USERS},
            **{k: round(errs[k], 5) for k in ("df", "dA_log", "ddt_bias", "dq", "dk", "dv",
                                              "dbeta")})
     except Exception as e:  # noqa: BLE001
       print(f"sweep bf16 stores={name} FAILED", repr(e)[:800], flush=True)
-    kda_gpu.BF16_STORES = default
-  parts.hs, parts.dh, parts.dvn = kept
 
 
-def sweep_module(parts, tag, left, attr, values, names):
-  """The kernels ``names`` alone with the module option ``kda_gpu.<attr>`` at each of
-  ``values``, and at its default."""
-  default, row = getattr(kda_gpu, attr), {}
+def sweep_option(parts, tag, left, field, values, names):
+  """The kernels ``names`` alone with the tuning's ``field`` at each of ``values``, and at its
+  default."""
+  default, row = getattr(parts.cfg.tuning, field), {}
   for val in list(values) + [default]:
     if left() < 15:
       break
-    with option(attr, val):
-      try:
-        for n in names:
-          row[f"{n} {val}{' (default)' if val == default else ''}"] = round(_time(parts, n), 4)
-      except Exception as e:  # noqa: BLE001
-        print(f"sweep {attr}={val} FAILED", repr(e)[:800], flush=True)
+    try:
+      for n in names:
+        row[f"{n} {val}{' (default)' if val == default else ''}"] = round(
+            _time(parts, n, {field: val}), 4)
+    except Exception as e:  # noqa: BLE001
+      print(f"sweep {field}={val} FAILED", repr(e)[:800], flush=True)
   if row:
-    emit(name=f"sweep {attr} {tag}", **row)
+    emit(name=f"sweep {field} {tag}", **row)
 
 
-LOOPS = ((1, 1), (4, 3), (16, 3), (32, 3), (16, 2))  # CHUNK_LOOP's (chunks per program, stages)
+LOOPS = ((1, 1), (4, 3), (16, 3), (32, 3), (16, 2))  # chunk_loop's (chunks per program, stages)
 
 
 def sweep_loops(parts, tag, left, names):
   """Each dense chunk kernel of ``names`` alone with its programs walking several chunks
   (``LOOPS``), and at its default."""
-  default = kda_gpu.CHUNK_LOOP
   for name in names:
     row = {}
     for per, stages in LOOPS:
       if left() < 15:
         return
-      with option("CHUNK_LOOP", {**default, "kda_" + name: (per, stages)}):
-        try:
-          row[f"{per}x{stages}"] = round(_time(parts, name), 4)
-        except Exception as e:  # noqa: BLE001
-          print(f"sweep loop {name} {per}x{stages} FAILED", repr(e)[:800], flush=True)
-    per, stages = default.get("kda_" + name, (1, 1))
+      try:
+        row[f"{per}x{stages}"] = round(
+            _time(parts, name, {"chunk_loop": {"kda_" + name: (per, stages)}}), 4)
+      except Exception as e:  # noqa: BLE001
+        print(f"sweep loop {name} {per}x{stages} FAILED", repr(e)[:800], flush=True)
+    per, stages = parts.cfg.tuning.chunk_loop_of("kda_" + name)
     row[f"{per}x{stages} (default)"] = round(_time(parts, name), 4)
     emit(name=f"sweep chunks x stages {name} {tag}", **row)
 
 
 def sweep(parts, shape, tag, left):
   """The variants of the kernels, most promising first: chunk_a's programs walking more chunks
-  (``CHUNK_LOOP``), chunk_dqkg's cumulative sum of the gate as a scan and the Mosaic passes'
+  (``chunk_loop``), chunk_dqkg's cumulative sum of the gate as a scan and the Mosaic passes'
   128-wide V tile (single-buffered: one CTA per (batch, head)), each with the check's errors and
   the kernels' times (the default's are the parts' row), the sequential passes (Triton or Mosaic
   GPU, the latter's V tile and ring slots), the WY factors (Triton or Mosaic GPU, the latter's
@@ -376,70 +372,63 @@ def sweep(parts, shape, tag, left):
   ``left()`` is too small for the next step."""
   recur = ("recur_fwd", "recur_fwd_store", "recur_bwd")
   sweep_loops(parts, tag, left, ("chunk_a",))
-  flipped = not kda_gpu.DQKG_DOT_CUMSUM  # the gate's cumulative sum the other way (a scan)
-  sweep_checked(parts, tag, left, "DQKG_DOT_CUMSUM", flipped, f"dqkg_dot_cumsum={flipped}")
-  sweep_checked(parts, tag, left, "MGPU_V_TILE", 128, "mgpu_v_tile=128", recur)
-  sweep_module(parts, tag, left, "RECURRENCE", ("triton", "mosaic"), recur)
-  sweep_module(parts, tag, left, "MGPU_V_TILE", (32, 64), recur)
-  sweep_module(parts, tag, left, "MGPU_STAGES", (2,), recur)
-  sweep_module(parts, tag, left, "CHUNK_WU", ("triton",), ("chunk_wu", "chunk_wu_keep"))
-  sweep_module(parts, tag, left, "WU_SPLIT", (True,), ("chunk_wu", "chunk_wu_keep"))
+  flipped = not parts.cfg.tuning.dqkg_dot_cumsum  # the gate's cumulative sum the other way
+  sweep_checked(parts, tag, left, {"dqkg_dot_cumsum": flipped}, f"dqkg_dot_cumsum={flipped}")
+  sweep_checked(parts, tag, left, {"mgpu_v_tile": 128}, "mgpu_v_tile=128", recur)
+  sweep_option(parts, tag, left, "recurrence", ("triton", "mosaic"), recur)
+  sweep_option(parts, tag, left, "mgpu_v_tile", (32, 64), recur)
+  sweep_option(parts, tag, left, "mgpu_stages", (2,), recur)
+  sweep_option(parts, tag, left, "chunk_wu", ("triton",), ("chunk_wu", "chunk_wu_keep"))
+  sweep_option(parts, tag, left, "wu_split", (True,), ("chunk_wu", "chunk_wu_keep"))
   sweep_stores(parts, tag, left)
   sweep_loops(parts, tag, left, ("chunk_dwy", "chunk_dqkg"))
-  cfg = parts.cfg
-  parts.cfg = dataclasses.replace(cfg, diag_rows=16)
-  emit(name=f"sweep diag_rows=16 (default {cfg.diag_rows}) {tag}",
-       **{n: round(_time(parts, n), 4) for n in ("chunk_a", "chunk_dqkg")})
-  parts.cfg = cfg
+  emit(name=f"sweep diag_rows=16 (default {parts.cfg.diag_rows}) {tag}",
+       **{n: round(_time(parts, n, diag_rows=16), 4) for n in ("chunk_a", "chunk_dqkg")})
   sweep_warps(parts, "chunk_dqkg", tag, left, (8,))
-  default = kda_gpu.DQKG_SLICE_K
   for bk, warps in DQKG_SLICES.items():
-    kda_gpu.DQKG_SLICE_K = bk
-    sweep_warps(parts, "chunk_dqkg", f"slice {bk} {tag}", left, warps, with_default=False)
-  kda_gpu.DQKG_SLICE_K = default
+    sweep_warps(parts, "chunk_dqkg", f"slice {bk} {tag}", left, warps, with_default=False,
+                changes={"dqkg_slice_k": bk})
   for name, dot in GATE_DOTS.items():
-    sweep_checked(parts, tag, left, "GATE_DOT", dot, f"gate_dot={name}")
+    sweep_checked(parts, tag, left, {"gate_dot": dot}, f"gate_dot={name}")
   for name in ("chunk_a", "chunk_dwy"):
     sweep_warps(parts, name, tag, left)
 
 
-def sweep_checked(parts, tag, left, attr, value, label, names=("chunk_dqkg",)):
-  """``kda_gpu.<attr> = value`` for a change the card must check: the check's errors (outputs
+def sweep_checked(parts, tag, left, changes, label, names=("chunk_dqkg",)):
+  """The tuning with ``changes`` for a change the card must check: the check's errors (outputs
   and gradients against the float32 recurrence) and the kernels ``names`` timed alone."""
   if left() < 25:
     return
-  with option(attr, value):
-    try:
-      errs = check(decode=False, tag=label)
-      emit(name=f"sweep {label} {tag}", **{n: round(_time(parts, n), 4) for n in names},
-           **{k: round(v, 5) for k, v in errs.items()})
-    except Exception as e:  # noqa: BLE001
-      print(f"sweep {label} FAILED", repr(e)[:800], flush=True)
+  try:
+    errs = check(decode=False, tag=label, changes=changes)
+    emit(name=f"sweep {label} {tag}", **{n: round(_time(parts, n, changes), 4) for n in names},
+         **{k: round(v, 5) for k, v in errs.items()})
+  except Exception as e:  # noqa: BLE001
+    print(f"sweep {label} FAILED", repr(e)[:800], flush=True)
 
 
-def sweep_warps(parts, name, tag, left, warps=None, with_default=True):
-  """One kernel alone at other warp counts (``WARP_SWEEP``), and at its default."""
-  key = "kda_" + name
-  default = kda_gpu.WARPS[key]
+def sweep_warps(parts, name, tag, left, warps=None, with_default=True, changes=None):
+  """One kernel alone (its tuning with ``changes``) at other warp counts (``WARP_SWEEP``), and
+  at its default."""
+  key, changes = "kda_" + name, changes or {}
+  default = parts.cfg.tuning.warps_of(key)
   row = {}
   for w in warps or WARP_SWEEP[name]:
     if left() < 12:
       break
-    kda_gpu.WARPS[key] = w
     try:
-      row[f"w{w}"] = round(_time(parts, name), 4)
+      row[f"w{w}"] = round(_time(parts, name, {**changes, "warps": {key: w}}), 4)
     except Exception as e:  # noqa: BLE001
       print(f"sweep {name} w{w} {tag} FAILED", repr(e)[:800], flush=True)
-    kda_gpu.WARPS[key] = default
   if with_default and row:
-    row[f"w{default} (default)"] = round(_time(parts, name), 4)
+    row[f"w{default} (default)"] = round(_time(parts, name, changes), 4)
   if row:
     emit(name=f"sweep warps {name} {tag}", **row)
 
 
-def _time(parts, name):
-  """One kernel alone, traced afresh (a variant is read when its kernel is traced)."""
-  fn, args = parts.fns()[name]
+def _time(parts, name, changes=None, diag_rows=None):
+  """One kernel alone at the tuning with ``changes`` (and ``diag_rows`` reference blocks)."""
+  fn, args = parts.fns(changes, diag_rows)[name]
   return jtime(fn, *args)
 
 
@@ -531,12 +520,11 @@ def decode_inputs(n, h=32, kd=128):
   return (q, k, v, g, jax.nn.sigmoid(beta)), pool
 
 
-def kda_gpu_decode(q, k, v, g, b, s, slots, **cfg):
+def kda_gpu_decode(q, k, v, g, b, s, slots, cfg=dec.DecodeConfig()):
   """The decode kernel with L2 norm fused, precomputed decay and beta; ``cfg``: its tuning."""
-  from pallas_kernels.kda import decode
-  return decode._decode_gpu(q, k, v, g, b, s, slots, scale=q.shape[-1] ** -0.5,
-                            use_qk_l2norm=True, A_log=None, dt_bias=None, gate=None,
-                            lower_bound=LB, beta_is_logit=False, **cfg)
+  return dec.decode_gpu(q, k, v, g, b, s, slots, scale=q.shape[-1] ** -0.5, use_qk_l2norm=True,
+                        A_log=None, dt_bias=None, gate=None, lower_bound=LB, beta_is_logit=False,
+                        config=cfg)
 
 
 def time_donated(fn, args, pool, reps=15, inner=20):
@@ -560,10 +548,10 @@ def state_tbps(pool_shape, ms):
   return 2 * 4 * math.prod(pool_shape) / ms / 1e9
 
 
-def time_decode(n, **cfg):
+def time_decode(n, cfg=dec.DecodeConfig()):
   args, pool = decode_inputs(n)
   slots = jnp.arange(n, dtype=jnp.int32)
-  step = jax.jit(lambda *a: kda_gpu_decode(*a, slots, **cfg), donate_argnums=(5,))
+  step = jax.jit(lambda *a: kda_gpu_decode(*a, slots, cfg), donate_argnums=(5,))
   ms, _ = time_donated(step, args, pool)
   return ms, state_tbps(pool.shape, ms)
 
@@ -582,7 +570,7 @@ def emulate():
   algorithms) and runs the check at B1 T256 H2 K128 for the default gate-gradient algorithms
   and each of ``GATE_DOTS``, then with similar keys."""
   global CHECK_SHAPE
-  exact = kda_gpu._mm
+  exact = chunk_ops.mm
   hi = jax.lax.Precision.HIGHEST
 
   def mm(a, b, *, ta=False, tb=False, dt=None, precision=None):
@@ -595,14 +583,14 @@ def emulate():
       return f(_round(a, 7), _round(b, 7))
     return f(a, b) if precision == hi else f(_round(a, 10), _round(b, 10))
 
-  kda_gpu._mm, CHECK_SHAPE = mm, (1, 256, 2, 128)
-  default = kda_gpu.GATE_DOT
-  for name, dot in [("default", default)] + list(GATE_DOTS.items()):
-    kda_gpu.GATE_DOT = dot
-    check(decode=False, tag=f"emulated gate_dot={name}")
-  kda_gpu.GATE_DOT = default
-  check(decode=False, tag="emulated", similar=True)
-  kda_gpu._mm = exact
+  # every kernel module calls ``chunk_ops.mm`` through the module, so this one patch reaches them
+  chunk_ops.mm, CHECK_SHAPE = mm, (1, 256, 2, 128)
+  try:
+    for name, dot in [("default", None)] + list(GATE_DOTS.items()):
+      check(decode=False, tag=f"emulated gate_dot={name}", changes=dot and {"gate_dot": dot})
+    check(decode=False, tag="emulated", similar=True)
+  finally:
+    chunk_ops.mm = exact
 
 
 def main():
@@ -625,9 +613,10 @@ def main():
     print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
     return
   for i, arg in enumerate(sys.argv):
-    if arg == "--set":  # a kernel option of pallas_kernels.kda.gpu for the whole run
-      set_module_option("pallas_kernels.kda.gpu:" + sys.argv[i + 1])
-      print("pallas_kernels.kda.gpu", sys.argv[i + 1], flush=True)
+    if arg == "--set":  # a KdaGpuConfig option over each shape's default for the whole run
+      SETS.append(sys.argv[i + 1])
+      replace_options(config.KdaGpuConfig(), SETS)  # a bad name fails here, not mid-run
+      print("KdaGpuConfig", sys.argv[i + 1], flush=True)
   quick = "--quick" in sys.argv
   shapes = ([(1, 2048, 8, 128)] if quick else SHAPES if "--all-shapes" in sys.argv
             else SHAPES[:1])
@@ -636,12 +625,12 @@ def main():
               for s in sys.argv[sys.argv.index("--shapes") + 1].split(",")]
   peers = "--ours-only" not in sys.argv
   print("jax", jax.__version__, jax.devices(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "warps", kda_gpu.WARPS, flush=True)
+        "warps", dict(tuning(shapes[0]).warps), flush=True)
   try:
     check()
     check(decode=False, similar=True)
-    with option("MGPU_V_TILE", 128):  # "auto" takes it past one wave (B4 H32, the k3_1b step)
-      check(decode=False, tag="pallas_gpu V tile 128")
+    # the default takes it past one wave (B4 H32, the k3_1b step)
+    check(decode=False, tag="pallas_gpu V tile 128", changes={"mgpu_v_tile": 128})
   except Exception as e:  # noqa: BLE001 - the timings below are still worth having
     print("CHECK ERROR", repr(e)[:2000], flush=True)
   if "--check-only" in sys.argv:
@@ -719,12 +708,12 @@ def pallas_scale(pool, *, block_v, num_warps):
       grid=(hv * nvt, n),
       input_output_aliases={0: 0},
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-      interpret=kda_gpu._interpret(),
+      interpret=config.interpret(),
       name="state_scale")(pool),)
 
 
 def _cfg_name(cfg):
-  return " ".join(f"{k}={v}" for k, v in cfg.items()) or "default"
+  return " ".join(f"{k}={v}" for k, v in config_diff(cfg, dec.DecodeConfig()).items()) or "default"
 
 
 def decode_refs(slots):
@@ -733,12 +722,9 @@ def decode_refs(slots):
   ``pallas_scale`` at the decode tilings of ``decode.SWEEP``."""
   refs = {"xla pool*1.0001": lambda p: (p * 1.0001,),
           "xla pool.at[slots].multiply": lambda p: (p.at[slots].multiply(1.0001),)}
-  from pallas_kernels.kda import decode as dec
-  default = {k: p.default for k, p in inspect.signature(dec._decode_gpu).parameters.items()}
   for cfg in dec.SWEEP:
-    bv, nw = cfg.get("block_v", default["block_v"]), cfg.get("num_warps", default["num_warps"])
-    refs[f"pallas scale block_v={bv} num_warps={nw}"] = functools.partial(
-        pallas_scale, block_v=bv, num_warps=nw)
+    refs[f"pallas scale block_v={cfg.block_v} num_warps={cfg.num_warps}"] = functools.partial(
+        pallas_scale, block_v=cfg.block_v, num_warps=cfg.num_warps)
   return {name: jax.jit(fn, donate_argnums=(0,)) for name, fn in refs.items()}
 
 
@@ -752,7 +738,6 @@ def decode_sweep(left, ns=DECODE_N, h=32):
   largest N (each kernel first checked against the XLA token recurrence on the same inputs:
   output and updated pool), then at the other Ns in the order of that first ranking while
   ``left()`` seconds remain; one table with the best per N."""
-  from pallas_kernels.kda import decode as dec
   results = {}
   order = list(dec.SWEEP)
   for i, n in enumerate(sorted(ns, reverse=True)):
@@ -778,7 +763,7 @@ def decode_sweep(left, ns=DECODE_N, h=32):
               flush=True)
         break
       try:
-        step = jax.jit(lambda *a, cfg=cfg: kda_gpu_decode(*a, slots, **cfg),
+        step = jax.jit(lambda *a, cfg=cfg: kda_gpu_decode(*a, slots, cfg),
                        donate_argnums=(5,))
         o, pool = step(*args, jnp.copy(pool0))
         err = (rel(o, o_ref), rel(pool, p_ref))

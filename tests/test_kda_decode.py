@@ -61,31 +61,35 @@ def test_decode_rejects_bad_state():
                implementation="pallas_gpu")
 
 
-TUNINGS = [  # (Tn, tuning of _decode_gpu); H=2, HV=4 (grouped values), V=32
-    (1, dict(block_v=16, num_warps=1)),  # two tiles per head
-    (3, dict(block_v=16, num_warps=2)),
-    (3, dict(block_v=8, num_warps=1)),  # four tiles per head
-    (1, dict(block_v=32, num_warps=4)),
-    (3, dict(block_v=32, num_warps=8)),  # one V tile spanning V
+D = decode.DecodeConfig
+TUNINGS = [  # (Tn, tuning of decode_gpu); H=2, HV=4 (grouped values), V=32
+    (1, D(block_v=16, num_warps=1)),  # two tiles per head
+    (3, D(block_v=16, num_warps=2)),
+    (3, D(block_v=8, num_warps=1)),  # four tiles per head
+    (1, D(block_v=32, num_warps=4)),
+    (3, D(block_v=32, num_warps=8)),  # one V tile spanning V
 ]
 
 
-@pytest.mark.parametrize("tn,cfg", TUNINGS, ids=lambda x: "-".join(map(str, x.values()))
-                         if isinstance(x, dict) else f"tn{x}")
+def _tuning_id(x):
+  return f"{x.block_v}-{x.num_warps}" if isinstance(x, D) else f"tn{x}"
+
+
+@pytest.mark.parametrize("tn,cfg", TUNINGS, ids=_tuning_id)
 def test_decode_gpu_tunings(tn, cfg):
   """The kernel's tunings (benchmarks/kda.py --decode-sweep): V tiles and warps, Tn 1 and 3;
   grouped values, non-contiguous slots, the untouched pool rows unchanged."""
   n, h, hv, kd, vd = 3, 2, 4, 16, 32
-  r = np.random.default_rng(tn + len(cfg))
+  r = np.random.default_rng(tn + 2)
   f = lambda *s: r.standard_normal(s).astype(np.float32)
   q, k, g = f(n, tn, h, kd), f(n, tn, h, kd), f(n, tn, hv, kd)
   v, beta = f(n, tn, hv, vd), f(n, tn, hv)
   pool, A_log, dt_bias = f(6, hv, vd, kd), 0.5 * f(hv), 0.5 * f(hv * kd)
   slots = np.array([4, 0, 2], np.int32)
-  step = jax.jit(lambda *a: decode._decode_gpu(
+  step = jax.jit(lambda *a: decode.decode_gpu(
       *a, jnp.asarray(slots), scale=0.3, use_qk_l2norm=True, A_log=jnp.asarray(A_log),
       dt_bias=jnp.asarray(dt_bias), gate="bounded", lower_bound=-5.0, beta_is_logit=True,
-      **cfg), donate_argnums=(5,))
+      config=cfg), donate_argnums=(5,))
   o, new_pool = step(*(jnp.asarray(x) for x in (q, k, v, g, beta, pool)))
   o_np, pool_np = np_decode(q, k, v, g, beta, pool, slots, scale=0.3, l2=True, gate="bounded",
                             A_log=A_log, dt_bias=dt_bias, lb=-5.0, logit=True)
@@ -101,25 +105,20 @@ def test_decode_gpu_rejects_bad_tuning():
   kw = dict(scale=0.3, use_qk_l2norm=False, A_log=None, dt_bias=None, gate=None,
             lower_bound=-5.0, beta_is_logit=False)
   with pytest.raises(ValueError, match="must divide"):
-    decode._decode_gpu(*args, **kw, block_v=24)
+    decode.decode_gpu(*args, **kw, config=D(block_v=24))
 
 
-@pytest.mark.parametrize("cfg", decode.SWEEP, ids=lambda c: "-".join(map(str, c.values()))
-                         or "default")
-def test_decode_sweep_lowers_for_cuda(monkeypatch, cfg):
+@pytest.mark.parametrize("cfg", decode.SWEEP, ids=_tuning_id)
+def test_decode_sweep_lowers_for_cuda(h200_lowering, cfg):
   """Every tuning the benchmark times lowers through Pallas' Triton path for an H200 at the
   benchmark shape (N=256, H=32, K=V=128, Tn=1; inputs as shapes only), without a GPU."""
-  gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
-  monkeypatch.setattr(gpu_info, "get_gpu_info",
-                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-  monkeypatch.setattr(decode.gpu, "_interpret", lambda: False)  # the real Triton lowering
   n, h, kd = 256, 32, 128
   S = jax.ShapeDtypeStruct
   args = [S((n, 1, h, kd), jnp.bfloat16)] * 3 + [
       S((n, 1, h, kd), jnp.float32), S((n, 1, h), jnp.float32), S((n, h, kd, kd), jnp.float32),
       S((n,), jnp.int32)]
-  fn = lambda *a: decode._decode_gpu(*a, scale=kd ** -0.5, use_qk_l2norm=True, A_log=None,
-                                     dt_bias=None, gate=None, lower_bound=-5.0,
-                                     beta_is_logit=False, **cfg)
+  fn = lambda *a: decode.decode_gpu(*a, scale=kd ** -0.5, use_qk_l2norm=True, A_log=None,
+                                    dt_bias=None, gate=None, lower_bound=-5.0,
+                                    beta_is_logit=False, config=cfg)
   text = jax.jit(fn, donate_argnums=(5,)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert 'name = "kda_decode"' in text

@@ -1,14 +1,16 @@
 """Pallas GPU chunked KDA (interpret mode on CPU) against an independent float64 NumPy loop and
 reference.kda_naive: outputs, final state and gradients of every input."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import jax
 import jax.numpy as jnp
 
 from kda_numpy import numpy_kda, preprocess
-from pallas_kernels.kda import kda
-
+from numerics import rel_err
+from pallas_kernels.kda import chunk_dense, config, kda, recurrence
 
 
 @pytest.fixture(autouse=True)
@@ -86,9 +88,17 @@ def _setup(case):
   return x, jnp.asarray(seg), opts, chunk, tol
 
 
-def _run(impl, chunk, seg, opts, q, k, v, g, beta, s0, A_log, dt_bias):
+def _run(impl, chunk, seg, opts, q, k, v, g, beta, s0, A_log, dt_bias, tuning=None):
   return kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, segment_ids=seg,
-             A_log=A_log, dt_bias=dt_bias, chunk_size=chunk, implementation=impl, **opts)
+             A_log=A_log, dt_bias=dt_bias, chunk_size=chunk, implementation=impl, config=tuning,
+             **opts)
+
+
+def _tuning(v_shape, opts, **changes):
+  """The default tuning for these shapes and options with ``changes``."""
+  return dataclasses.replace(config.default_config(
+      v_shape, use_qk_l2norm=opts["use_qk_l2norm"], beta_is_logit=opts["beta_is_logit"]),
+      **changes)
 
 
 ORDER = ("q", "k", "v", "g", "beta", "s0", "A_log", "dt_bias")
@@ -104,29 +114,27 @@ CUMSUM_CASES = [c for c in CASES if c[0] in ("bounded_chunk64_K128_T100",
 
 
 @pytest.mark.parametrize("case", CUMSUM_CASES, ids=[c[0] for c in CUMSUM_CASES])
-def test_cumsum_option(monkeypatch, case):
+def test_cumsum_option(case):
   """kda_chunk_dqkg with the gate's cumulative sum the other way from its default
-  (``gpu.DQKG_DOT_CUMSUM``: a scan instead of matrix-unit products) passes the same checks,
-  including the saturated gate whose dg sums terms e^80 apart."""
-  from pallas_kernels.kda import gpu
-  monkeypatch.setattr(gpu, "DQKG_DOT_CUMSUM", not gpu.DQKG_DOT_CUMSUM)
-  _check_case(case)
+  (``KdaGpuConfig.dqkg_dot_cumsum``: a scan instead of matrix-unit products) passes the same
+  checks, including the saturated gate whose dg sums terms e^80 apart."""
+  _check_case(case, dqkg_dot_cumsum=not config.KdaGpuConfig().dqkg_dot_cumsum)
 
 
 def test_dot_cumsum_matches_float64():
-  """``gpu._dot_cumsum`` (three bf16 parts) against a float64 cumulative sum: float32 accuracy
-  on gates in (-5, 0), where one bf16 part alone is off by ~1e-2."""
-  from pallas_kernels.kda import gpu
+  """``chunk_dense.dot_cumsum`` (three bf16 parts) against a float64 cumulative sum: float32
+  accuracy on gates in (-5, 0), where one bf16 part alone is off by ~1e-2."""
   g = -5 * np.random.default_rng(4).random((64, 32)).astype(np.float32)
   want = np.cumsum(g.astype(np.float64), axis=0)
-  got = np.asarray(gpu._dot_cumsum(jnp.asarray(g)), np.float64)
+  got = np.asarray(chunk_dense.dot_cumsum(jnp.asarray(g)), np.float64)
   assert np.max(np.abs(got - want)) < 1e-4, np.max(np.abs(got - want))
 
 
-def _check_case(case):
-  """Outputs, final state and every gradient of ``pallas_gpu`` against the float64 loop, the
-  naive recurrence and central differences."""
+def _check_case(case, **changes):
+  """Outputs, final state and every gradient of ``pallas_gpu`` (its default tuning with
+  ``changes``) against the float64 loop, the naive recurrence and central differences."""
   x, seg, opts, chunk, tol = _setup(case)
+  tuning = _tuning(x["v"].shape, opts, **changes) if changes else None
   args = tuple(jnp.asarray(x[n]) for n in ORDER)
   np_run = lambda y: np_kda(y["q"], y["k"], y["v"], y["g"], y["beta"], y["s0"], np.asarray(seg),
                             l2=opts["use_qk_l2norm"], gate=opts["gate"], A_log=y["A_log"],
@@ -139,7 +147,7 @@ def _check_case(case):
 
   def loss(impl):
     def f(*a):
-      o, s = _run(impl, chunk, seg, opts, *a)
+      o, s = _run(impl, chunk, seg, opts, *a, tuning=tuning if impl == "pallas_gpu" else None)
       return jnp.sum(o * wo.astype(np.float32)) + jnp.sum(s * ws.astype(np.float32)), (o, s)
     return f
 
@@ -176,24 +184,21 @@ def test_bad_head_dim_is_rejected():
                                                ((1, 16384, 32, 128), True),
                                                ((1, 100, 2, 128), False)],
                          ids=["T100", "benchmark_T16384_H32", "T100_cumsum_scan"])
-def test_dense_path_lowers_for_cuda(monkeypatch, shape, cumsum_dot):
+def test_dense_path_lowers_for_cuda(h200_lowering, shape, cumsum_dot):
   """The bounded-gate kernels (forward and backward, bf16, K=128, two K slices)
   lower through Pallas' Triton path for an H200 without a GPU (catches lowering errors on CPU),
   also at the benchmark shape (inputs as shapes only) and with the scan's cumulative sum in
-  kda_chunk_dqkg (``gpu.DQKG_DOT_CUMSUM``)."""
-  from pallas_kernels.kda import gpu
-  monkeypatch.setattr(gpu, "DQKG_DOT_CUMSUM", cumsum_dot)
-  gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
-  monkeypatch.setattr(gpu_info, "get_gpu_info",
-                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-  monkeypatch.setattr(gpu, "_interpret", lambda: False)  # the real Triton lowering
+  kda_chunk_dqkg (``KdaGpuConfig.dqkg_dot_cumsum``)."""
   b, t, h, kd = shape
   x = make(5, 1, 1, h, h, kd, kd)  # A_log, dt_bias; the rest only as shapes
+  tuning = dataclasses.replace(
+      config.default_config((b, t, h, kd), use_qk_l2norm=True, beta_is_logit=True),
+      dqkg_dot_cumsum=cumsum_dot)
 
   def loss(q, k, v, g, beta):
     o, _ = kda(q, k, v, g, beta, use_qk_l2norm=True, A_log=jnp.asarray(x["A_log"]),
                dt_bias=jnp.asarray(x["dt_bias"]), gate="bounded", beta_is_logit=True,
-               implementation="pallas_gpu")
+               implementation="pallas_gpu", config=tuning)
     return jnp.sum(o.astype(jnp.float32))
 
   args = [jax.ShapeDtypeStruct((b, t, h, kd), jnp.bfloat16)] * 4 + [
@@ -207,7 +212,7 @@ def test_dense_path_lowers_for_cuda(monkeypatch, shape, cumsum_dot):
 
 def test_diag_rows():
   """Reference blocks of the dense path: the largest whose exponents stay within e^85."""
-  from pallas_kernels.kda.gpu import diag_rows
+  diag_rows = config.diag_rows
   assert diag_rows("bounded", -5.0, 64) == 32  # K3: 16 * 5 = 80
   assert diag_rows("bounded", -2.0, 64) == 64
   assert diag_rows("bounded", -2.0, 32) == 32
@@ -237,14 +242,14 @@ def test_saved_residuals_give_the_same_gradients(case):
 
 def test_bf16_dense_path_matches_the_float32_recurrence():
   """bf16 inputs on the dense path, as trained: the kernels' bf16 residuals (the chunk states,
-  their gradients and dV', ``gpu.BF16_STORES``) and kda_chunk_a's programs walking several
-  chunks (``gpu.CHUNK_LOOP``: at least 4 per program, here all 4) keep outputs and every
+  their gradients and dV', ``KdaGpuConfig.bf16_stores``) and kda_chunk_a's programs walking
+  several chunks (``chunk_loop``: at least 4 per program, here all 4) keep outputs and every
   gradient within bf16 accuracy of the float32 recurrence on the same (bf16-rounded) inputs
   (relative error of the whole array)."""
-  from pallas_kernels.kda import gpu
-  assert gpu.CHUNK_LOOP.get("kda_chunk_a", (1, 1))[0] >= 4 and "h" in gpu.BF16_STORES
   case = ("bf16", 256, 1, 1, 64, 32, 64, "bounded", True, (90, 91))
   x, seg, opts, chunk, _ = _setup(case)
+  tuning = _tuning(x["v"].shape, opts)
+  assert tuning.chunk_loop_of("kda_chunk_a")[0] >= 4 and "h" in tuning.bf16_stores
   args = tuple(jnp.asarray(x[n]) for n in ORDER)
   low = tuple(a.astype(jnp.bfloat16) if n not in ("s0", "A_log", "dt_bias") else a
               for n, a in zip(ORDER, args))
@@ -258,11 +263,10 @@ def test_bf16_dense_path_matches_the_float32_recurrence():
 
   (_, o), grads = loss("pallas_gpu")(*low)
   (_, o_ref), ref = loss("naive")(*(a.astype(jnp.float32) for a in low))
-  rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b).ravel())
-                           / jnp.linalg.norm(b.ravel()))
+  rel = lambda a, b: rel_err(np.asarray(a.astype(jnp.float32)), b)
   assert rel(o, o_ref) < 1e-2
   # d A_log is one sum over every gate term of the head, whose large terms cancel: 3.1e-2 with
-  # these residuals and 3.1e-2 with float32 ones (the others 3e-3 to 4e-3), 2026-12-02
+  # these residuals and with float32 ones (the others 3e-3 to 4e-3)
   for name, a, r in zip(ORDER, grads, ref):
     assert rel(a, r) < (6e-2 if name == "A_log" else 1e-2), (name, rel(a, r))
 
@@ -272,14 +276,37 @@ def test_bf16_dense_path_matches_the_float32_recurrence():
 def test_pipeline_stages_fit_shared_memory(dtype, kd, bv):
   """The sequential passes' pipeline stages: as many as asked (3) for K3's bf16 K = 128, fewer
   where their buffers would exceed the H200's shared memory (float32 inputs, K = 256)."""
-  from pallas_kernels.kda import gpu
   tile = lambda d: jax.ShapeDtypeStruct((1, 64, 1, d), dtype)
-  n = gpu._recur_stages(64, kd, bv, tile(kd), tile(bv))
+  opts = config.KdaOptions(scale=1.0, chunk=64, use_qk_l2norm=True, gate="bounded",
+                           lower_bound=-5.0, beta_is_logit=True, diag_rows=32, dtype="bfloat16")
+  n = recurrence.recur_stages(opts, 64, kd, bv, tile(kd), tile(bv))
   per_stage = jnp.dtype(dtype).itemsize * 64 * (3 * kd + 64 + bv)
-  assert n >= 1 and (n == 1 or n * per_stage + gpu._SMEM_OWN <= gpu._SMEM)
+  assert n >= 1 and (n == 1 or n * per_stage + config.SMEM_OWN <= config.SMEM)
   if dtype == jnp.bfloat16 and kd <= 128:
-    assert n == gpu.RECUR_STAGES == 3
+    assert n == opts.tuning.recur_stages == 3
   if dtype == jnp.bfloat16 and (kd, bv) == (128, 32):
-    # measured on the H200 (2026-12-02): the forward recurrence at 4 stages asked for 253,952
-    # bytes of shared memory, 232,448 available; 3 stages compiled and ran
-    assert gpu._stages(4, per_stage) == 3
+    # measured on the H200 (benchmarks/RESULTS.md, KDA runs 35-38): the forward recurrence at 4
+    # stages asked for more shared memory than there is; 3 stages compiled and ran
+    assert config.stages(4, per_stage) == 3
+
+
+def test_changed_tuning_changes_the_traced_kernels(h200_lowering):
+  """A tuning is a static argument JAX's caches key on: the same jitted function lowered at two
+  tunings builds its kernels at each (here kda_chunk_a's warps), not the first one's twice."""
+  shape = (1, 64, 1, 64)
+  tuning = config.default_config(shape, use_qk_l2norm=True, beta_is_logit=True)
+  other = dataclasses.replace(tuning, warps={"kda_chunk_a": 2})
+  assert hash(other) != hash(tuning) and dict(other.warps)["kda_chunk_dqkg"] == 4
+  x = make(0, *shape[:3], 1, 64, 64)
+  op = jax.jit(lambda q, k, v, g, beta, cfg: kda(
+      q, k, v, g, beta, use_qk_l2norm=True, A_log=jnp.asarray(x["A_log"]),
+      dt_bias=jnp.asarray(x["dt_bias"]), gate="bounded", beta_is_logit=True,
+      implementation="pallas_gpu", config=cfg)[0], static_argnames="cfg")
+  args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 4 + [
+      jax.ShapeDtypeStruct(shape[:3], jnp.bfloat16)]
+  warps = {}
+  for cfg in (tuning, other, tuning):
+    text = op.trace(*args, cfg=cfg).lower(lowering_platforms=("cuda",)).as_text()
+    call = text[text.index('name = "kda_chunk_a"') - 400:text.index('name = "kda_chunk_a"') + 400]
+    warps.setdefault(cfg, []).append([w for w in (2, 8) if f"num_warps = {w}" in call])
+  assert warps == {tuning: [[8], [8]], other: [[2]]}

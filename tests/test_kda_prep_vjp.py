@@ -1,5 +1,5 @@
 """The pre-processing VJP kernel (pallas_kernels/kda/prep_vjp.py, interpret mode on CPU) against
-``jax.vjp`` of ``gpu._preprocess`` (XLA, float32) and an analytic float64 NumPy VJP written here;
+``jax.vjp`` of ``gpu.preprocess`` (XLA, float32) and an analytic float64 NumPy VJP written here;
 plus its CUDA lowering at the benchmark shape."""
 
 import numpy as np
@@ -7,14 +7,14 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import gpu, prep_vjp
+from pallas_kernels.kda import config, gpu, prep_vjp
 
 TILES = prep_vjp.Config(rows=32, block=16)  # several programs and steps at test shapes
 
 
 def cfg_of(l2, gate, logit, lb=-5.0):
-  return gpu._Config(scale=1.0, chunk=64, use_qk_l2norm=l2, gate=gate, lower_bound=lb,
-                     beta_is_logit=logit, diag_rows=0, dtype="float32")
+  return config.KdaOptions(scale=1.0, chunk=64, use_qk_l2norm=l2, gate=gate, lower_bound=lb,
+                           beta_is_logit=logit, diag_rows=0, dtype="float32")
 
 
 def np_vjp(q, k, g, beta, A_log, dt_bias, dq, dk, dg, dbeta, *, l2, gate, lb, logit):
@@ -49,11 +49,11 @@ def np_vjp(q, k, g, beta, A_log, dt_bias, dq, dk, dg, dbeta, *, l2, gate, lb, lo
 
 
 def xla_vjp(cfg, q, k, g, beta, A_log, dt_bias, dq, dk, dg, dbeta):
-  """``jax.vjp`` of ``gpu._preprocess`` with the value-head groups summed, cast as _kda_bwd did."""
+  """``jax.vjp`` of ``gpu.preprocess`` with the value-head groups summed, cast as _kda_bwd did."""
   b, t, h, kd = q.shape
   hv = g.shape[2]
   grp = lambda d: d[:, :t].reshape(b, t, h, hv // h, kd).sum(3)
-  _, f = jax.vjp(lambda *x: gpu._preprocess(cfg, *x), q, k, g, beta, A_log, dt_bias)
+  _, f = jax.vjp(lambda *x: gpu.preprocess(cfg, *x), q, k, g, beta, A_log, dt_bias)
   out = f((grp(dq), grp(dk), dg[:, :t], dbeta[:, :t]))
   return tuple(o.astype(x.dtype) for o, x in zip(out, (q, k, g, beta, A_log, dt_bias)))
 
@@ -113,13 +113,9 @@ def test_bad_shapes_raise():
     prep_vjp.preprocess_vjp(cfg_of(True, "relu", False), *args)
 
 
-def test_cuda_lowering_at_the_benchmark_shape(monkeypatch):
+def test_cuda_lowering_at_the_benchmark_shape(h200_lowering):
   """The kernel lowers for CUDA at B1 T16384 H32 K128 bf16 (K3's settings), and grouped heads
   with the softplus gate at K = 64."""
-  gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
-  monkeypatch.setattr(gpu_info, "get_gpu_info",
-                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-  monkeypatch.setattr(prep_vjp, "_interpret", lambda: False)  # the real Triton lowering
   for (b, t, h, hv, kd), cfg in (((1, 16384, 32, 32, 128), cfg_of(True, "bounded", True)),
                                  ((1, 100, 2, 4, 64), cfg_of(False, "softplus", False))):
     s = lambda *shape, dt=jnp.float32: jax.ShapeDtypeStruct(shape, dt)

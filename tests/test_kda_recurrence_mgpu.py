@@ -3,15 +3,22 @@ GPU interpret mode on CPU, against float64 NumPy loops with the kernels' bf16 ro
 matrix-unit operands (the state entering each chunk, V' and dV'); and their CUDA lowering at the
 benchmark shape (layout inference, shared memory)."""
 
+import dataclasses
+import functools
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda import gpu, recurrence_mgpu
+from numerics import max_rel_err
+from pallas_kernels.kda import config, recurrence, recurrence_mgpu
 
 C = recurrence_mgpu.CHUNK
 BF16 = jnp.bfloat16
+# An H200 as ``config.default_config`` reads a device
+H200 = types.SimpleNamespace(platform="gpu", compute_capability="9.0", core_count=132)
 
 
 def _f64(x):
@@ -75,8 +82,7 @@ def _backward_loop(do, qg, aqk, kdec, w, gc, dst):
 
 
 def _close(got, want, tol, name):
-  got = _f64(got)
-  err = np.abs(got - want).max() / np.abs(want).max()
+  err = max_rel_err(_f64(got), want)
   assert err < tol, f"{name}: max error {err:.2e} of the largest value"
 
 
@@ -108,21 +114,17 @@ def test_forward_and_backward_match_float64_loops(b, nc, hv, kd, vd, bv, stages)
   _close(ds0, ds0_want, 1e-4, "ds0")
 
 
-def test_kernels_lower_for_cuda(monkeypatch):
+def test_kernels_lower_for_cuda(h200_lowering):
   """Both passes inside the op at the benchmark shape (B1 T16384 H32 K128, bf16), lowered for
   an H200 on the CPU: Mosaic GPU's layout inference and shared-memory limit pass."""
-  from jax._src.pallas.triton import gpu_info
-  from pallas_kernels.kda import kda, prep_vjp
-  monkeypatch.setattr(gpu_info, "get_gpu_info",
-                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-  for mod in (gpu, prep_vjp):
-    monkeypatch.setattr(mod, "_interpret", lambda: False)
-  monkeypatch.setattr(gpu, "_hopper", lambda: True)
+  from pallas_kernels.kda import kda
   b, t, h, kd = 1, 16384, 32, 128
+  tuning = config.default_config((b, t, h, kd), use_qk_l2norm=True, beta_is_logit=True,
+                                 device=H200)
 
   def loss(q, k, v, g, beta):
     o, _ = kda(q, k, v, g, beta, use_qk_l2norm=True, A_log=jnp.zeros(h), dt_bias=jnp.zeros(h * kd),
-               gate="bounded", beta_is_logit=True, implementation="pallas_gpu")
+               gate="bounded", beta_is_logit=True, implementation="pallas_gpu", config=tuning)
     return jnp.sum(o.astype(jnp.float32))
 
   args = [jax.ShapeDtypeStruct((b, t, h, kd), BF16)] * 4 + [jax.ShapeDtypeStruct((b, t, h), BF16)]
@@ -167,27 +169,34 @@ def test_every_supported_tiling_fits_shared_memory(kd, bv):
       assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_auto_takes_the_mosaic_forward_within_one_wave(monkeypatch):
-  """``RECURRENCE="auto"`` on a Hopper GPU: the Mosaic backward always; the Mosaic forward only
+def _options(tuning):
+  return config.KdaOptions(scale=1.0, chunk=64, use_qk_l2norm=True, gate="bounded",
+                           lower_bound=-5.0, beta_is_logit=True, diag_rows=32, dtype="bfloat16",
+                           tuning=tuning)
+
+
+def test_default_takes_the_mosaic_forward_within_one_wave(h200_lowering):
+  """The default tuning on a Hopper GPU: the Mosaic backward always; the Mosaic forward only
   while its CTAs (batch x value heads x V tiles) fit one per SM, else Triton's. With the
-  ``"auto"`` V tile, 128 heads of V = 128 fit one wave at 128 wide; 256 do not."""
-  monkeypatch.setattr(gpu, "_interpret", lambda: False)
-  monkeypatch.setattr(gpu, "_hopper", lambda: True)
-  monkeypatch.setattr(gpu, "num_sms", lambda: 132)
-  cfg = gpu._Config(scale=1.0, chunk=64, use_qk_l2norm=True, gate="bounded", lower_bound=-5.0,
-                    beta_is_logit=True, diag_rows=32, dtype="bfloat16")
+  default V tile, 128 heads of V = 128 fit one wave at 128 wide; 256 do not."""
   sds = lambda b, hv, d: jax.ShapeDtypeStruct((b, 4096, hv, d), BF16)
-  assert gpu._mosaic(cfg, sds(16, 8, 128), sds(16, 8, 128), BF16, forward=True) == 128
-  assert gpu._mosaic(cfg, sds(32, 8, 128), sds(32, 8, 128), BF16, forward=True) == 0
-  assert gpu._mosaic(cfg, sds(32, 8, 128), sds(32, 8, 128), BF16, BF16) == 128
-  monkeypatch.setattr(gpu, "MGPU_V_TILE", 64)
-  one_wave, two_waves = (sds(1, 32, 128), sds(1, 32, 128)), (sds(16, 8, 128), sds(16, 8, 128))
-  assert gpu._mosaic(cfg, *one_wave, BF16, forward=True) == 64  # 64 CTAs
-  assert gpu._mosaic(cfg, *two_waves, BF16, forward=True) == 0  # 256 CTAs
-  assert gpu._mosaic(cfg, *two_waves, BF16, BF16) == 64
+
+  def tile(x, *stored, forward=False, **changes):
+    tuning = dataclasses.replace(config.default_config(x.shape, device=H200), **changes)
+    return recurrence.mosaic_tile(_options(tuning), x, x, *stored, forward=forward)
+
+  assert tile(sds(16, 8, 128), BF16, forward=True) == 128
+  assert tile(sds(32, 8, 128), BF16, forward=True) == 0
+  assert tile(sds(32, 8, 128), BF16, BF16) == 128
+  one_wave, two_waves = sds(1, 32, 128), sds(200, 1, 64)  # 64-wide tiles: 64 / 200 CTAs
+  assert tile(one_wave, BF16, forward=True) == 64
+  assert tile(two_waves, BF16, forward=True) == 0
+  assert tile(two_waves, BF16, BF16) == 64
   for mode, want in (("triton", 0), ("mosaic", 64)):
-    monkeypatch.setattr(gpu, "RECURRENCE", mode)
-    assert gpu._mosaic(cfg, *two_waves, BF16, forward=True) == want
+    assert tile(two_waves, BF16, forward=True, recurrence=mode) == want
+  # off Hopper (and not in interpret mode) neither pass
+  cpu = types.SimpleNamespace(platform="cpu")
+  assert config.default_config(one_wave.shape, device=cpu).recurrence == "triton"
 
 
 @pytest.mark.slow
@@ -203,10 +212,10 @@ def test_single_buffered_tile_gives_the_same_op_results(monkeypatch):
   seg = jnp.asarray((np.arange(t) >= 70)[None], jnp.int32)
   wo = jnp.asarray(rng.normal(size=(b, t, h, kd)), jnp.float32)
 
-  def loss(*a):
+  def loss(*a, tuning):
     o, s = kda(*a, use_qk_l2norm=True, A_log=jnp.full((h,), 0.3), dt_bias=jnp.zeros(h * kd),
                gate="bounded", beta_is_logit=True, segment_ids=seg, output_final_state=True,
-               implementation="pallas_gpu")
+               implementation="pallas_gpu", config=tuning)
     return jnp.sum(o.astype(jnp.float32) * wo) + jnp.sum(s)
 
   tiles = []  # the V tile each pass was traced with: both runs must reach the Mosaic passes
@@ -215,9 +224,11 @@ def test_single_buffered_tile_gives_the_same_op_results(monkeypatch):
     monkeypatch.setattr(recurrence_mgpu, name,
                         lambda *a, _run=run, **kw: tiles.append(kw["block_v"]) or _run(*a, **kw))
   results = []
+  default = config.default_config((b, t, h, kd), use_qk_l2norm=True, beta_is_logit=True)
   for tile in (64, 128):
-    monkeypatch.setattr(gpu, "MGPU_V_TILE", tile)
-    results.append(jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5))))(*x, beta))
+    tuning = dataclasses.replace(default, mgpu_v_tile=tile)
+    results.append(jax.jit(jax.value_and_grad(functools.partial(loss, tuning=tuning),
+                                              argnums=tuple(range(5))))(*x, beta))
   assert tiles == [64, 64, 128, 128]
   (l64, g64), (l128, g128) = results
   assert float(l64) == float(l128)
@@ -251,16 +262,17 @@ def test_interpret_mode_needs_a_cpu_thread_per_warpgroup_beside_the_caller(monke
     pallas_kernels.gpu_interpret(3)
 
 
-def test_auto_v_tile_widens_to_one_cta_per_head_only_past_one_wave(monkeypatch):
-  """``MGPU_V_TILE = "auto"``: 64-wide tiles while their CTAs fit the GPU's SMs, 128-wide (one
-  CTA per (batch, head)) past that, never wider than V; a number is taken as given."""
-  monkeypatch.setattr(gpu, "num_sms", lambda: 132)
-  monkeypatch.setattr(gpu, "MGPU_V_TILE", "auto")
-  assert gpu._mgpu_v_tile(32, 128) == 64    # B1 H32: 64 CTAs
-  assert gpu._mgpu_v_tile(66, 128) == 64    # 132 CTAs: one wave
-  assert gpu._mgpu_v_tile(67, 128) == 128   # 134 CTAs at 64 wide: two waves
-  assert gpu._mgpu_v_tile(128, 128) == 128  # B4 H32 and the k3_1b step (B16 HV8)
-  assert gpu._mgpu_v_tile(500, 64) == 64    # V = 64: nothing wider
-  assert gpu._mgpu_v_tile(500, 96) == 64
-  monkeypatch.setattr(gpu, "MGPU_V_TILE", 32)
-  assert gpu._mgpu_v_tile(500, 128) == 32
+def test_default_v_tile_widens_to_one_cta_per_head_only_past_one_wave():
+  """The default Mosaic V tile: 64 wide while its CTAs fit the GPU's SMs, 128 wide (one CTA per
+  (batch, head)) past that, never wider than V; a given one is taken as given."""
+  v_tile = lambda heads, vd: config.default_config((1, 64, heads, vd), device=H200).mgpu_v_tile
+  assert v_tile(32, 128) == 64    # B1 H32: 64 CTAs
+  assert v_tile(66, 128) == 64    # 132 CTAs: one wave
+  assert v_tile(67, 128) == 128   # 134 CTAs at 64 wide: two waves
+  assert v_tile(128, 128) == 128  # B4 H32 and the k3_1b step (B16 HV8)
+  assert v_tile(500, 64) == 64    # V = 64: nothing wider
+  assert v_tile(500, 96) == 64
+  tuning = dataclasses.replace(config.default_config((1, 64, 500, 128), device=H200),
+                               mgpu_v_tile=32)
+  w = jax.ShapeDtypeStruct((1, 64, 500, 128), BF16)
+  assert recurrence.mosaic_tile(_options(tuning), w, w, BF16, BF16) == 32

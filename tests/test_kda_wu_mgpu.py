@@ -2,12 +2,16 @@
 interpret mode on CPU, against float64 NumPy (the exact inverse, W and U from its bf16-rounded
 ``X diag(beta)``); its CUDA lowering; and its use by the op."""
 
+import dataclasses
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda import gpu, wu_mgpu
+from numerics import max_rel_err
+from pallas_kernels.kda import chunk_dense, chunk_ops, config, wu_mgpu
 
 C = wu_mgpu.CHUNK
 BF16 = jnp.bfloat16
@@ -75,7 +79,7 @@ def _loop(pkk, kg, v, beta, cont):
 
 
 def _err(got, want):
-  return np.abs(_f64(got) - want).max() / np.abs(want).max()
+  return max_rel_err(_f64(got), want)
 
 
 # (batch, chunks, value heads, K, V, segment starts, key similarity): K 64 and 128, V down to 32,
@@ -102,7 +106,7 @@ def test_matches_float64(b, nc, hv, kd, vd, cuts, cos):
 
 @pytest.mark.parametrize("c", [16, 64])
 def test_triton_inverse_is_stable_for_similar_keys(c):
-  """``gpu._lower_inverse`` (float32 products) within 1e-5 of the float64 inverse for keys of
+  """``chunk_ops.lower_inverse`` (float32 products) within 1e-5 of the float64 inverse for keys of
   cosine similarity 0.99 without decay (beta 1): the powers of A reach ~1e17 here, and the
   former nilpotent series lost 7e-4 in float32 (and everything in TF32)."""
   rng = np.random.default_rng(c)
@@ -110,7 +114,7 @@ def test_triton_inverse_is_stable_for_similar_keys(c):
   a = np.tril(k[0, :, 0] @ k[0, :, 0].T, -1)
   want = np.linalg.inv(np.eye(c) + a)
   with jax.default_matmul_precision("highest"):
-    got = gpu._lower_inverse(jnp.asarray(a, jnp.float32), c)
+    got = chunk_ops.lower_inverse(jnp.asarray(a, jnp.float32), c)
   assert _err(got, want) < 1e-5, _err(got, want)
 
 
@@ -133,23 +137,25 @@ def test_lowers_for_cuda():
       assert "kda_chunk_wu_mgpu" in text
 
 
-def test_the_op_takes_it_where_supported(monkeypatch):
-  """``gpu._chunk_wu`` takes the Mosaic kernel for bf16 64-token chunks with K, V <= 128 on a
-  Hopper GPU (or in interpret mode), Triton's otherwise or with ``CHUNK_WU="triton"``."""
-  calls = []
+def test_the_op_takes_it_where_supported(monkeypatch, h200_lowering):
+  """``chunk_dense.chunk_wu`` takes the Mosaic kernel for bf16 64-token chunks with K, V <= 128
+  on a Hopper GPU (or in interpret mode), Triton's otherwise or with ``chunk_wu="triton"``."""
+  calls = []  # which kernel each call traced (spies on both)
   monkeypatch.setattr(wu_mgpu, "chunk_wu", lambda *a, **k: calls.append(1) or (None,) * 2)
-  monkeypatch.setattr(gpu, "_call", lambda *a, **k: calls.append(0) or (None,) * 2)
-  monkeypatch.setattr(gpu, "_interpret", lambda: False)
-  monkeypatch.setattr(gpu, "_hopper", lambda: True)
-  cfg = gpu._Config(scale=1.0, chunk=64, use_qk_l2norm=True, gate="bounded", lower_bound=-5.0,
-                    beta_is_logit=True, diag_rows=32, dtype="bfloat16")
+  monkeypatch.setattr(chunk_dense, "call", lambda *a, **k: calls.append(0) or (None,) * 2)
+  hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0", core_count=132)
   tok = lambda d, dt=BF16: jnp.zeros((1, 128, 2, d), dt)
   beta, seg = jnp.zeros((1, 128, 2), BF16), jnp.zeros((1, 128), jnp.int32)
-  gpu._chunk_wu(cfg, tok(64, jnp.float32), tok(128), tok(128), beta, seg, 100, False)
-  gpu._chunk_wu(cfg, tok(64, jnp.float32), tok(256), tok(128), beta, seg, 100, False)  # K 256
-  monkeypatch.setattr(gpu, "CHUNK_WU", "triton")
-  gpu._chunk_wu(cfg, tok(64, jnp.float32), tok(128), tok(128), beta, seg, 100, False)
-  monkeypatch.setattr(gpu, "_hopper", lambda: False)
-  monkeypatch.setattr(gpu, "CHUNK_WU", "mosaic")
-  gpu._chunk_wu(cfg, tok(64, jnp.float32), tok(128), tok(128), beta, seg, 100, False)
+
+  def run(kd, device=hopper, **changes):
+    tuning = dataclasses.replace(config.default_config(tok(128).shape, device=device), **changes)
+    cfg = config.KdaOptions(scale=1.0, chunk=64, use_qk_l2norm=True, gate="bounded",
+                            lower_bound=-5.0, beta_is_logit=True, diag_rows=32, dtype="bfloat16",
+                            tuning=tuning)
+    chunk_dense.chunk_wu(cfg, tok(64, jnp.float32), tok(kd), tok(128), beta, seg, 100, False)
+
+  run(128)
+  run(256)  # K 256
+  run(128, chunk_wu="triton")
+  run(128, device=types.SimpleNamespace(platform="gpu", compute_capability="8.0"))
   assert calls == [1, 0, 0, 0]

@@ -246,14 +246,12 @@ def _grad_kernel_counts(cfg):
 @pytest.mark.slow
 @pytest.mark.parametrize("remat, save, runs", [("dots", False, 3), ("dots_kernels", False, 2),
                                                ("dots", True, 2), ("dots_kernels", True, 1)])
-def test_remat_dots_kernels_keeps_kernel_outputs(monkeypatch, remat, save, runs):
+def test_remat_dots_kernels_keeps_kernel_outputs(h200_lowering, remat, save, runs):
   """Under ``remat: dots`` the gradient runs each KDA forward kernel three times per layer
   (forward, layer recompute, the kernel's own backward recompute); ``dots_kernels`` keeps the
   Pallas outputs, so the layer recompute does not rerun them; with the kernel's residuals saved
   (``model.kda.save_residuals``) its backward does not either. Traced for the GPU kernels (no lowering,
   no GPU)."""
-  from pallas_kernels.kda import gpu
-  monkeypatch.setattr(gpu, "_interpret", lambda: False)
   cfg = tiny_config("model.kda.implementation=pallas_gpu", f"model.remat={remat}",
                     f"model.kda.save_residuals={save}")
   counts = _grad_kernel_counts(cfg)
@@ -263,12 +261,10 @@ def test_remat_dots_kernels_keeps_kernel_outputs(monkeypatch, remat, save, runs)
 
 
 @pytest.mark.slow
-def test_remat_skip_runs_the_last_layers_without_remat(monkeypatch):
+def test_remat_skip_runs_the_last_layers_without_remat(h200_lowering):
   """``model.remat_skip``: the last layers keep their activations, so the gradient runs their
   KDA forward kernels twice (forward, the kernel's backward recompute) where the remat layers
   run them three times (and a layer recompute). Traced for the GPU kernels (no lowering)."""
-  from pallas_kernels.kda import gpu
-  monkeypatch.setattr(gpu, "_interpret", lambda: False)
   base = ("model.kda.implementation=pallas_gpu", "model.remat=dots",
           "model.kda.save_residuals=false")
   cfg = tiny_config(*base, "model.remat_skip=3")

@@ -40,7 +40,7 @@ def _prepare(q, k, g, beta, *, use_qk_l2norm, A_log, dt_bias, gate, lower_bound,
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
         segment_ids=None, use_qk_l2norm=False, A_log=None, dt_bias=None, gate=None,
         lower_bound=-5.0, beta_is_logit=False, chunk_size=64, save_residuals=True,
-        implementation=None):
+        implementation=None, config=None):
   """Kimi Delta Attention over a sequence.
 
   Args:
@@ -57,7 +57,9 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     gate: None, ``"bounded"`` or ``"softplus"`` (see :func:`kda_gate`).
     save_residuals: ``pallas_gpu`` under differentiation: the forward keeps its chunk factors,
       states and V' for the backward (about 2.6 KB per token and value head at K = V = 128 in
-      bf16; fwd+bwd 1.2x faster on the H200); False recomputes them in the backward.
+      bf16; faster fwd+bwd); False recomputes them in the backward.
+    config: ``pallas_gpu``'s tuning, a :class:`pallas_kernels.kda.config.KdaGpuConfig` (default
+      ``default_config`` of the shapes and device); the other implementations take none.
   Returns:
     ``(o [B, T, HV, V], final_state [B, HV, K, V] float32 or None)``; o has v's dtype.
   """
@@ -69,7 +71,8 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
                        segment_ids=segment_ids, use_qk_l2norm=use_qk_l2norm, A_log=A_log,
                        dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
                        beta_is_logit=beta_is_logit, chunk_size=chunk_size,
-                       save_residuals=save_residuals, backend=impl.removeprefix("pallas_"))
+                       save_residuals=save_residuals, config=config,
+                       backend=impl.removeprefix("pallas_"))
   else:
     q, k, g, beta = _prepare(q, k, g, beta, use_qk_l2norm=use_qk_l2norm, A_log=A_log,
                              dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,

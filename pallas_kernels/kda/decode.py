@@ -13,18 +13,13 @@ token the two reductions over K, ``k.S`` and ``q.S`` of the decayed state, run s
 lies in one warp, so both reductions stay inside a warp (registers and shuffles, no shared
 memory or block barrier between the tile's load and its store). The pool is an input/output
 alias, so with the pool donated nothing else of it is touched. Other backends use the XLA path of
-:mod:`pallas_kernels.kda`.
-
-Measured on an H200 (``benchmarks/kda.py --decode-sweep``, 2026-12-01, H=32, K=V=128, Tn=1):
-3.61 TB/s at N=256 and 3.14 at N=64 (one warp per 16 value rows), against an in-place XLA
-scaling of the same pool at 3.99 and 3.50. The pool's former ``[K, V]`` layout put K across the
-warps of a tile; its best tiling reached 3.43 and 2.91. Slower there and removed: the grid by
-request (3.18 at N=256), the reductions one after the other (3.33), a program over several tiles
-with the next one prefetched (3.0), eviction hints (3.27).
+:mod:`pallas_kernels.kda`. Its tuning and the layouts and variants measured against it:
+``benchmarks/kda.py --decode-sweep``, benchmarks/RESULTS.md (KDA decode sweeps 1-3).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,20 +27,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.kda import gpu
+from pallas_kernels.kda.config import interpret
 from pallas_kernels.kda.reference import L2_EPS
 
-# Keyword arguments of ``_decode_gpu`` timed by ``benchmarks/kda.py --decode-sweep``, the
-# default first (2026-12-01, N=256: 3.61 TB/s; V tile 8 3.51, V tile 16 at 4 warps 3.54).
-SWEEP = (
-    {},  # V tile 16, 1 warp
-    dict(block_v=8),
-    dict(block_v=32),
-    dict(block_v=4),
-    dict(block_v=16, num_warps=4),
-    dict(block_v=32, num_warps=8),
-    dict(block_v=32, num_warps=2),
-)
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """Tiling of the GPU decode kernel: ``block_v`` value rows per program, ``num_warps`` warps
+  (Triton's ``num_stages`` stays 1: nothing here feeds a matrix product)."""
+  block_v: int = 16
+  num_warps: int = 1
+
+
+# The tunings ``benchmarks/kda.py --decode-sweep`` times, the default first.
+SWEEP = (DecodeConfig(), DecodeConfig(block_v=8), DecodeConfig(block_v=32),
+         DecodeConfig(block_v=4), DecodeConfig(block_v=16, num_warps=4),
+         DecodeConfig(block_v=32, num_warps=8), DecodeConfig(block_v=32, num_warps=2))
 
 
 def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_ref, s_ref,
@@ -81,16 +78,14 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, b_ref, alog_ref, dtb_r
   so_ref[slot, h, vs, :] = s
 
 
-def _decode_gpu(q, k, v, g, beta, state, slots, *, scale, use_qk_l2norm, A_log, dt_bias, gate,
-                lower_bound, beta_is_logit, block_v=16, num_warps=1):
-  """The Pallas GPU kernel; ``block_v`` (V tile width) and ``num_warps`` tune it (the defaults:
-  the fastest of the sweep). (Triton's ``num_stages`` is left at 1: it leaves this kernel's code
-  unchanged, as nothing here feeds a matrix product.)"""
+def decode_gpu(q, k, v, g, beta, state, slots, *, scale, use_qk_l2norm, A_log, dt_bias, gate,
+               lower_bound, beta_is_logit, config: DecodeConfig = DecodeConfig()):
+  """The Pallas GPU kernel at the tiling ``config`` (the default: the fastest of the sweep)."""
   n, tn, h, kd = q.shape
   hv, vd = v.shape[2], v.shape[3]
-  bv = min(block_v, vd)
+  bv = min(config.block_v, vd)
   if vd % bv:
-    raise ValueError(f"kda_decode: block_v {block_v} must divide V={vd}")
+    raise ValueError(f"kda_decode: block_v {config.block_v} must divide V={vd}")
   if gate is None:
     A_log, dt_bias = jnp.zeros((hv,), jnp.float32), jnp.zeros((hv * kd,), jnp.float32)
   kern = functools.partial(_decode_kernel, tn=tn, group=hv // h, bv=bv, nvt=vd // bv,
@@ -102,16 +97,18 @@ def _decode_gpu(q, k, v, g, beta, state, slots, *, scale, use_qk_l2norm, A_log, 
                  jax.ShapeDtypeStruct(state.shape, state.dtype)],
       grid=(hv * (vd // bv), n),
       input_output_aliases={8: 1},
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-      interpret=gpu._interpret(),
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+      interpret=interpret(),
       name="kda_decode",
   )(slots.astype(jnp.int32), q, k, v, g, beta, A_log.reshape(hv), dt_bias.reshape(hv, kd),
     state)
 
 
 def kda_decode(q, k, v, g, beta, state, *, slots, scale, use_qk_l2norm=False, A_log=None,
-               dt_bias=None, gate=None, lower_bound=-5.0, beta_is_logit=False, backend="gpu"):
+               dt_bias=None, gate=None, lower_bound=-5.0, beta_is_logit=False, backend="gpu",
+               config: DecodeConfig = DecodeConfig()):
   """Advances the pool rows ``slots`` by the Tn tokens. Returns ``(o [N, Tn, HV, V], state)``.
+  ``config``: the GPU kernel's tiling.
 
   Donate ``state`` to the enclosing ``jax.jit`` so the update happens in place.
   """
@@ -127,7 +124,7 @@ def kda_decode(q, k, v, g, beta, state, *, slots, scale, use_qk_l2norm=False, A_
   kwargs = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias,
                 gate=gate, lower_bound=lower_bound, beta_is_logit=beta_is_logit)
   if backend == "gpu":
-    return _decode_gpu(q, k, v, g, beta, state, slots, **kwargs)
+    return decode_gpu(q, k, v, g, beta, state, slots, config=config, **kwargs)
   if backend != "tpu":
     raise ValueError(f"kda_decode: unknown backend {backend!r}")
   from pallas_kernels.kda import decode_xla  # the package's XLA path

@@ -7,7 +7,7 @@ head), g ``[B, Tc, HV, K]`` and beta ``[B, Tc, HV]``, ``Tc >= T`` (rows past T, 
 padding, are never read). ``HV`` a multiple of ``H``: value head ``j`` reads query/key head
 ``j // (HV // H)``.
 
-The pre-processing (``pallas_kernels.kda.gpu._preprocess``, float32): ``q / sqrt(|q|^2 + eps)``
+The pre-processing (``pallas_kernels.kda.gpu.preprocess``, float32): ``q / sqrt(|q|^2 + eps)``
 and the same of k over K (``use_qk_l2norm``); the gate ``kda_gate(g, A_log, dt_bias)``;
 ``sigmoid(beta)`` (``beta_is_logit``). Its VJP, per program of ``rows`` tokens of one batch row
 and one query/key head ``h`` (stepping through them ``block`` tokens at a time):
@@ -22,8 +22,8 @@ and one query/key head ``h`` (stepping through them ``block`` tokens at a time):
   summed outside;
 - dbeta: ``dbeta s (1 - s)``, ``s = sigmoid(beta)``.
 
-Every operand is read once and every result written once, already in its input's dtype: the
-XLA VJP took ~0.83 ms at B1 T16384 H32 K128 bf16 on an H200, ~1.6 GB of minimal traffic.
+Every operand is read once and every result written once, already in its input's dtype (faster
+than XLA's VJP: benchmarks/RESULTS.md, the KDA backward's pre-processing VJP).
 """
 
 from __future__ import annotations
@@ -43,10 +43,9 @@ from pallas_kernels.kda.reference import L2_EPS
 @dataclasses.dataclass(frozen=True)
 class Config:
   """``rows`` tokens per program (a multiple of ``block``), ``block`` tokens per step, ``warps``
-  warps. Defaults from `benchmarks/kda_prep.py`'s sweep on an H200 at B1 T16384 H32 K128 bf16
-  (2026-12-01): 0.500 ms against 0.526 for blocks of 32 and 0.739 for XLA's VJP; 64-token
-  blocks, 2 or 8 warps and 128-1024 rows were no faster, and Triton's pipelining stages changed
-  nothing (the step loop's loads are not pipelined)."""
+  warps. Defaults: the fastest of `benchmarks/kda_prep.py`'s sweep (benchmarks/RESULTS.md, the
+  KDA backward's pre-processing VJP); Triton's pipelining stages change nothing here (the step
+  loop's loads are not pipelined)."""
   rows: int = 256
   block: int = 16
   warps: int = 4
@@ -116,7 +115,7 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, dq_ref, dk_ref, dg
 
 def preprocess_vjp(cfg, q, k, g, beta, A_log, dt_bias, dq, dk, dg, dbeta,
                    config: Config = Config()):
-  """Cotangents of the raw inputs of ``gpu._preprocess(cfg, q, k, g, beta, A_log, dt_bias)``
+  """Cotangents of the raw inputs of ``gpu.preprocess(cfg, q, k, g, beta, A_log, dt_bias)``
   for those ``(dq, dk, dg, dbeta)`` of its outputs (dq, dk per value head, see the module
   docstring for shapes; ``cfg`` supplies ``use_qk_l2norm, gate, lower_bound, beta_is_logit``).
 

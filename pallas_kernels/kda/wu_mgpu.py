@@ -1,9 +1,9 @@
 """The chunked KDA's WY factors as a Mosaic GPU kernel (Hopper: TMA, wgmma from registers).
 
-Same results as ``gpu._dense_wu_kernel`` (Triton): per chunk of C = 64 tokens,
+Same results as ``chunk_dense._dense_wu_kernel`` (Triton): per chunk of C = 64 tokens,
 ``X = (I + A)^-1`` for the strictly lower ``A = diag(beta) P_kk``, then
 ``W = cont * X diag(beta) KG`` and ``U = X diag(beta) v``. One warpgroup per chunk inverts by
-doubling the diagonal blocks (``gpu._lower_inverse``: blocks of 1, 2, 4, ... 32 rows merged as
+doubling the diagonal blocks (``chunk_ops.lower_inverse``: blocks of 1, 2, 4, ... 32 rows merged as
 ``X <- X - X (L X)``, two dependent products per level, ten in all), the left operand from
 registers, the right one through SMEM. A float32 product is one float16 wgmma (the operands
 rounded to 11 significant bits, as TF32 rounds them in the Triton kernel: for keys of unit norm

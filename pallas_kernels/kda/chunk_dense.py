@@ -1,0 +1,420 @@
+"""The bounded gate's dense path: chunk-local kernels on full [C, C] / [C, BK] tiles, Pallas GPU.
+
+The whole chunk is one tile of C rows; the K axis is walked in slices of ``slice_k`` channels
+(the decay is per channel, so every slice is independent until the [C, C] sums). Pair products
+use one reference point per block ``I`` of ``diag_rows`` rows (``r_I``: G at the block's middle
+row): rows of block I take ``a e^{G - r_I}``, columns up to block I take ``b e^{r_I - G}`` (<= 1
+before the block); inside the block both stay within e^{(diag_rows / 2) |lower_bound|}. So a
+[C, C] product is the sum of C / diag_rows full products whose left operand is masked to one row
+block.
+
+The work is split into short kernels with their intermediates in HBM, so that no program holds
+more than a few [C, C] / [C, BK] float32 tiles and many programs are in flight:
+  forward  ``kda_chunk_a``    gate, cumsum, P_kk [C, C] (strict, float32), A_qk, KD,
+                              KG = k e^G, QG, gC;
+           ``kda_chunk_wu``   X = (I + diag(beta) P_kk)^-1 (float32, kept for the backward),
+                              W = X diag(beta) KG, U = X diag(beta) v (or ``wu_mgpu``);
+  backward ``kda_chunk_dwy``  the WY part: dP_kk [C, C], dY = X^T dW [C, K], dv, dbeta;
+           ``kda_chunk_dqkg`` one program per ``dqkg_slice_k``-wide K slice: dq, dk, dg from
+                              the pair products (dP_qk = scale dO V'^T formed in place from
+                              the dO and V' tiles it loads anyway), the states and dY.
+Every chunk kernel runs one program per SM (registers: 232-255); kda_chunk_dqkg and
+kda_chunk_dwy spill (benchmarks/RESULTS.md, KDA runs 13-26).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda import chunk_ops, wu_mgpu
+from pallas_kernels.kda.chunk_ops import call, lower_inverse, tok
+from pallas_kernels.kda.config import KdaOptions, interpret, store_dtype
+from pallas_kernels.kda.reference import L2_EPS
+
+
+class _Dense:
+  """The per-token values of one chunk as [C] / [C, BK] tiles (trace-time helper). ``refs``
+  are (q, k, g, beta, A_log, dt_bias, seg); q, k, g, A_log, dt_bias may be None for kernels
+  that only need beta and the segment masks. ``norms`` (refs ``[B, Tp, HV]``), if given, hold
+  the rows' inverse L2 norms of q and k (from ``kda_chunk_a``), else they are computed."""
+
+  def __init__(self, cfg, refs, b, h, hq, c0, t, kd, slice_k=None, norms=None,
+               dot_cumsum=False):
+    q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref = refs
+    f32 = jnp.float32
+    c = cfg.chunk
+    self.cfg, self.refs, self.b, self.h, self.hq, self.c0, self.t = cfg, refs, b, h, hq, c0, t
+    self.dot_cumsum = dot_cumsum
+    self.bk = min(kd, slice_k or cfg.tuning.slice_k)
+    self.ns = kd // self.bk
+    self.rows = pl.ds(c0, c)
+    self.rid = jnp.arange(c)[:, None]
+    cid = jnp.arange(c)[None, :]
+    # padded tokens leave the state alone (None: t a multiple of the chunk, none padded)
+    self.valid = None if t % c == 0 else (c0 + jnp.arange(c)) < t
+    beta = beta_ref[b, self.rows, h].astype(f32)
+    if cfg.beta_is_logit:
+      beta = jax.nn.sigmoid(beta)
+    self.beta = beta if self.valid is None else jnp.where(self.valid, beta, 0.0)
+    seg = seg_ref[b, self.rows]
+    prev = seg_ref[b, jnp.maximum(c0 - 1, 0)]
+    last = seg_ref[b, c0 + c - 1]
+    self.cont = (seg == prev).astype(f32)  # continues the incoming state
+    self.last = (seg == last).astype(f32)  # in the chunk's last segment
+    self.cont_last = (last == prev).astype(f32)
+    same = seg[:, None] == seg[None, :]
+    self.incl = same & (self.rid >= cid)
+    self.strict = same & (self.rid > cid)
+    self.rq = self.rk = None
+    if norms is not None:
+      self.rq, self.rk = (ref[b, self.rows, h][:, None] for ref in norms)
+    elif cfg.use_qk_l2norm and q_ref is not None:
+      norm = lambda ref: jax.lax.rsqrt(sum(
+          jnp.sum(jnp.square(self._load(ref, s)), axis=1, keepdims=True)
+          for s in range(self.ns)) + L2_EPS)
+      self.rq, self.rk = norm(q_ref), norm(k_ref)
+
+  def cols(self, s):
+    """K channels of slice s (static or traced)."""
+    return pl.ds(s * self.bk, self.bk)
+
+  def _load(self, ref, s):
+    return ref[self.b, self.rows, self.hq, self.cols(s)].astype(jnp.float32)
+
+  def slice(self, s):
+    """q, k (normalised if fused), G (cumulative log decay from the chunk start): [C, BK]."""
+    cfg, (q_ref, k_ref, g_ref, _, alog_ref, dtb_ref, _) = self.cfg, self.refs
+    q, k = self._load(q_ref, s), self._load(k_ref, s)
+    if self.rq is not None:
+      q, k = q * self.rq, k * self.rk
+    g = g_ref[self.b, self.rows, self.h, self.cols(s)].astype(jnp.float32)
+    if cfg.gate is not None:
+      x = g + dtb_ref[self.h, self.cols(s)][None, :]
+      e = jnp.exp(alog_ref[self.h])
+      g = (cfg.lower_bound * jax.nn.sigmoid(e * x) if cfg.gate == "bounded"
+           else -e * jax.nn.softplus(x))
+    if self.valid is not None:
+      g = jnp.where(self.valid[:, None], g, 0.0)
+    return q, k, dot_cumsum(g) if self.dot_cumsum else jnp.cumsum(g, axis=0)
+
+  def row(self, x, i):
+    """Row i of a [C, BK] tile as [BK] (masked reduction)."""
+    return jnp.sum(jnp.where(self.rid == i, x, 0.0), axis=0)
+
+  def blocks(self, G):
+    """e^{G - r} [C, BK] with each row's own block reference (G at the middle row of its block
+    of ``diag_rows`` rows), per block I a function returning (row mask [C, 1], column
+    factor e^{r_I - G} [C, BK] zeroed after block I), and the references r_I [BK]; the column
+    factors are formed one at a time, where they are used. No exponent of a row in or before
+    its block exceeds ``diag_rows / 2`` gates (G falls with the row; see ``diag_rows``), so
+    none overflows (those after it are zeroed)."""
+    n = self.cfg.diag_rows
+    refs = [self.row(G, i * n + n // 2 - 1) for i in range(self.cfg.chunk // n)]
+    ref_rows = jnp.broadcast_to(refs[0][None, :], G.shape)
+    for i in range(1, len(refs)):
+      ref_rows = jnp.where(self.rid >= i * n, refs[i][None, :], ref_rows)
+
+    def block(i):
+      rows = (self.rid >= i * n) & (self.rid < (i + 1) * n)
+      return rows, jnp.where(self.rid < (i + 1) * n, jnp.exp(refs[i][None, :] - G), 0.0)
+
+    return [functools.partial(block, i) for i in range(len(refs))], jnp.exp(G - ref_rows), refs
+
+
+def dot_cumsum(g):
+  """``cumsum(g, axis=0)`` of a [C, BK] float32 tile as matrix-unit products with the
+  lower-triangular ones, on three bf16 parts of g (``g = a + b + c`` exactly to float32): the
+  sum in float32 without the scan across the rows' threads and warps."""
+  rows = g.shape[0]
+  tril = (jnp.arange(rows)[:, None] >= jnp.arange(rows)[None, :]).astype(jnp.bfloat16)
+  total = None
+  for _ in range(3):
+    part = g.astype(jnp.bfloat16)
+    g = g - part.astype(jnp.float32)
+    total = chunk_ops.mm(tril, part) if total is None else total + chunk_ops.mm(tril, part)
+  return total
+
+
+def _ids(hv, pid, axis=0):
+  """(chunk, batch, value head) of a chunk whose grid indices ``pid`` (from ``call``) have the
+  chunk, B*HV at ``axis``, ``axis + 1``."""
+  ci, bh = pid[axis], pid[axis + 1]
+  return ci, bh // hv, bh % hv
+
+
+def _dense_a_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
+                    pkk_ref, a_ref, qg_ref, kd_ref, kg_ref, gc_ref, rq_ref, rk_ref, *, cfg, hv,
+                    group, t, pid):
+  """Grid (NC, B*HV): writes pkk ``[B, Tp, HV, C]`` float32 (strict, same segment, no beta),
+  A_qk ``[B, Tp, HV, C]``, QG, KD, KG ``[B, Tp, HV, K]`` (``cfg.dtype``), gC
+  ``[B, NC, HV, K]`` float32 and the rows' inverse L2 norms of q and k ``[B, Tp, HV]`` (1 if
+  not fused), which ``kda_chunk_dqkg`` reads instead of computing them again. Both pair
+  products in one program share the gate, its cumulative sum and the column factors (faster
+  than one program per product: benchmarks/RESULTS.md, KDA run 13)."""
+  ci, b, h = _ids(hv, pid)
+  c = cfg.chunk
+  dt = jnp.dtype(cfg.dtype)
+  ch = _Dense(cfg, (q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref), b, h,
+              h // group, ci * c, t, q_ref.shape[-1])
+  mm = functools.partial(chunk_ops.mm, dt=dt)
+  rows = ch.rows
+  akk = aqk = jnp.zeros((c, c), jnp.float32)
+  for s in range(ch.ns):
+    cols = ch.cols(s)
+    q, k, G = ch.slice(s)
+    blocks, e_row, _ = ch.blocks(G)
+    lk, lq = k * e_row, q * e_row
+    for block in blocks:
+      rws, col = block()
+      kc = k * col
+      akk = akk + mm(jnp.where(rws, lk, 0.0), kc, tb=True)
+      aqk = aqk + mm(jnp.where(rws, lq, 0.0), kc, tb=True)
+    eg = jnp.exp(G)
+    gl = ch.row(G, c - 1)
+    qg_ref[b, rows, h, cols] = (cfg.scale * ch.cont[:, None] * q * eg).astype(dt)
+    kd_ref[b, rows, h, cols] = (ch.last[:, None] * k * jnp.exp(gl[None, :] - G)).astype(dt)
+    kg_ref[b, rows, h, cols] = (eg * k).astype(dt)
+    gc_ref[b, ci, h, cols] = ch.cont_last * jnp.exp(gl)
+  pkk_ref[b, rows, h, :] = jnp.where(ch.strict, akk, 0.0)
+  a_ref[b, rows, h, :] = jnp.where(ch.incl, cfg.scale * aqk, 0.0).astype(dt)
+  one = jnp.ones((cfg.chunk, 1), jnp.float32)
+  for ref, norm in ((rq_ref, ch.rq), (rk_ref, ch.rk)):
+    ref[b, rows, h] = (one if norm is None else norm)[:, 0]
+
+
+def _dense_wu_kernel(pkk_ref, kg_ref, v_ref, beta_ref, seg_ref, w_ref, u_ref, *x_ref, cfg, hv,
+                     t, pid):
+  """X = (I + diag(beta) pkk)^-1 (written to ``x_ref`` [B, Tp, HV, C] float32 if given),
+  W = cont * X diag(beta) KG ``[B, Tp, HV, K]``, U = X diag(beta) v ``[B, Tp, HV, V]``."""
+  ci, b, h = _ids(hv, pid)
+  c = cfg.chunk
+  dt = jnp.dtype(cfg.dtype)
+  kdim, vd = kg_ref.shape[-1], v_ref.shape[-1]
+  ch = _Dense(cfg, (None, None, None, beta_ref, None, None, seg_ref), b, h, h, ci * c, t, kdim)
+  rows = ch.rows
+  x = lower_inverse(ch.beta[:, None] * pkk_ref[b, rows, h, :], c)
+  if x_ref:
+    x_ref[0][b, rows, h, :] = x
+  xb = x * ch.beta[None, :]
+  mm = functools.partial(chunk_ops.mm, dt=dt)
+  for s in range(ch.ns):
+    cols = ch.cols(s)
+    w = mm(xb, kg_ref[b, rows, h, cols].astype(jnp.float32))
+    w_ref[b, rows, h, cols] = (ch.cont[:, None] * w).astype(w_ref.dtype)
+  bv = min(vd, cfg.tuning.slice_k)
+  for s in range(vd // bv):
+    cols = pl.ds(s * bv, bv)
+    u_ref[b, rows, h, cols] = mm(xb, v_ref[b, rows, h, cols].astype(jnp.float32)).astype(
+        u_ref.dtype)
+
+
+def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, dvn_ref,
+                      dpkk_ref, dy_ref, dv_ref, dbeta_ref, *, cfg, hv, t, pid):
+  """The WY part of the backward: with W = X Y, U = X Z (Y = diag(beta) KG, Z = diag(beta) v),
+  dW = -cont dV' S^T and dU = dV': dX = dW Y^T + dU Z^T, dY = X^T dW, dZ = X^T dU and
+  dA_kk = -X^T dX X^T (strictly lower same-segment pairs). Writes dpkk = beta dA_kk
+  ``[B, Tp, HV, C]``, dY ``[B, Tp, HV, K]``, dv and the whole dbeta."""
+  ci, b, h = _ids(hv, pid)
+  c = cfg.chunk
+  f32 = jnp.float32
+  mm = chunk_ops.mm  # float32 (TF32 on the matrix units)
+  ch = _Dense(cfg, (None, None, None, beta_ref, None, None, seg_ref), b, h, h, ci * c, t,
+              kg_ref.shape[-1])
+  rows, beta = ch.rows, ch.beta[:, None]
+  ld = lambda ref: ref[b, rows, h, :].astype(f32)
+  # Fewer live tiles than whole [C, V] float32 ones (benchmarks/RESULTS.md, KDA run 13): dZ =
+  # X^T dV', dv, dZ's part of dbeta and dX's dU Z^T part per V slice, dV' loaded again for dW,
+  # and the products with the states in the kernels' dtype (like the forward's).
+  sdt = jnp.dtype(cfg.dtype)
+  x = ld(x_ref)
+  vd = v_ref.shape[-1]
+  bv = min(vd, cfg.tuning.slice_k)
+  dbeta, dx = jnp.zeros((c,), f32), jnp.zeros((c, c), f32)
+  for sv in range(vd // bv):
+    vc = pl.ds(sv * bv, bv)
+    dvn = dvn_ref[b, rows, h, vc].astype(f32)
+    dz = mm(x, dvn, ta=True)
+    v = v_ref[b, rows, h, vc].astype(f32)
+    dbeta = dbeta + jnp.sum(dz * v, axis=1)
+    dv_ref[b, rows, h, vc] = (beta * dz).astype(dv_ref.dtype)
+    dx = dx + mm(dvn, beta * v, tb=True)
+  for s in range(ch.ns):
+    cols = ch.cols(s)
+    kg = kg_ref[b, rows, h, cols].astype(f32)
+    dw = -ch.cont[:, None] * mm(dvn_ref[b, rows, h, :], h_ref[b, ci, h, cols, :], tb=True, dt=sdt)
+    dx = dx + mm(dw, beta * kg, tb=True)
+    dy = mm(x, dw, ta=True)
+    dbeta = dbeta + jnp.sum(dy * kg, axis=1)
+    dy_ref[b, rows, h, cols] = dy.astype(dy_ref.dtype)
+  da = jnp.where(ch.strict, -mm(mm(x, dx, ta=True), x, tb=True), 0.0)
+  dbeta_ref[b, rows, h] = dbeta + jnp.sum(da * ld(pkk_ref), axis=1)
+  dpkk_ref[b, rows, h, :] = (beta * da).astype(dpkk_ref.dtype)
+
+
+# Matrix-unit algorithms of the pair-product gradients in ``kda_chunk_dqkg``, ((P_qk: d q, d k),
+# (P_kk: d k_row, d k_col)). The gate gradient takes small differences of their large terms;
+# for P_qk's both need ~16 mantissa bits (three bf16 passes), P_kk's do not: CPU emulation of
+# the GPU roundings (B1 T256 H2 K128, 3 segments, bf16 inputs vs the float32 recurrence): all
+# three-pass df / dA_log / ddt_bias 2.8e-3 / 2.2e-3 / 1.8e-3, this default 2.8e-3 / 2.7e-3 /
+# 2.8e-3, P_qk single-pass TF32 6.6e-3 / 8.1e-3 / 3.3e-2, P_qk single-pass bf16 4.6e-2 / 5.6e-2 /
+# 0.25. ``benchmarks/kda.py --sweep`` measures accuracy and time of others on the card.
+
+
+def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref, h_ref, dh_ref,
+                       vn_ref, do_ref, dy_ref, dpkk_ref, rq_ref, rk_ref, dq_ref, dk_ref, dg_ref, *,
+                       cfg, hv, group, t, gate_dot, slice_k, dot_cumsum, pid):
+  """Grid (K slices, NC, B*HV): gradients wrt the pre-processed q, k (per value head) and g of
+  one K slice of one chunk, from the state entering the chunk (h), the gradient of the state
+  leaving it (dh), V', dO, dY, the pair-product gradient dpkk and the inverse norms.
+  dP_qk = mask(scale dO V'^T) is formed here, in each reference block's step, from the dO and
+  V' tiles (float32 sums of the bf16 tiles), not stored by ``kda_chunk_dwy`` and loaded as
+  float32 (benchmarks/RESULTS.md, KDA runs 23-26).
+  The K slices are the fastest grid axis (Triton launches the first axis fastest), so the
+  programs of one chunk run side by side and the tiles they all read (V', dO, dP_kk) come from
+  L2 after the first."""
+  s = pid[0]
+  ci, b, h = _ids(hv, pid, 1)
+  c = cfg.chunk
+  f32 = jnp.float32
+  mm = chunk_ops.mm
+  ch = _Dense(cfg, (q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref), b, h,
+              h // group, ci * c, t, q_ref.shape[-1], slice_k, norms=(rq_ref, rk_ref),
+              dot_cumsum=dot_cumsum)
+  rows, cols, beta = ch.rows, ch.cols(s), ch.beta[:, None]
+  ld = lambda ref: ref[b, rows, h, :].astype(f32)
+  q, k, G = ch.slice(s)
+  state = lambda ref: ref[b, ci, h, cols, :]  # [BK, V], loaded where used
+  blocks, e_row, refs = ch.blocks(G)
+
+  def pairs(a_side, dp, dots):
+    """Gradients of the pair product P_ij = sum_d a_id k_jd e^{G_id - G_jd} (i >= j) given
+    dP (``dp()``: [C, C] float32), products by the algorithms ``dots`` (for d a, for d k):
+    (d a, d k) [C, BK] and the last block's column factor."""
+    mma, mmb = (functools.partial(chunk_ops.mm, precision=d) for d in dots)
+    la = a_side * e_row
+    da = db = jnp.zeros_like(k)
+    for block in blocks:  # dP loaded / formed per block, not kept live across them (fewer spills)
+      rws, col = block()
+      p = jnp.where(rws, dp(), 0.0)
+      da = da + mma(p, k * col)
+      db = db + col * mmb(p, la, ta=True)
+    return da * e_row, db, col
+
+  # The products with the states (dO S^T, V' dS^T) take operands of the kernels' dtype, like
+  # the forward's QG S: bf16 halves their registers, the errors unchanged.
+  sdt = jnp.dtype(cfg.dtype)
+
+  def q_side():
+    """dq (from the state and from P_qk) and P_qk's part of dk and dG."""
+    do = do_ref[b, rows, h, :]
+    dq = cfg.scale * ch.cont[:, None] * jnp.exp(G) * mm(do, state(h_ref), tb=True, dt=sdt)
+    dpqk = lambda: jnp.where(ch.incl, cfg.scale * mm(do_ref[b, rows, h, :], vn_ref[b, rows, h, :],
+                                                     tb=True, dt=sdt), 0.0)
+    daq, dk, _ = pairs(q, dpqk, gate_dot[0])
+    dq = dq + daq
+    dq_ref[b, rows, h, cols] = dq.astype(dq_ref.dtype)
+    return dk, q * dq - k * dk
+
+  def k_side(dk, dG):
+    """P_kk's part, W's factor k e^G (gradient dY) and KD = k e^{G_C - G} (from the state
+    gradient), added to dk, dG; and the gradient of G at the chunk end."""
+    dak, dbk, col = pairs(k, lambda: ld(dpkk_ref), gate_dot[1])
+    dk = dk + dak + dbk
+    dG = dG + k * (dak - dbk)
+    gl = ch.row(G, c - 1)
+    dky = beta * jnp.exp(G) * dy_ref[b, rows, h, cols].astype(f32)
+    dst = state(dh_ref)
+    # KD's decay e^{G_C - G} = e^{G_C - r} e^{r - G} with r the last block's reference: its
+    # column factor (every row: none lies after the last block) times one factor per channel,
+    # an exponential per element fewer (where e^{r - G} underflows, e^{G_C - G} <= e^{r - G}
+    # does too). Faster here, not in kda_chunk_a (benchmarks/RESULTS.md, KDA runs 43-44).
+    decay = col * jnp.exp(gl - refs[-1])[None, :]
+    dkd = ch.last[:, None] * decay * mm(vn_ref[b, rows, h, :], dst, tb=True, dt=sdt)
+    dk = dk + dky + dkd
+    dG = dG + k * (dky - dkd)
+    hdh = state(h_ref).astype(f32) * dst.astype(f32)  # float32 sums of the stored values
+    dgl = (ch.cont_last * jnp.exp(gl) * jnp.sum(hdh, axis=1)
+           + jnp.sum(k * dkd, axis=0))
+    return dk, dG, dgl
+
+  dk, dG, dgl = k_side(*q_side())
+  # G = cumsum(g): dg_i = sum_{t >= i} dG_t, plus dG at the chunk end for every row
+  dk_ref[b, rows, h, cols] = dk.astype(dk_ref.dtype)
+  dg_ref[b, rows, h, cols] = (dgl[None, :] + jnp.sum(dG, axis=0)[None, :]
+                              - jnp.cumsum(dG, axis=0) + dG).astype(dg_ref.dtype)
+
+
+def _cont(seg, c):
+  """``[B, Tp]`` float32: 1 where a token continues the state entering its chunk."""
+  start = jnp.arange(seg.shape[1]) // c * c
+  return (seg == seg[:, jnp.maximum(start - 1, 0)]).astype(jnp.float32)
+
+
+def chunk_a(cfg: KdaOptions, q, k, v, g, beta, A_log, dt_bias, seg, t):
+  """``kda_chunk_a``: (pkk, aqk, qg, kd, kg, gc, rq, rk), see :func:`_dense_a_kernel`."""
+  bsz, tp, h, kd = q.shape
+  hv, c = v.shape[2], cfg.chunk
+  dt, f32 = jnp.dtype(cfg.dtype), jnp.float32
+  kern = functools.partial(_dense_a_kernel, cfg=cfg, hv=hv, group=hv // h, t=t)
+  return call(cfg, kern, "kda_chunk_a", (tp // c, bsz * hv),
+              [tok(v, c, f32), tok(v, c, dt), tok(v, kd, dt), tok(v, kd, dt), tok(v, kd, dt),
+               jax.ShapeDtypeStruct((bsz, tp // c, hv, kd), f32)]
+              + [jax.ShapeDtypeStruct((bsz, tp, hv), f32)] * 2,
+              q, k, g, beta, A_log, dt_bias, seg, chunk_axis=0)
+
+
+def chunk_wu(cfg: KdaOptions, pkk, kg, v, beta, seg, t, keep):
+  """``kda_chunk_wu``: (w, u) and, if ``keep``, the inverse x; see :func:`_dense_wu_kernel`.
+  ``wu_mgpu``'s kernel where the tuning asks for it (``chunk_wu``) and it takes the operands."""
+  bsz, tp, hv, vd = v.shape
+  c, dt = cfg.chunk, jnp.dtype(cfg.dtype)
+  if cfg.tuning.chunk_wu == "mosaic" and wu_mgpu.supported(kg, v, cfg.chunk):
+    beta = beta.astype(jnp.float32)
+    if cfg.beta_is_logit:
+      beta = jax.nn.sigmoid(beta)
+    beta = jnp.where((jnp.arange(tp) < t)[None, :, None], beta, 0.0)  # padded tokens
+    return wu_mgpu.chunk_wu(pkk, kg, v, jnp.swapaxes(beta, 1, 2), _cont(seg, c),
+                            keep=keep, split=cfg.tuning.wu_split, interpret=interpret())
+  kern = functools.partial(_dense_wu_kernel, cfg=cfg, hv=hv, t=t)
+  return call(cfg, kern, "kda_chunk_wu", (tp // c, bsz * hv),
+              [tok(v, kg.shape[-1], dt), tok(v, vd, dt)] + [tok(v, c, jnp.float32)] * keep,
+              pkk, kg, v, beta, seg, chunk_axis=0)
+
+
+def _pair_grad_dtype(cfg, dots):
+  """Storage dtype of a pair-product gradient whose products use the algorithms ``dots``: the
+  kernels' bf16 when every product rounds its operands to bf16 anyway (half the bytes, the same
+  results), else float32."""
+  single = all(d == jax.lax.DotAlgorithmPreset.BF16_BF16_F32 for d in dots)
+  return jnp.dtype(cfg.dtype) if single and cfg.dtype == "bfloat16" else jnp.float32
+
+
+def chunk_dwy(cfg: KdaOptions, v, beta, seg, x, pkk, kg, hs, dvn, t):
+  """``kda_chunk_dwy``: (dpkk, dy, dv, dbeta), see :func:`_dense_dwy_kernel`."""
+  bsz, tp, hv, vd = v.shape
+  c, f32 = cfg.chunk, jnp.float32
+  kern = functools.partial(_dense_dwy_kernel, cfg=cfg, hv=hv, t=t)
+  return call(cfg, kern, "kda_chunk_dwy", (tp // c, bsz * hv),
+              [tok(v, c, _pair_grad_dtype(cfg, cfg.tuning.gate_dot[1])),
+               tok(v, kg.shape[-1], store_dtype(cfg, "dy")), tok(v, vd, v.dtype),
+               jax.ShapeDtypeStruct((bsz, tp, hv), f32)],
+              v, beta, seg, x, pkk, kg, hs, dvn, chunk_axis=0)
+
+
+def chunk_dqkg(cfg: KdaOptions, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk,
+               rq, rk, t):
+  """``kda_chunk_dqkg``: (dq, dk, dg), see :func:`_dense_dqkg_kernel`."""
+  bsz, tp, h, kd = q.shape
+  hv = v.shape[2]
+  bk = min(kd, cfg.tuning.dqkg_slice_k)
+  kern = functools.partial(_dense_dqkg_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
+                           gate_dot=cfg.tuning.gate_dot, slice_k=bk,
+                           dot_cumsum=cfg.tuning.dqkg_dot_cumsum)
+  return call(cfg, kern, "kda_chunk_dqkg", (kd // bk, tp // cfg.chunk, bsz * hv),
+              [tok(v, kd, store_dtype(cfg, n)) for n in ("dqk", "dqk", "dg")],
+              q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, rq, rk,
+              chunk_axis=1)
