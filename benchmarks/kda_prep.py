@@ -1,5 +1,5 @@
 """The KDA backward's pre-processing VJP on one GPU: check the Triton kernel
-(``pallas_kernels/kda/prep_vjp.py``) against XLA's ``jax.vjp`` of ``gpu._preprocess`` (value-head
+(``pallas_kernels/kda/prep_vjp.py``) against XLA's ``jax.vjp`` of ``gpu.preprocess`` (value-head
 groups summed and results cast to the input dtypes, as ``_kda_bwd`` did before the kernel) at the
 benchmark shape, time both side by side, then (budget permitting) other tilings. K3's settings:
 L2 norm of q and k, bounded gate with lower bound -5, beta logits. Finishes in ~30 s on an H200.
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels.kda import gpu, prep_vjp  # noqa: E402
+from pallas_kernels.kda import config as kda_config, gpu, prep_vjp  # noqa: E402
 from timing import Rows, config_diff, kernel_bench_args, print_ratios  # noqa: E402
 
 ROWS = Rows("kda_prep_bench.json")
@@ -40,8 +40,9 @@ SWEEP = [C(block=32), C(block=64), C(warps=8), C(warps=2), C(rows=128), C(rows=5
 
 
 def k3_cfg():
-  return gpu._Config(scale=1.0, chunk=64, use_qk_l2norm=True, gate="bounded", lower_bound=-5.0,
-                     beta_is_logit=True, diag_rows=0, dtype="bfloat16")
+  return kda_config.KdaOptions(scale=1.0, chunk=64, use_qk_l2norm=True, gate="bounded",
+                               lower_bound=-5.0, beta_is_logit=True, diag_rows=0,
+                               dtype="bfloat16")
 
 
 def operands(b, t, h, hv, kd, dtype):
@@ -58,7 +59,7 @@ def xla_op(cfg):
   def f(q, k, g, beta, a_log, dtb, dq, dk, dg, dbeta):
     b, t, h, kd = q.shape
     grp = lambda x: x.reshape(b, t, h, g.shape[2] // h, kd).sum(3)
-    _, vjp = jax.vjp(lambda *x: gpu._preprocess(cfg, *x), q, k, g, beta, a_log, dtb)
+    _, vjp = jax.vjp(lambda *x: gpu.preprocess(cfg, *x), q, k, g, beta, a_log, dtb)
     out = vjp((grp(dq), grp(dk), dg, dbeta))
     return tuple(o.astype(x.dtype) for o, x in zip(out, (q, k, g, beta, a_log, dtb)))
   return jax.jit(f)

@@ -1,14 +1,16 @@
-"""Pallas GPU chunked KDA (interpret mode on CPU) against an independent float64 NumPy loop and
-reference.kda_naive: outputs, final state and gradients of every input."""
+"""What only the Pallas GPU KDA kernels have (interpret mode on CPU): their tuning's variants
+against float64, the saved residuals, bf16 accuracy, the dense path's helpers, shared memory and
+the CUDA lowering. Values and gradients on the shared cases: ``test_kda_backends.py``."""
 
 import dataclasses
 
+import chex
 import numpy as np
 import pytest
 import jax
 import jax.numpy as jnp
 
-from kda_numpy import numpy_kda, preprocess
+from kda_cases import CASES, Case, check, inputs, run
 from numerics import rel_err
 from pallas_kernels.kda import chunk_dense, config, kda, recurrence
 
@@ -22,103 +24,24 @@ def _highest_precision():
     yield
 
 
-def np_kda(q, k, v, g, beta, s0, seg, *, scale, l2, gate, A_log, dt_bias, lb, beta_logit):
-  """float64 token loop of SPEC section 2 with the optional pre-processing."""
-  q, k, g, beta = preprocess(q, k, g, beta, hv=v.shape[2], l2=l2, gate=gate, A_log=A_log,
-                             dt_bias=dt_bias, lb=lb, beta_logit=beta_logit)
-  return numpy_kda(q, k, v, g, beta, scale, s0, seg)
-
-
-def make(seed, b, t, h, hv, kd, vd):
-  r = np.random.default_rng(seed)
-  n = lambda *s: r.standard_normal(s).astype(np.float32)
-  return dict(q=n(b, t, h, kd), k=n(b, t, h, kd), v=n(b, t, hv, vd), g=n(b, t, hv, kd),
-              beta=n(b, t, hv), s0=n(b, hv, kd, vd), A_log=0.5 * n(hv), dt_bias=0.5 * n(hv * kd))
-
-
-# (name, T, H, HV, K, V, chunk, gate, l2/beta-logit fused, segment boundaries)
-CASES = [
-    ("bounded_fused_segments_grouped", 40, 1, 2, 16, 32, 32, "bounded", True, (7, 27)),
-    ("softplus_fused_short", 5, 1, 1, 32, 16, 16, "softplus", True, ()),
-    ("unfused_segments_T37", 37, 2, 2, 16, 16, 16, None, False, (3, 16, 17)),
-    # the dense (bounded-gate) path at the production chunk: 4 row blocks, two K slices
-    ("bounded_chunk64_K128_T100", 100, 1, 2, 128, 32, 64, "bounded", True, (30, 64, 65)),
-    ("bounded_chunk64_K64_T1", 1, 1, 1, 64, 16, 64, "bounded", True, ()),
-    # the dense path's split kernels at a single 16-row block (T < 16) and with grouped heads,
-    # segments and a partial last chunk at chunk 32
-    ("bounded_chunk16_T9_segments", 9, 1, 1, 32, 16, 16, "bounded", True, (4,)),
-    ("bounded_chunk32_grouped_T45", 45, 1, 2, 64, 16, 32, "bounded", True, (1, 31, 32)),
-    # the dense path with q, k normalised and beta in (0, 1) by the caller (no fused L2 norm)
-    ("bounded_unfused_l2_chunk64_T70", 70, 1, 1, 64, 16, 64, "bounded", False, (33,)),
-    # optional (lower bound, shift of the raw gate, gradient tolerance, key similarity): the gate
-    # near its lower bound (most steps below -4.5), so the 32-row reference blocks come near their
-    # largest exponents (+-80); a lower bound of -8 takes 16-row blocks. The gate's gradients are
-    # then sums of terms e^80 apart: float32 keeps them to ~1e-3 (the previous kernels, 16-row
-    # blocks referenced at their start, failed this case on dg).
-    ("bounded_saturated_chunk64", 80, 1, 1, 64, 16, 64, "bounded", True, (50,), -5.0, 4.0, 2e-3),
-    ("bounded_lb8_chunk64", 70, 1, 1, 32, 16, 64, "bounded", True, (20,), -8.0, 3.0, 2e-3),
-    # keys of cosine similarity ~0.98, gates near 0 and beta near 1: (I + diag(beta) A_kk) with
-    # entries near 1 across the chunk, whose inverse the former nilpotent series lost to the
-    # powers of A (~1e17 here)
-    ("bounded_chunk64_similar_keys", 64, 1, 1, 64, 16, 64, "bounded", True, (), -5.0, -8.0, 2e-4,
-     0.98),
-]
-
-
-def _setup(case):
-  name, t, h, hv, kd, vd, chunk, gate, fused, cuts, *extra = case
-  defaults = (-5.0, 0.0, 2e-4, 0.0)
-  lb, shift, tol, cos = tuple(extra) + defaults[len(extra):]
-  x = make(len(name), 1, t, h, hv, kd, vd)
-  x["g"] += shift
-  if cos:  # keys of cosine similarity about cos (after the L2 norm), beta near 1
-    common = np.random.default_rng(7).standard_normal((1, 1, h, kd)).astype(np.float32)
-    x["k"] = np.sqrt(cos) * common + np.sqrt(1 - cos) * x["k"]
-    x["beta"] += 3
-  if gate is None:  # g is the log decay
-    x["g"] = -np.exp(x["g"] - 1.0)
-  if not fused:  # beta in (0, 1), q/k pre-normalised
-    x["beta"] = 1 / (1 + np.exp(-x["beta"]))
-    x["q"], x["k"] = (y / np.linalg.norm(y, axis=-1, keepdims=True) for y in (x["q"], x["k"]))
-  seg = np.zeros((1, t), np.int32)
-  for c in cuts:
-    seg[:, c:] += 1
-  opts = dict(scale=kd ** -0.5, use_qk_l2norm=fused, gate=gate, lower_bound=lb,
-              beta_is_logit=fused)
-  return x, jnp.asarray(seg), opts, chunk, tol
-
-
-def _run(impl, chunk, seg, opts, q, k, v, g, beta, s0, A_log, dt_bias, tuning=None):
-  return kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, segment_ids=seg,
-             A_log=A_log, dt_bias=dt_bias, chunk_size=chunk, implementation=impl, config=tuning,
-             **opts)
-
-
-def _tuning(v_shape, opts, **changes):
-  """The default tuning for these shapes and options with ``changes``."""
+def _tuning(case, **changes):
+  """The default tuning for ``case`` with ``changes``."""
   return dataclasses.replace(config.default_config(
-      v_shape, use_qk_l2norm=opts["use_qk_l2norm"], beta_is_logit=opts["beta_is_logit"]),
+      (1, case.t, case.hv, case.vd), use_qk_l2norm=case.fused, beta_is_logit=case.fused),
       **changes)
 
 
-ORDER = ("q", "k", "v", "g", "beta", "s0", "A_log", "dt_bias")
+CUMSUM_CASES = [c for c in CASES if c.name in ("bounded_chunk64_K128_T100",
+                                                "bounded_saturated_chunk64")]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_kda_pallas_gpu(case):
-  _check_case(case)
-
-
-CUMSUM_CASES = [c for c in CASES if c[0] in ("bounded_chunk64_K128_T100",
-                                              "bounded_saturated_chunk64")]
-
-
-@pytest.mark.parametrize("case", CUMSUM_CASES, ids=[c[0] for c in CUMSUM_CASES])
+@pytest.mark.parametrize("case", CUMSUM_CASES, ids=lambda c: c.name)
 def test_cumsum_option(case):
   """kda_chunk_dqkg with the gate's cumulative sum the other way from its default
   (``KdaGpuConfig.dqkg_dot_cumsum``: a scan instead of matrix-unit products) passes the same
   checks, including the saturated gate whose dg sums terms e^80 apart."""
-  _check_case(case, dqkg_dot_cumsum=not config.KdaGpuConfig().dqkg_dot_cumsum)
+  check(case, "pallas_gpu",
+        config=_tuning(case, dqkg_dot_cumsum=not config.KdaGpuConfig().dqkg_dot_cumsum))
 
 
 def test_dot_cumsum_matches_float64():
@@ -130,54 +53,10 @@ def test_dot_cumsum_matches_float64():
   assert np.max(np.abs(got - want)) < 1e-4, np.max(np.abs(got - want))
 
 
-def _check_case(case, **changes):
-  """Outputs, final state and every gradient of ``pallas_gpu`` (its default tuning with
-  ``changes``) against the float64 loop, the naive recurrence and central differences."""
-  x, seg, opts, chunk, tol = _setup(case)
-  tuning = _tuning(x["v"].shape, opts, **changes) if changes else None
-  args = tuple(jnp.asarray(x[n]) for n in ORDER)
-  np_run = lambda y: np_kda(y["q"], y["k"], y["v"], y["g"], y["beta"], y["s0"], np.asarray(seg),
-                            l2=opts["use_qk_l2norm"], gate=opts["gate"], A_log=y["A_log"],
-                            dt_bias=y["dt_bias"], lb=opts["lower_bound"],
-                            beta_logit=opts["beta_is_logit"],
-                            scale=opts["scale"])
-  o_np, s_np = np_run(x)
-  wo = np.random.default_rng(1).standard_normal(o_np.shape)
-  ws = np.random.default_rng(2).standard_normal(s_np.shape)
-
-  def loss(impl):
-    def f(*a):
-      o, s = _run(impl, chunk, seg, opts, *a, tuning=tuning if impl == "pallas_gpu" else None)
-      return jnp.sum(o * wo.astype(np.float32)) + jnp.sum(s * ws.astype(np.float32)), (o, s)
-    return f
-
-  n_args = 8 if opts["gate"] else 6  # A_log / dt_bias only exist with a fused gate
-  (_, (o, s)), grads = jax.jit(jax.value_and_grad(loss("pallas_gpu"), argnums=tuple(range(n_args)),
-                                                  has_aux=True))(*args)
-  np.testing.assert_allclose(o, o_np, rtol=1e-4, atol=1e-4)
-  np.testing.assert_allclose(s, s_np, rtol=1e-4, atol=1e-4)
-
-  # gradients of every input against the naive recurrence (autodiff through a scan)
-  ref = jax.jit(jax.grad(loss("naive"), argnums=tuple(range(n_args)), has_aux=True))(*args)[0]
-  for name, a, r in zip(ORDER, grads, ref):
-    np.testing.assert_allclose(a, r, rtol=tol, atol=tol * float(jnp.abs(r).max()),
-                               err_msg=f"d{name}")
-
-  # and a directional derivative against central differences of the float64 loop
-  rng = np.random.default_rng(3)
-  dirs = {n: rng.standard_normal(x[n].shape) for n in ORDER[:n_args]}
-  def np_loss(eps):
-    o_, s_ = np_run({n: x[n] + eps * dirs[n] if n in dirs else x[n] for n in ORDER})
-    return (o_ * wo).sum() + (s_ * ws).sum()
-  fd = (np_loss(1e-5) - np_loss(-1e-5)) / 2e-5
-  ad = sum(float(jnp.sum(grads[i] * dirs[n])) for i, n in enumerate(ORDER[:n_args]))
-  assert abs(ad - fd) <= 1e-3 * max(1.0, abs(fd)), (ad, fd)
-
-
 def test_bad_head_dim_is_rejected():
-  x = make(0, 1, 8, 1, 1, 24, 16)
+  x, _, _ = inputs(Case("bad", 8, 1, 1, 24, 16, 64, None, False))
   with pytest.raises(ValueError, match="powers of two"):
-    kda(*(jnp.asarray(x[n]) for n in ORDER[:5]), implementation="pallas_gpu")
+    kda(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")), implementation="pallas_gpu")
 
 
 @pytest.mark.parametrize("shape, cumsum_dot", [((1, 100, 2, 128), True),
@@ -190,15 +69,13 @@ def test_dense_path_lowers_for_cuda(h200_lowering, shape, cumsum_dot):
   also at the benchmark shape (inputs as shapes only) and with the scan's cumulative sum in
   kda_chunk_dqkg (``KdaGpuConfig.dqkg_dot_cumsum``)."""
   b, t, h, kd = shape
-  x = make(5, 1, 1, h, h, kd, kd)  # A_log, dt_bias; the rest only as shapes
   tuning = dataclasses.replace(
       config.default_config((b, t, h, kd), use_qk_l2norm=True, beta_is_logit=True),
       dqkg_dot_cumsum=cumsum_dot)
 
   def loss(q, k, v, g, beta):
-    o, _ = kda(q, k, v, g, beta, use_qk_l2norm=True, A_log=jnp.asarray(x["A_log"]),
-               dt_bias=jnp.asarray(x["dt_bias"]), gate="bounded", beta_is_logit=True,
-               implementation="pallas_gpu", config=tuning)
+    o, _ = kda(q, k, v, g, beta, use_qk_l2norm=True, A_log=jnp.zeros(h), dt_bias=jnp.zeros(h * kd),
+               gate="bounded", beta_is_logit=True, implementation="pallas_gpu", config=tuning)
     return jnp.sum(o.astype(jnp.float32))
 
   args = [jax.ShapeDtypeStruct((b, t, h, kd), jnp.bfloat16)] * 4 + [
@@ -221,23 +98,20 @@ def test_diag_rows():
   assert diag_rows("softplus", -5.0, 64) == 0
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=[CASES[1][0], CASES[3][0]])
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=lambda c: c.name)
 def test_saved_residuals_give_the_same_gradients(case):
   """``save_residuals`` (the backward reads the forward's chunk factors, states and V') gives
   bit for bit the gradients of recomputing them (general and dense paths)."""
-  x, seg, opts, chunk, _ = _setup(case)
-  args = tuple(jnp.asarray(x[n]) for n in ORDER)
+  x, seg, opts = inputs(case)
   wo = np.random.default_rng(1).standard_normal(x["v"].shape).astype(np.float32)
 
   def grads(save):
-    f = lambda *a: jnp.sum(_run("pallas_gpu", chunk, seg, dict(opts, save_residuals=save), *a)[0]
-                           * wo)
-    return jax.jit(jax.value_and_grad(f, argnums=tuple(range(8))))(*args)
+    f = lambda y: jnp.sum(run("pallas_gpu", seg, opts, y, save_residuals=save)[0] * wo)
+    return jax.jit(jax.value_and_grad(f))({n: jnp.asarray(x[n]) for n in case.names()})
 
   (l0, g0), (l1, g1) = grads(False), grads(True)
   assert float(l0) == float(l1)
-  for name, a, b in zip(ORDER, g0, g1):
-    np.testing.assert_array_equal(a, b, err_msg=f"d{name}")
+  chex.assert_trees_all_equal(g0, g1)
 
 
 def test_bf16_dense_path_matches_the_float32_recurrence():
@@ -246,28 +120,28 @@ def test_bf16_dense_path_matches_the_float32_recurrence():
   several chunks (``chunk_loop``: at least 4 per program, here all 4) keep outputs and every
   gradient within bf16 accuracy of the float32 recurrence on the same (bf16-rounded) inputs
   (relative error of the whole array)."""
-  case = ("bf16", 256, 1, 1, 64, 32, 64, "bounded", True, (90, 91))
-  x, seg, opts, chunk, _ = _setup(case)
-  tuning = _tuning(x["v"].shape, opts)
+  case = Case("bf16", 256, 1, 1, 64, 32, 64, "bounded", True, (90, 91))
+  x, seg, opts = inputs(case)
+  tuning = _tuning(case)
   assert tuning.chunk_loop_of("kda_chunk_a")[0] >= 4 and "h" in tuning.bf16_stores
-  args = tuple(jnp.asarray(x[n]) for n in ORDER)
-  low = tuple(a.astype(jnp.bfloat16) if n not in ("s0", "A_log", "dt_bias") else a
-              for n, a in zip(ORDER, args))
+  low = {n: jnp.asarray(x[n], jnp.float32 if n in ("s0", "A_log", "dt_bias") else jnp.bfloat16)
+         for n in case.names()}
   wo = jnp.asarray(np.random.default_rng(1).standard_normal(x["v"].shape), jnp.float32)
 
   def loss(impl):
-    def f(*a):
-      o, s = _run(impl, chunk, seg, opts, *a)
+    def f(y):
+      o, s = run(impl, seg, opts, y)
       return jnp.sum(o.astype(jnp.float32) * wo) + 0.1 * jnp.sum(s), o
-    return jax.jit(jax.value_and_grad(f, argnums=tuple(range(8)), has_aux=True))
+    return jax.jit(jax.value_and_grad(f, has_aux=True))
 
-  (_, o), grads = loss("pallas_gpu")(*low)
-  (_, o_ref), ref = loss("naive")(*(a.astype(jnp.float32) for a in low))
+  (_, o), grads = loss("pallas_gpu")(low)
+  (_, o_ref), ref = loss("naive")({n: a.astype(jnp.float32) for n, a in low.items()})
   rel = lambda a, b: rel_err(np.asarray(a.astype(jnp.float32)), b)
   assert rel(o, o_ref) < 1e-2
   # d A_log is one sum over every gate term of the head, whose large terms cancel: 3.1e-2 with
   # these residuals and with float32 ones (the others 3e-3 to 4e-3)
-  for name, a, r in zip(ORDER, grads, ref):
+  for name in case.names():
+    a, r = grads[name], ref[name]
     assert rel(a, r) < (6e-2 if name == "A_log" else 1e-2), (name, rel(a, r))
 
 
@@ -297,11 +171,10 @@ def test_changed_tuning_changes_the_traced_kernels(h200_lowering):
   tuning = config.default_config(shape, use_qk_l2norm=True, beta_is_logit=True)
   other = dataclasses.replace(tuning, warps={"kda_chunk_a": 2})
   assert hash(other) != hash(tuning) and dict(other.warps)["kda_chunk_dqkg"] == 4
-  x = make(0, *shape[:3], 1, 64, 64)
   op = jax.jit(lambda q, k, v, g, beta, cfg: kda(
-      q, k, v, g, beta, use_qk_l2norm=True, A_log=jnp.asarray(x["A_log"]),
-      dt_bias=jnp.asarray(x["dt_bias"]), gate="bounded", beta_is_logit=True,
-      implementation="pallas_gpu", config=cfg)[0], static_argnames="cfg")
+      q, k, v, g, beta, use_qk_l2norm=True, A_log=jnp.zeros(1), dt_bias=jnp.zeros(64),
+      gate="bounded", beta_is_logit=True, implementation="pallas_gpu", config=cfg)[0],
+      static_argnames="cfg")
   args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 4 + [
       jax.ShapeDtypeStruct(shape[:3], jnp.bfloat16)]
   warps = {}

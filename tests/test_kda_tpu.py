@@ -1,4 +1,6 @@
-"""Pallas TPU KDA kernel in TPU interpret mode against the references, and its TPU lowering."""
+"""What only the Pallas TPU KDA kernel has (TPU interpret mode on CPU): bf16 inputs with a float32
+state, its head-dim check and its TPU lowering. Values and gradients on the shared cases:
+``test_kda_backends.py``."""
 
 import functools
 
@@ -9,7 +11,6 @@ import pytest
 
 from pallas_kernels import kda as kda_ops
 from pallas_kernels.kda import tpu
-from kda_numpy import numpy_kda
 
 B, H, HV, K, V = 1, 1, 2, 64, 64  # grouped values: HV = 2 H
 
@@ -38,76 +39,6 @@ def run(x, seg, impl, gate, chunk_size):
                      dt_bias=x.get("dt_bias"), initial_state=x.get("initial_state"),
                      segment_ids=seg, gate=gate, use_qk_l2norm=fused, beta_is_logit=fused,
                      output_final_state=True, chunk_size=chunk_size, implementation=impl)
-
-
-def check(x, seg, gate, chunk_size, grads=True):
-  """Kernel vs naive, chunked and the float64 loop: outputs, final state and all gradients."""
-  fwd = {impl: jax.jit(functools.partial(run, seg=seg, impl=impl, gate=gate,
-                                         chunk_size=chunk_size))(x)
-         for impl in ("pallas_tpu", "naive", "chunked")}
-  o, s = fwd["pallas_tpu"]
-  assert o.dtype == x["v"].dtype and s.dtype == jnp.float32
-  for impl in ("naive", "chunked"):
-    np.testing.assert_allclose(o, fwd[impl][0], atol=2e-5, rtol=1e-4, err_msg=impl)
-    np.testing.assert_allclose(s, fwd[impl][1], atol=2e-5, rtol=1e-4, err_msg=impl)
-  if gate is None:
-    q, k, g, beta = x["q"], x["k"], x["g"], x["beta"]
-  else:
-    q, k, g, beta = jax.jit(functools.partial(
-        kda_ops._prepare, use_qk_l2norm=True, gate=gate, lower_bound=-5.0, beta_is_logit=True))(
-            x["q"], x["k"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"])
-  s0 = x.get("initial_state", np.zeros((B, HV, K, V)))
-  seg_np = np.zeros(q.shape[:2], int) if seg is None else np.asarray(seg)
-  o_r, s_r = numpy_kda(q, k, x["v"], g, beta, K ** -0.5, s0, seg_np)
-  np.testing.assert_allclose(o, o_r, atol=2e-5, rtol=1e-4)
-  np.testing.assert_allclose(s, s_r, atol=2e-5, rtol=1e-4)
-  if not grads:
-    return
-  rng = np.random.default_rng(1)
-  w_o, w_s = rng.standard_normal(o.shape, np.float32), rng.standard_normal(s.shape, np.float32)
-
-  def loss(x, impl):
-    o, s = run(x, seg, impl, gate, chunk_size)
-    return jnp.sum(o * w_o) + jnp.sum(s * w_s)
-
-  g_k = jax.jit(jax.grad(functools.partial(loss, impl="pallas_tpu")))(x)
-  g_n = jax.jit(jax.grad(functools.partial(loss, impl="naive")))(x)
-  for name in x:
-    assert np.abs(g_n[name]).max() > 0, name
-    np.testing.assert_allclose(g_k[name], g_n[name], atol=5e-5, rtol=1e-4, err_msg=name)
-
-
-def saturate(x, values):
-  """Replaces the gate input of a quarter of value head 1's channels by ``values(f)``."""
-  x["g"][:, :, 1, :K // 4] = values(x["g"][:, :, 1, :K // 4])
-  return x
-
-
-def test_bounded_fast_path_segments_in_and_at_chunk_edges():
-  """T=40 in chunks of 16: restarts inside chunks (3, 21) and at a chunk edge (32). Some channels
-  saturate at g = lower_bound or 0, so fast-path tile exponents reach 16 * 5 = 80."""
-  t = 40
-  x = saturate(inputs(t, seed=0), lambda f: 1e3 * f)
-  check(x, segment_ids(t, [3, 21, 32]), "bounded", chunk_size=16)
-
-
-def test_softplus_safe_path_padded_chunk():
-  """T=70 in chunks of 64 (the second chunk: 6 tokens, 58 padding); restarts at 9 and at the
-  chunk edge 64. Some channels decay by up to ~1e2 per token: cumulative decays of ~1e4 in a
-  chunk, which only the safe path survives."""
-  t = 70
-  x = saturate(inputs(t, seed=1), lambda f: 30 * f + 8)  # decays up to ~1e2 per token
-  check(x, segment_ids(t, [9, 64]), "softplus", chunk_size=64)
-
-
-def test_short_sequence_unfused_inputs():
-  """T=5 < 16 with g and beta given directly (no gate, L2 norm or sigmoid in the kernel), no
-  initial state, no segments."""
-  x = inputs(5, seed=2)
-  x = dict(q=x["q"] / np.linalg.norm(x["q"], axis=-1, keepdims=True),
-           k=x["k"] / np.linalg.norm(x["k"], axis=-1, keepdims=True), v=x["v"],
-           g=-np.logaddexp(x["g"] - 3, 0), beta=1 / (1 + np.exp(-x["beta"])))
-  check(x, None, None, chunk_size=16)
 
 
 def test_bf16_inputs_float32_state():

@@ -44,6 +44,9 @@ SHAPES = {"kda": (1, 16384, 32, 128), "glu": (524288, 1024), "logsumexp": (4096,
 def _configs(name):
   """The default kernel config of op ``name`` whose fields ``--set`` replaces (None: the op has
   none here)."""
+  if name == "kda":  # the tuning for the GPU's kernels (under target_platform), K3's options
+    from pallas_kernels.kda.config import default_config
+    return default_config(SHAPES["kda"], use_qk_l2norm=True, beta_is_logit=True)
   if name == "glu":
     from pallas_kernels.glu import gpu
     return gpu.Config()
@@ -69,7 +72,7 @@ def _ops(name, config):
 
     def loss(q, k, v, g, beta, a_log, dt_bias):
       o, _ = kda(q, k, v, g, beta, use_qk_l2norm=True, A_log=a_log, dt_bias=dt_bias,
-                 gate="bounded", beta_is_logit=True, implementation="pallas_gpu")
+                 gate="bounded", beta_is_logit=True, implementation="pallas_gpu", config=config)
       return jnp.sum(o.astype(f32))
 
     args = [sds((b, t, h, kd), bf16)] * 4 + [sds((b, t, h), bf16), sds((h,), f32),
@@ -102,7 +105,8 @@ def dump(out, op, sets):
   import pallas_kernels
   from timing import replace_options
   gpu_info.get_gpu_info = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-  config = _configs(op)
+  with pallas_kernels.target_platform("gpu"):
+    config = _configs(op)
   if sets and config is None:
     raise SystemExit(f"triton_report: --set: no kernel config of {op} here")
   try:

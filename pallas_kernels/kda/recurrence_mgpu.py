@@ -1,12 +1,12 @@
 """The chunked KDA forward's sequential pass as a Mosaic GPU kernel (Hopper: TMA, wgmma, two
 warpgroups).
 
-Same inputs and results as ``recurrence._fwd_kernel`` (the Triton pass): per chunk of C = 64 tokens,
-``V' = U - W S``, ``O = QG S + A_qk V'``, ``S <- gC * S + KD^T V'``. In Triton one program issues
-all four products in order and waits for each, so the output's two products sit on the chain
-that carries the state from chunk to chunk (most of the forward pass's cycles have no warp
-ready to issue: benchmarks/RESULTS.md, KDA runs 23-26). Here one CTA per (value tile, batch * value head) runs
-two warpgroups:
+Same inputs and results as ``recurrence._fwd_kernel`` (the Triton pass): per chunk of C = 64
+tokens, ``V' = U - W S``, ``O = QG S + A_qk V'``, ``S <- gC * S + KD^T V'``. In Triton one
+program issues all four products in order and waits for each, so the output's two products sit
+on the chain that carries the state from chunk to chunk (most of the forward pass's cycles have
+no warp ready to issue: benchmarks/RESULTS.md, KDA runs 23-26). Here one CTA per (value tile,
+batch * value head) runs two warpgroups:
 
 * warpgroup 0 carries the state ``S [K, BV]`` float32 in registers. Per chunk it writes S (bf16)
   to SMEM, forms ``V' = U - W S`` (wgmma), writes V' (bf16) to SMEM, hands both to warpgroup 1
@@ -15,8 +15,8 @@ two warpgroups:
 * warpgroup 1 forms ``O = QG S + A_qk V'`` from the same SMEM tiles while warpgroup 0 moves on,
   releases them (``free``) and stores O (TMA).
 
-``recurrence_bwd`` is the backward's pass (``recurrence._bwd_kernel``), one warpgroup per (value tile,
-batch * value head), chunks in reverse: ``dV' = A_qk^T dO + KD dS`` and ``dS <- gC * dS +
+``recurrence_bwd`` is the backward's pass (``recurrence._bwd_kernel``), one warpgroup per (value
+tile, batch * value head), chunks in reverse: ``dV' = A_qk^T dO + KD dS`` and ``dS <- gC * dS +
 QG^T dO - W^T dV'``, each as two wgmmas issued together (the one with dO first, off the chain)
 and awaited once, where Triton awaits each of the four products.
 
