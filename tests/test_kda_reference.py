@@ -72,7 +72,8 @@ def test_float64_numpy_loop_agrees(gate):
     o_n, s_n = jit_kda(x, seg, impl="naive", gate=gate)
     o_c, s_c = jit_kda(x, seg, impl="chunked", gate=gate)
     q, k, g, beta = jax.jit(functools.partial(
-        kda_ops._prepare, use_qk_l2norm=True, gate=gate, lower_bound=-5.0, beta_is_logit=True))(
+        kda_ops.prepare_inputs, use_qk_l2norm=True, gate=gate, lower_bound=-5.0,
+        beta_is_logit=True))(
             x["q"], x["k"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"])
     assert o_c.dtype == s_c.dtype == jnp.float64
   o_r, s_r = numpy_kda(q, k, x["v"], g, beta, K ** -0.5, x["initial_state"], np.asarray(seg))

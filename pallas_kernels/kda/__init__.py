@@ -26,7 +26,8 @@ def resolve(implementation: str | None) -> str:
                                 {"gpu": "pallas", "tpu": "pallas", "cpu": "chunked"})
 
 
-def _prepare(q, k, g, beta, *, use_qk_l2norm, A_log, dt_bias, gate, lower_bound, beta_is_logit):
+def prepare_inputs(q, k, g, beta, *, use_qk_l2norm, A_log, dt_bias, gate, lower_bound,
+                   beta_is_logit):
   """Applies the unfused pre-processing (L2 norm, gate, beta sigmoid) in JAX."""
   if use_qk_l2norm:
     q, k = l2norm(q), l2norm(k)
@@ -74,9 +75,9 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
                        save_residuals=save_residuals, config=config,
                        backend=impl.removeprefix("pallas_"))
   else:
-    q, k, g, beta = _prepare(q, k, g, beta, use_qk_l2norm=use_qk_l2norm, A_log=A_log,
-                             dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
-                             beta_is_logit=beta_is_logit)
+    q, k, g, beta = prepare_inputs(q, k, g, beta, use_qk_l2norm=use_qk_l2norm, A_log=A_log,
+                                   dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
+                                   beta_is_logit=beta_is_logit)
     fn = reference.kda_naive if impl == "naive" else reference.kda_chunked
     kwargs = {} if impl == "naive" else {"chunk_size": chunk_size}
     o, s = fn(q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -124,10 +125,10 @@ from_pool = to_pool  # its inverse: pool ``[..., V, K]`` -> :func:`kda` states `
 
 def decode_xla(q, k, v, g, beta, state, slots, *, scale, **prep):
   """The XLA token recurrence of :func:`kda_decode` on the K-last pool ``state [S, HV, V, K]``."""
-  q, k, g, beta = _prepare(q, k, g, beta, **prep)
+  q, k, g, beta = prepare_inputs(q, k, g, beta, **prep)
   o, s = reference.kda_naive(q, k, v, g, beta, scale=scale, initial_state=from_pool(state[slots]))
   return o.astype(v.dtype), state.at[slots].set(to_pool(s).astype(state.dtype))
 
 
-__all__ = ["kda", "kda_decode", "decode_xla", "to_pool", "from_pool", "kda_gate", "l2norm",
-           "resolve", "IMPLEMENTATIONS"]
+__all__ = ["kda", "kda_decode", "decode_xla", "prepare_inputs", "to_pool", "from_pool",
+           "kda_gate", "l2norm", "resolve", "IMPLEMENTATIONS"]
