@@ -198,7 +198,7 @@ def check(case: Case, impl: str, **kw):
   o_ref, s_ref, g_ref = reference(case)
   chex.assert_shape(o, o_ref.shape)
   chex.assert_shape(s, s_ref.shape)
-  chex.assert_type(s, jnp.float32)
+  chex.assert_type([o, s], jnp.float32)  # o in v's dtype, the state float32
   rtol, atol = VALUE_TOL[impl]
   np.testing.assert_allclose(o, o_ref, rtol=rtol, atol=atol, err_msg="o")
   np.testing.assert_allclose(s, s_ref, rtol=rtol, atol=atol, err_msg="final state")
