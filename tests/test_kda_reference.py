@@ -51,9 +51,9 @@ def jit_kda(x, segment_ids, impl, gate, chunk_size=64):
   return run_kda(x, impl, gate, segment_ids, chunk_size)
 
 
-@pytest.mark.parametrize("t, gate", [(1, "bounded"), (15, "softplus"), (63, "bounded"),
-                                     (64, "softplus"), (200, "bounded")])
+@pytest.mark.parametrize("t, gate", [(200, "bounded")])  # short T: test_kda_backends.py
 def test_chunked_equals_naive(t, gate):
+  """Two rows segmented differently over several chunks."""
   x = raw_inputs(t, seed=t)
   seg = segments(t, CUTS)
   o_n, s_n = jit_kda(x, seg, impl="naive", gate=gate)
