@@ -1,7 +1,7 @@
 """The KDA case table, its input generator and the check every backend passes: values, final
 state and gradients of every input against float64 (the NumPy token loop of ``kda_numpy`` for
-values, the token recurrence in float64 for gradients, itself checked against central
-differences of the NumPy loop)."""
+values, the token recurrence (``naive``) in float64 for gradients, itself checked against the
+NumPy loop's values and central differences)."""
 
 from __future__ import annotations
 
@@ -142,8 +142,9 @@ def _weights(case):
 @functools.lru_cache(maxsize=None)
 def reference(case: Case):
   """float64 (o, final state) of the NumPy loop and the gradients of the loss
-  ``sum(o wo) + sum(s ws)`` from the token recurrence in float64, checked once against a
-  central difference of the NumPy loop along a random direction."""
+  ``sum(o wo) + sum(s ws)`` from the token recurrence in float64, whose values are checked
+  against the NumPy loop's and its gradients against a central difference of the NumPy loop
+  along a random direction."""
   x, seg, opts = inputs(case)
   wo, ws = _weights(case)
 
@@ -158,11 +159,14 @@ def reference(case: Case):
 
   def loss(y):
     o_, s_ = run("naive", seg, opts, y)
-    return jnp.sum(o_ * wo) + jnp.sum(s_ * ws)
+    return jnp.sum(o_ * wo) + jnp.sum(s_ * ws), (o_, s_)
 
   with jax.enable_x64(True):
-    grads = jax.jit(jax.grad(loss))({m: jnp.asarray(x[m], jnp.float64) for m in names})
+    (_, (o64, s64)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
+        {m: jnp.asarray(x[m], jnp.float64) for m in names})
     grads = {m: np.asarray(d) for m, d in grads.items()}
+  np.testing.assert_allclose(o64, o, rtol=1e-10, atol=1e-10, err_msg=f"{case.name}: naive o")
+  np.testing.assert_allclose(s64, s, rtol=1e-10, atol=1e-10, err_msg=f"{case.name}: naive state")
   rng = np.random.default_rng(3)
   dirs = {m: rng.standard_normal(x[m].shape) for m in names}
 
@@ -178,14 +182,16 @@ def reference(case: Case):
 
 # Tolerances of the values (rtol, atol) and gradients (rtol, atol; None: the case's tolerance
 # of the largest gradient) of each backend against float64
-VALUE_TOL = {"naive": (1e-4, 2e-5), "chunked": (1e-4, 2e-5), "pallas_gpu": (1e-4, 1e-4),
-             "pallas_tpu": (1e-4, 2e-5)}
+VALUE_TOL = {"chunked": (1e-4, 2e-5), "pallas_gpu": (1e-4, 1e-4), "pallas_tpu": (1e-4, 2e-5)}
 GRAD_TOL = {"pallas_tpu": (1e-4, 5e-5)}
 
 
 def check(case: Case, impl: str, **kw):
   """Values, final state and every gradient of ``impl`` (``kw`` to ``kda``) against
-  :func:`reference`."""
+  :func:`reference`; ``naive``, the reference's own, in float64 there."""
+  if impl == "naive":
+    reference(case)
+    return
   x, seg, opts = inputs(case)
   wo, ws = (w.astype(np.float32) for w in _weights(case))
 
