@@ -556,41 +556,16 @@ def time_decode(n, cfg=dec.DecodeConfig()):
   return ms, state_tbps(pool.shape, ms)
 
 
-def _round(x, bits):
-  """float32 rounded to ``bits`` mantissa bits (nearest)."""
-  i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-  drop = 23 - bits
-  i = (i + (1 << (drop - 1))) & ~jnp.uint32((1 << drop) - 1)
-  return jax.lax.bitcast_convert_type(i, jnp.float32)
-
-
 def emulate():
-  """On the CPU (interpret mode) the kernels' products are exact float32; this replaces them
-  with the GPU's roundings (TF32 for float32 operands, bf16 / three bf16 passes for those
-  algorithms) and runs the check at B1 T256 H2 K128 for the default gate-gradient algorithms
-  and each of ``GATE_DOTS``, then with similar keys."""
+  """On the CPU (interpret mode) the kernels' products are exact float32; this runs the check
+  with the GPU's roundings emulated (``chunk_ops.gpu_rounding``) at B1 T256 H2 K128 for the
+  default gate-gradient algorithms and each of ``GATE_DOTS``, then with similar keys."""
   global CHECK_SHAPE
-  exact = chunk_ops.mm
-  hi = jax.lax.Precision.HIGHEST
-
-  def mm(a, b, *, ta=False, tb=False, dt=None, precision=None):
-    a, b = (x.astype(dt or jnp.float32).astype(jnp.float32) for x in (a, b))
-    f = lambda x, y: exact(x, y, ta=ta, tb=tb, precision=hi)
-    if precision == _P.BF16_BF16_F32_X3:
-      ah, bh = _round(a, 7), _round(b, 7)
-      return f(ah, bh) + f(_round(a - ah, 7), bh) + f(ah, _round(b - bh, 7))
-    if precision == _P.BF16_BF16_F32:
-      return f(_round(a, 7), _round(b, 7))
-    return f(a, b) if precision == hi else f(_round(a, 10), _round(b, 10))
-
-  # every kernel module calls ``chunk_ops.mm`` through the module, so this one patch reaches them
-  chunk_ops.mm, CHECK_SHAPE = mm, (1, 256, 2, 128)
-  try:
+  CHECK_SHAPE = (1, 256, 2, 128)
+  with chunk_ops.gpu_rounding():
     for name, dot in [("default", None)] + list(GATE_DOTS.items()):
       check(decode=False, tag=f"emulated gate_dot={name}", changes=dot and {"gate_dot": dot})
     check(decode=False, tag="emulated", similar=True)
-  finally:
-    chunk_ops.mm = exact
 
 
 def main():

@@ -36,19 +36,6 @@ def kernel_bench_args(p: argparse.ArgumentParser, budget: float):
   return a, elapsed, lambda: a.budget - elapsed(), reps
 
 
-def set_module_option(spec: str) -> None:
-  """``MODULE:NAME=VALUE``: sets the module-level kernel option ``NAME`` of ``MODULE`` to the
-  Python literal ``VALUE`` (before the kernels are traced); ValueError for an unknown option."""
-  import ast
-  import importlib
-  target, _, value = spec.partition("=")
-  module, _, name = target.partition(":")
-  mod = importlib.import_module(module)
-  if not name or not hasattr(mod, name):
-    raise ValueError(f"--set {spec!r}: {module} has no option {name!r}")
-  setattr(mod, name, ast.literal_eval(value))
-
-
 def replace_options(config, specs):
   """``config`` (a frozen dataclass of kernel options) with each ``NAME=VALUE`` of ``specs``
   replaced, VALUE a Python literal (``warps={'kda_chunk_a': 4}``, ``recurrence='triton'``);

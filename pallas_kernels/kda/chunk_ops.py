@@ -3,6 +3,7 @@ inverse of a unit lower-triangular chunk matrix, and the launch of one chunk ker
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -17,14 +18,53 @@ HI = jax.lax.Precision.HIGHEST
 X3 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
 
 
+# Inside gpu_rounding(), products round their operands as the GPU's matrix units do (interpret
+# mode on the CPU otherwise computes them in exact float32). Part of JAX's jit cache key.
+_GPU_ROUNDING = jax.make_user_context(default_value=False)
+
+
+@contextlib.contextmanager
+def gpu_rounding():
+  """Emulates the GPU's matrix-unit roundings in the chunk kernels' products (CPU checks of the
+  kernels' accuracy, ``benchmarks/kda.py --emulate``): TF32 for float32 operands, bf16 or three
+  bf16 passes for those algorithms."""
+  with _GPU_ROUNDING(True):
+    yield
+
+
+def round_mantissa(x, bits: int):
+  """float32 ``x`` rounded to ``bits`` mantissa bits (to nearest)."""
+  i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  drop = 23 - bits
+  i = (i + (1 << (drop - 1))) & ~jnp.uint32((1 << drop) - 1)
+  return jax.lax.bitcast_convert_type(i, jnp.float32)
+
+
+def _exact(a, b, ta, tb, precision):
+  dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+  return jax.lax.dot_general(a, b, dims, precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
+def _rounded(a, b, ta, tb, precision):
+  """The product as the GPU's matrix units round it, in exact float32 arithmetic."""
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  f = lambda x, y: _exact(x, y, ta, tb, HI)
+  bf16 = lambda x: round_mantissa(x, 7)
+  if precision == X3:
+    ah, bh = bf16(a), bf16(b)
+    return f(ah, bh) + f(bf16(a - ah), bh) + f(ah, bf16(b - bh))
+  if precision == jax.lax.DotAlgorithmPreset.BF16_BF16_F32:
+    return f(bf16(a), bf16(b))
+  return f(a, b) if precision == HI else f(round_mantissa(a, 10), round_mantissa(b, 10))
+
+
 def mm(a, b, *, ta=False, tb=False, dt=None, precision=None):
   """``a @ b`` (optionally transposed operands) with float32 accumulation; ``dt`` casts the
   operands (bf16 for the matrix units)."""
   if dt is not None:
     a, b = a.astype(dt), b.astype(dt)
-  dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-  return jax.lax.dot_general(a, b, dims, precision=precision,
-                             preferred_element_type=jnp.float32)
+  return (_rounded if _GPU_ROUNDING.value else _exact)(a, b, ta, tb, precision)
 
 
 def lower_inverse(a, c, precision=None):
