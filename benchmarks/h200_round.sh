@@ -26,6 +26,9 @@
 #                                           # both Newton-Schulz step forms
 #   bash benchmarks/h200_round.sh moesweep  # grouped-matmul tilings, forward, at k3_1b's expert
 #                                           # shapes (MOE_SHAPES) beside jla
+#   BASE=DIR bash benchmarks/h200_round.sh unchanged  # KDA, MoE and MLA kernels of an earlier
+#                                           # commit's copy (`git archive`) and of this code, in
+#                                           # turn at the same shapes: a change that must not move them
 #   bash benchmarks/h200_round.sh long step peers   # several at once (one lock for timed GPU work)
 #
 # The k3_1b runs compile without XLA's Triton GEMM fusions (85 s instead of 111 s, same step time).
@@ -40,8 +43,9 @@ R=/tmp/h200_round; mkdir -p "$R"
 OUT=${OUT:-$R/out}; mkdir -p "$OUT"
 finish() { tar czf "$OUT/h200_round.tar.gz" -C "$R" --exclude='trace*' . 2>/dev/null; }
 trap finish EXIT
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  $(ls .whl/*.whl .whl_train/*.whl 2>/dev/null) || exit 1
+WHEELS=$(ls .whl/*.whl .whl_train/*.whl 2>/dev/null)
+[ -z "$WHEELS" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --upgrade --target /tmp/site $WHEELS || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 LOCK=$R/.gpu.lock
 NGPU=$(nvidia-smi -L | grep -c ^GPU)
@@ -176,6 +180,22 @@ moesweep() {  # k3_1b: 48 experts, 8 of them per token at 16 x 4096 (M rounded d
     --shapes "${MOE_SHAPES:-48x524160x512x1024,48x524160x512x512,48x524160x1024x512}"
 }
 
+unchanged() {  # BASE=DIR: each op's benchmark on that copy, then on this code, one after the other
+  local op which dir
+  for op in kda moe mla; do
+    for which in base this; do
+      dir=.; [ $which = this ] || dir=$BASE
+      mkdir -p "$R/$which"
+      (cd "$dir" && export PYTHONPATH=/tmp/site:$PWD OUT=$R/$which && case $op in
+        kda) bench "kda_$which" 100 benchmarks/kda.py --ours-only --no-decode --no-parts \
+               --shapes 1x16384x32x128,4x4096x32x128 --budget 60 ;;
+        moe) bench "moe_$which" 85 benchmarks/moe.py --quick --no-xla --budget 50 ;;
+        mla) bench "mla_$which" 90 benchmarks/mla.py --budget 50 ;;
+      esac)
+    done
+  done
+}
+
 ncu() {
   # Hardware counters of our KDA kernels, one forward+backward at B1 T16384 H32 (jla's Mosaic
   # GPU kernels crash the profiler: segmentation fault, 2026-12-01).
@@ -190,7 +210,7 @@ ncu() {
 [ $# -gt 0 ] || set -- both
 for what in "$@"; do  # several modes run side by side; timed GPU work takes the lock in turn
   case "$what" in
-    kernels|multi|peers|flapeers|kdasweep|ncu|glu|lse|kdadecode|mladecode|qbselect|conv|attnres|permute|optim|moesweep) $what & ;;  # blocking
+    kernels|multi|peers|flapeers|kdasweep|unchanged|ncu|glu|lse|kdadecode|mladecode|qbselect|conv|attnres|permute|optim|moesweep) $what & ;;  # blocking
     train|long|step) $what ;;        # these start background jobs of this shell
     both) train; sleep 5; kernels & ;;
     *) echo "usage: $0 MODE... (the modes are listed at the top of this script)"
