@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from k3jax import config as config_lib
@@ -20,7 +21,34 @@ ARCHS = ("kimi_linear", "kimi_k3")
 
 def _text_config(hf: dict) -> dict:
   """The language-model part of an HF config (K3 keeps it under ``text_config``)."""
-  return hf.get("text_config") or hf
+  t = hf.get("text_config") or hf
+  if not isinstance(t, dict):
+    raise ConversionError(f"config.json: text_config is a {type(t).__name__}, not an object")
+  return t
+
+
+# fields without a default (alternative names of one field together)
+_REQUIRED = (("vocab_size",), ("hidden_size",), ("num_hidden_layers",), ("intermediate_size",),
+             ("num_attention_heads",), ("kv_lora_rank",), ("qk_nope_head_dim",),
+             ("qk_rope_head_dim",), ("v_head_dim",), ("moe_intermediate_size",),
+             ("num_experts", "num_local_experts", "n_routed_experts"),
+             ("num_experts_per_token", "num_experts_per_tok"))
+# real-valued fields: name -> (default, must be > 0)
+_REALS = {"rms_norm_eps": (1e-5, True), "activation_situ_beta": (4.0, True),
+          "activation_situ_linear_beta": (25.0, True), "routed_scaling_factor": (1.0, True)}
+
+
+def _field_problems(t: dict, lin: dict) -> list[str]:
+  """Missing required fields and real-valued fields that are not (positive) finite numbers."""
+  problems = [f"{' / '.join(names)} is missing" for names in _REQUIRED
+              if _first(t, *names) is None]
+  reals = [(t, k, *v) for k, v in _REALS.items()] + [(lin, "gate_lower_bound", -5.0, False)]
+  for d, key, default, positive in reals:
+    v = d.get(key, default)
+    if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+        or (positive and v <= 0)):
+      problems.append(f"{key}={v!r} is not a {'positive ' if positive else ''}finite number")
+  return problems
 
 
 def _arch(hf: dict) -> str:
@@ -42,13 +70,19 @@ def config_from_hf(hf: dict, *, name: str = "hf", param_dtype: str | None = None
 
   Raises :class:`ConversionError` naming each field whose value k3jax cannot represent.
   """
+  if not isinstance(hf, dict):
+    raise ConversionError(f"config.json is a JSON {type(hf).__name__}, not an object")
   arch = _arch(hf)
   t = _text_config(hf)
   lin = t.get("linear_attn_config") or {}
-  problems = []
-  n = _first(t, "num_hidden_layers")
+  if not isinstance(lin, dict):
+    raise ConversionError("config.json: linear_attn_config is not an object")
+  problems = _field_problems(t, lin)
+  if problems:
+    raise ConversionError("config.json: " + "; ".join(problems))
+  n = t["num_hidden_layers"]
   if not isinstance(n, int):
-    raise ConversionError("config.json: num_hidden_layers is missing")
+    raise ConversionError(f"config.json: num_hidden_layers={n!r} is not an integer")
   if "full_attn_layers" in lin:
     mla = tuple(sorted(i - 1 for i in lin["full_attn_layers"]))  # 1-based in the release
   elif t.get("layer_types"):
@@ -194,4 +228,18 @@ def read_hf_config(src: Path) -> dict:
   path = Path(src) / "config.json"
   if not path.is_file():
     raise ConversionError(f"{src}: config.json not found")
-  return json.loads(path.read_text())
+  try:
+    hf = json.loads(path.read_text())
+  except (ValueError, RecursionError) as e:
+    raise ConversionError(f"{path}: not valid JSON ({e})") from None
+  if not isinstance(hf, dict):
+    raise ConversionError(f"{path}: a JSON {type(hf).__name__}, not an object")
+  return hf
+
+
+def checkpoint_floats(hf: dict) -> tuple[str, ...]:
+  """The safetensors dtypes a floating tensor of the checkpoint may have: its ``torch_dtype``
+  (bfloat16 when absent) and F32 (the kept-float32 gates, biases and convolutions)."""
+  name = _first(hf, "torch_dtype", "dtype", default=_first(_text_config(hf), "torch_dtype", "dtype"))
+  kind = {"float32": "F32", "float16": "F16"}.get(name, "BF16")
+  return tuple(dict.fromkeys((kind, "F32")))

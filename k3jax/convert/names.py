@@ -121,24 +121,24 @@ def _a_log_ok(shape: tuple[int, ...], heads: int) -> bool:
 
 
 def validate(params: Sequence[Param], tensors: dict[str, tuple[str, tuple[int, ...]]],
-             prefix: str) -> list[str]:
+             prefix: str, floats: Sequence[str]) -> list[str]:
   """Checks ``tensors`` (name -> (dtype, shape)) against the plan; returns the HF names used.
 
-  Raises one :class:`ConversionError` listing every missing, wrongly shaped and unexpected
-  tensor. Tensors outside ``prefix`` (K3's vision tower) are not part of the language model and
+  floats: the safetensors dtypes a floating parameter may have (the checkpoint's own and F32);
+  MXFP4 blocks and scales must be U8. Raises one :class:`ConversionError` listing every missing,
+  wrongly shaped or typed and unexpected tensor. Tensors outside ``prefix`` (K3's vision tower) are not part of the language model and
   are left out silently.
   """
   missing, bad, used = [], [], []
 
-  def need(name: str, shape, dtypes=None):
+  def need(name: str, shape, dtypes=tuple(floats)):
     if name not in tensors:
       missing.append(name)
       return
     used.append(name)
     dt, got = tensors[name]
-    if (shape is not None and tuple(got) != tuple(shape)) or (dtypes and dt not in dtypes):
-      bad.append(f"{name}: {dt}{list(got)}, expected "
-                 f"{'/'.join(dtypes) if dtypes else ''}{list(shape) if shape else ''}")
+    if (shape is not None and tuple(got) != tuple(shape)) or dt not in dtypes:
+      bad.append(f"{name}: {dt}{list(got)}, expected {'/'.join(dtypes)}{list(shape) if shape else ''}")
 
   for p in params:
     expect = hf_source_shape(p)

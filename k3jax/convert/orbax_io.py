@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -14,7 +13,7 @@ import numpy as np
 from k3jax import config as config_lib
 from k3jax.config import ModelConfig
 from k3jax.convert.errors import ConversionError
-from k3jax.convert.hf_config import config_from_hf
+from k3jax.convert.hf_config import config_from_hf, read_hf_config
 
 
 _IN_FLIGHT_BYTES = 192 << 20  # written blocks not yet committed, per array
@@ -143,7 +142,7 @@ def load_orbax_config(src: Path, config: str | Path | None) -> ModelConfig:
   if (src / "k3jax.yaml").is_file():
     return config_lib.load(src / "k3jax.yaml").model
   if (src / "config.json").is_file():
-    return config_from_hf(json.loads((src / "config.json").read_text()))
+    return config_from_hf(read_hf_config(src))
   raise ConversionError(f"{src}: neither k3jax.yaml nor config.json found (pass --config)")
 
 

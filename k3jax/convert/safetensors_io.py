@@ -41,33 +41,123 @@ class TensorInfo:
     return math.prod(self.shape) * ST_DTYPES[self.dtype].itemsize
 
 
+def _is_count(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _header_problems(raw: dict, data_len: int) -> list[str]:
+  """Every way the entries of a parsed header disagree with a data section of ``data_len``
+  bytes: unknown dtypes, bad shapes, offsets out of range, of the wrong length or overlapping."""
+  problems, spans = [], []
+  for name, h in raw.items():
+    if name == "__metadata__":
+      if not isinstance(h, dict):
+        problems.append("__metadata__ is not an object")
+      continue
+    if not isinstance(h, dict):
+      problems.append(f"{name}: entry is not an object")
+      continue
+    dt, shape, offs = h.get("dtype"), h.get("shape"), h.get("data_offsets")
+    bad = []
+    if not (isinstance(dt, str) and dt in ST_DTYPES):
+      bad.append(f"dtype {dt!r} is not one of {sorted(ST_DTYPES)}")
+    if not (isinstance(shape, list) and all(map(_is_count, shape))):
+      bad.append(f"shape {shape!r} is not a list of non-negative integers")
+    if not (isinstance(offs, list) and len(offs) == 2 and all(map(_is_count, offs))
+            and offs[0] <= offs[1] <= data_len):
+      bad.append(f"data_offsets {offs!r} are not [begin, end] within the {data_len} data bytes")
+    elif not bad and offs[1] - offs[0] != math.prod(shape) * ST_DTYPES[dt].itemsize:
+      bad.append(f"data_offsets {offs} hold {offs[1] - offs[0]} bytes, {dt}{shape} needs "
+                 f"{math.prod(shape) * ST_DTYPES[dt].itemsize}")
+    if bad:
+      problems.append(f"{name}: " + "; ".join(bad))
+    elif offs[1] > offs[0]:
+      spans.append((offs[0], offs[1], name))
+  spans.sort()
+  for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+    if begin < end:
+      problems.append(f"{b}: data_offsets overlap those of {a}")
+  return problems
+
+
+def read_header(path: Path) -> tuple[int, dict]:
+  """(header length, header dict) of one safetensors file, checked against the file's size
+  before it is read: raises :class:`ConversionError` listing every problem of the header."""
+  size = path.stat().st_size
+  with open(path, "rb") as f:
+    head = f.read(8)
+    if len(head) < 8:
+      raise ConversionError(f"{path}: {size} bytes, too short for a safetensors header")
+    (n,) = struct.unpack("<Q", head)
+    if n > size - 8:
+      raise ConversionError(f"{path}: header length {n} is beyond the file's {size} bytes")
+    blob = f.read(n)
+  try:
+    raw = json.loads(blob)
+  except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+    raise ConversionError(f"{path}: header is not valid JSON ({str(e)[:100]})") from None
+  if not isinstance(raw, dict):
+    raise ConversionError(f"{path}: header is a JSON {type(raw).__name__}, not an object")
+  problems = _header_problems(raw, size - 8 - n)
+  if problems:
+    raise ConversionError(f"{path}: {len(problems)} header problems:\n  " + "\n  ".join(problems))
+  raw.pop("__metadata__", None)
+  return n, raw
+
+
+def _shard_files(directory: Path) -> tuple[list[str], dict[str, str] | None]:
+  """The safetensors files of ``directory`` and, for a sharded set, the index's weight map."""
+  index = directory / "model.safetensors.index.json"
+  if not index.is_file():
+    return sorted(p.name for p in directory.glob("*.safetensors")), None
+  try:
+    weight_map = json.loads(index.read_text())["weight_map"]
+  except (ValueError, KeyError, TypeError) as e:
+    raise ConversionError(f"{index}: not an index with a weight_map ({e!r})") from None
+  if not (isinstance(weight_map, dict) and all(
+      isinstance(f, str) and f == Path(f).name and f.endswith(".safetensors")
+      for f in weight_map.values())):
+    raise ConversionError(f"{index}: weight_map must map names to *.safetensors files of "
+                          f"{directory}")
+  return sorted(set(weight_map.values())), weight_map
+
+
 class SafetensorsReader:
-  """Tensors of an HF directory (``model.safetensors`` or a sharded ``*.index.json`` set)."""
+  """Tensors of an HF directory (``model.safetensors`` or a sharded ``*.index.json`` set).
+
+  Every header is validated against its file (:func:`read_header`) and the index against the
+  headers before any tensor data is read; :class:`ConversionError` lists every problem."""
 
   def __init__(self, directory: str | Path):
     self.dir = Path(directory)
-    index = self.dir / "model.safetensors.index.json"
-    if index.is_file():
-      weight_map = json.loads(index.read_text())["weight_map"]
-      files = sorted(set(weight_map.values()))
-    else:
-      files = sorted(p.name for p in self.dir.glob("*.safetensors"))
+    files, weight_map = _shard_files(self.dir)
     if not files:
       raise ConversionError(f"{self.dir}: no *.safetensors files")
     self.tensors: dict[str, TensorInfo] = {}
+    problems = []
     for fname in files:
       path = self.dir / fname
       if not path.is_file():
-        raise ConversionError(f"{index}: shard {fname} is missing")
-      with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-      header.pop("__metadata__", None)
+        problems.append(f"shard {fname} is missing")
+        continue
+      try:
+        n, header = read_header(path)
+      except ConversionError as e:
+        problems.append(str(e))
+        continue
       for name, h in header.items():
-        if h["dtype"] not in ST_DTYPES:
-          raise ConversionError(f"{name}: unsupported safetensors dtype {h['dtype']}")
+        if name in self.tensors:
+          problems.append(f"{name} is in both {self.tensors[name].file.name} and {fname}")
+        elif weight_map is not None and weight_map.get(name) != fname:
+          problems.append(f"{name} is in {fname}, the index says {weight_map.get(name)}")
         self.tensors[name] = TensorInfo(name, h["dtype"], tuple(h["shape"]), path,
                                         8 + n + h["data_offsets"][0])
+    if weight_map is not None:
+      problems += [f"{name}: in the index, not in {f}" for name, f in weight_map.items()
+                   if name not in self.tensors]
+    if problems:
+      raise ConversionError(f"{self.dir}: the safetensors files are not consistent:\n  "
+                            + "\n  ".join(problems))
     self._fds: dict[Path, int] = {}
 
   def close(self):

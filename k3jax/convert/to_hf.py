@@ -13,11 +13,12 @@ from typing import Iterator
 import numpy as np
 
 from k3jax.convert.errors import ConversionError
-from k3jax.convert.hf_config import config_to_hf
+from k3jax.convert.hf_config import config_to_hf, read_hf_config
+from k3jax.convert.links import refuse_outside_links
 from k3jax.convert.mxfp4 import mxfp4_quantize, mxfp4_shapes
 from k3jax.convert.names import Param, hf_source_shape, hf_weight_name, plan
 from k3jax.convert.orbax_io import OrbaxReader, load_orbax_config
-from k3jax.convert.output import Progress, conversion_stats, staged_dir
+from k3jax.convert.output import Progress, check_interrupt, conversion_stats, staged_dir
 from k3jax.convert.safetensors_io import ST_DTYPES, SafetensorsWriter
 
 
@@ -72,6 +73,9 @@ def orbax_to_hf(src: str | Path, dst: str | Path, *, config: str | Path | None =
   rows of a large tensor read and written at a time.
   """
   src, dst = Path(src), Path(dst)
+  refuse_outside_links(src)
+  if (src / "hf_extra").is_dir():
+    refuse_outside_links(src / "hf_extra")
   cfg = load_orbax_config(src, config)
   mpath = src / "hf_manifest.json"
   manifest = json.loads(mpath.read_text()) if mpath.is_file() else None
@@ -131,6 +135,7 @@ def orbax_to_hf(src: str | Path, dst: str | Path, *, config: str | Path | None =
     try:
       pending: dict[str, tuple[np.ndarray, np.ndarray]] = {}
       for name, dt, shape, (p, base, hf_shape, e, half, part) in items:
+        check_interrupt()
         if part is None and p.kind in ("copy", "linear") and len(shape) >= 1 and shape == hf_shape:
           writer.write_rows(name, _hf_row_blocks(p, reader, shape, ST_DTYPES[dt], max_block_bytes), shape[0])
           bar.update(math.prod(shape) * ST_DTYPES[dt].itemsize)
@@ -144,8 +149,7 @@ def orbax_to_hf(src: str | Path, dst: str | Path, *, config: str | Path | None =
         writer.write(name, arr)
         bar.update(arr.nbytes)
       writer.close()
-      hf = (json.loads((src / "config.json").read_text()) if (src / "config.json").is_file()
-            else config_to_hf(cfg))
+      hf = read_hf_config(src) if (src / "config.json").is_file() else config_to_hf(cfg)
       _set_quantization(hf, any(name.endswith(".weight_packed") for name, *_ in items))
       (tmp / "config.json").write_text(json.dumps(hf, indent=2))
       if (src / "hf_extra").is_dir():

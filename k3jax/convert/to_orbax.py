@@ -24,11 +24,12 @@ import yaml
 from k3jax import config as config_lib
 from k3jax.config import ModelConfig
 from k3jax.convert.errors import ConversionError
-from k3jax.convert.hf_config import config_from_hf, read_hf_config
+from k3jax.convert.hf_config import checkpoint_floats, config_from_hf, read_hf_config
+from k3jax.convert.links import refuse_outside_links
 from k3jax.convert.mxfp4 import mxfp4_dequantize
 from k3jax.convert.names import Param, detect_prefix, hf_weight_name, plan, validate
 from k3jax.convert.orbax_io import LazyArray, nest_paths, register_lazy_handler
-from k3jax.convert.output import Progress, conversion_stats, staged_dir
+from k3jax.convert.output import Progress, check_interrupt, conversion_stats, staged_dir
 from k3jax.convert.safetensors_io import ST_DTYPES, SafetensorsReader
 
 
@@ -163,13 +164,15 @@ def load_hf_params(src: str | Path, cfg: ModelConfig | None = None,
   """Reads an HF directory fully into memory: (config, {our path: array}). For small models
   (tests, from_pretrained); large ones go through :func:`hf_to_orbax`."""
   src = Path(src)
+  refuse_outside_links(src)
   hf = read_hf_config(src)
   cfg = cfg or config_from_hf(hf, name=src.name)
   reader = SafetensorsReader(src)
   try:
     prefix = detect_prefix(reader.tensors)
     params = plan(cfg, prefix)
-    validate(params, {n: (t.dtype, t.shape) for n, t in reader.tensors.items()}, prefix)
+    validate(params, {n: (t.dtype, t.shape) for n, t in reader.tensors.items()}, prefix,
+             checkpoint_floats(hf))
     out = {}
     for p in params:
       full = tuple(slice(0, s) for s in p.shape)
@@ -193,13 +196,14 @@ def hf_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
   src, dst = Path(src), Path(dst)
   if dtype not in (None, "bf16", "fp32"):
     raise ConversionError(f"--dtype must be bf16 or fp32, got {dtype!r}")
+  refuse_outside_links(src)
   hf = read_hf_config(src)
   cfg = config_from_hf(hf, name=src.name)
   reader = SafetensorsReader(src)
   prefix = detect_prefix(reader.tensors)
   params = plan(cfg, prefix)
   tensors = {n: (t.dtype, t.shape) for n, t in reader.tensors.items()}
-  used = validate(params, tensors, prefix)
+  used = validate(params, tensors, prefix, checkpoint_floats(hf))
   skipped = len(reader.tensors) - len(used)
   if dtype is None and cfg.param_dtype not in ("float32", "bfloat16"):
     dtype = "bf16"
@@ -226,6 +230,7 @@ def hf_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
 
     def blocks():
       for idx in _blocks(p.shape, block):
+        check_interrupt()
         data = source.block(idx).astype(dt, copy=False)
         yield idx, data
         bar.update(in_bytes[p.path] // n_blocks)

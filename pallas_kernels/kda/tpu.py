@@ -109,7 +109,8 @@ def _chunk(q, k, v, f, b, a_log, dtb, st, seg_col, seg_row, valid, cfg):
   q, k, g, beta = _prepare(q, k, f, b, a_log, dtb, valid, cfg)
   row = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
   col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-  rt, ct = jax.lax.div(row, sub), jax.lax.div(col, sub)  # (indices >= 0: no floor-div signs)
+  sub32 = jnp.int32(sub)  # lax.div wants equal dtypes (a Python int is int64 under x64)
+  rt, ct = jax.lax.div(row, sub32), jax.lax.div(col, sub32)  # (indices >= 0: no floor-div signs)
   row_k = jax.lax.broadcasted_iota(jnp.int32, g.shape, 0)
 
   gl = _mm(((rt == ct) & (col <= row)).astype(_F32), g)  # decay from the tile start, inclusive
@@ -233,7 +234,7 @@ def _in_specs(cfg, kd, vd, n_chunks, reverse):
   """Block specs of (q, k, v, f, b, a_log, dt_bias, seg_col, seg_row) over grid (B, HV, N)."""
   c, grp = cfg.chunk, cfg.groups
   ch = (lambda n: n_chunks - 1 - n) if reverse else (lambda n: n)
-  qk = pl.BlockSpec((None, None, c, kd), lambda b, h, n: (b, jax.lax.div(h, grp), ch(n), 0))
+  qk = pl.BlockSpec((None, None, c, kd), lambda b, h, n: (b, jax.lax.div(h, jnp.int32(grp)), ch(n), 0))
   return [qk, qk,
           pl.BlockSpec((None, None, c, vd), lambda b, h, n: (b, h, ch(n), 0)),
           pl.BlockSpec((None, None, c, kd), lambda b, h, n: (b, h, ch(n), 0)),
