@@ -5,6 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import chex
@@ -20,7 +27,7 @@ import convert
 from k3jax import generate
 from k3jax import config as config_lib
 from k3jax.convert import (ConversionError, SafetensorsReader, block_shape, config_from_hf,
-                           config_to_hf, hf_to_orbax, load_orbax_params, mesh_shard_shape,
+                           config_to_hf, hf_to_orbax, load_hf_params, load_orbax_params, mesh_shard_shape,
                            mxfp4_dequantize, mxfp4_quantize, orbax_to_hf, plan, read_hf_config)
 from k3jax.pretrained import from_pretrained
 from sharding.rules import named_sharding
@@ -394,3 +401,144 @@ def test_from_pretrained_sharded_restore(tmp_path):
   model = from_pretrained(orbax_dir, mesh=mesh)
   w = model.layers[1].mlp.experts.w_gate_up[...]
   assert isinstance(w, jax.Array) and w.sharding.mesh.shape == {"expert": 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# Strict reading: headers, dtypes, config.json, symbolic links, interruption, stale temporaries
+
+
+def _golden_copy(dst: Path, header_edit=None, config_text: str | None = None) -> Path:
+  """A copy of the Kimi Linear golden checkpoint, its header changed by ``header_edit(header)``."""
+  dst.mkdir()
+  raw = (GOLDEN / "model.safetensors").read_bytes()
+  n = int.from_bytes(raw[:8], "little")
+  header = json.loads(raw[8:8 + n])
+  if header_edit:
+    header_edit(header)
+  blob = json.dumps(header).encode()
+  (dst / "model.safetensors").write_bytes(len(blob).to_bytes(8, "little") + blob + raw[8 + n:])
+  (dst / "config.json").write_text(config_text or (GOLDEN / "config.json").read_text())
+  return dst
+
+
+def test_header_offsets_and_lengths_are_checked_and_all_listed(tmp_path):
+  def edit(h):
+    h["model.embed_tokens.weight"]["data_offsets"] = h["lm_head.weight"]["data_offsets"]  # overlap
+    begin, end = h["model.norm.weight"]["data_offsets"]
+    h["model.norm.weight"]["data_offsets"] = [begin, end - 4]  # one element short
+    h["model.layers.0.input_layernorm.weight"]["dtype"] = "Q4"
+  src = _golden_copy(tmp_path / "src", edit)
+  with pytest.raises(ConversionError) as e:
+    hf_to_orbax(src, tmp_path / "out", progress=False)
+  msg = str(e.value)
+  assert "3 header problems" in msg, msg
+  for needle in ("model.embed_tokens.weight: data_offsets overlap those of lm_head.weight",
+                 "model.norm.weight: data_offsets", "F32[64] needs 256",
+                 "model.layers.0.input_layernorm.weight: dtype 'Q4'"):
+    assert needle in msg, msg
+  assert not (tmp_path / "out").exists()
+
+
+def test_dtype_must_be_the_checkpoints_float_kind(k3_dir, tmp_path):
+  """lm_head as F16 or I32 in a bf16 checkpoint: refused by name, though the file itself is
+  valid; an F32 norm beside it is accepted (F32 always is, for a floating parameter)."""
+  src, tensors = k3_dir
+  for dt in (np.float16, np.int32):
+    bad = tmp_path / f"bad_{np.dtype(dt).name}"
+    bad.mkdir()
+    t = dict(tensors, **{"language_model.lm_head.weight": tensors["language_model.lm_head.weight"].astype(dt),
+                         "language_model.model.norm.weight": tensors["language_model.model.norm.weight"].astype(np.float32)})
+    save_file(t, str(bad / "model.safetensors"))
+    (bad / "config.json").write_text((src / "config.json").read_text())
+    with pytest.raises(ConversionError) as e:
+      from_pretrained(bad, dtype="float32")
+    msg = str(e.value)
+    assert "1 wrong shape or dtype" in msg and "language_model.lm_head.weight: " in msg, msg
+    assert "expected BF16/F32[128, 64]" in msg, msg
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("drop vocab_size", "vocab_size is missing"),
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "a JSON list, not an object"),
+    ('rms_norm_eps="small"', "rms_norm_eps='small' is not a positive finite number"),
+    ("rms_norm_eps=-1", "rms_norm_eps=-1 is not a positive finite number"),
+])
+def test_bad_config_json_is_one_error_naming_the_field(tmp_path, text, needle):
+  hf = json.loads((GOLDEN / "config.json").read_text())
+  if text == "drop vocab_size":
+    del hf["vocab_size"]
+    text = json.dumps(hf)
+  elif text.startswith("rms_norm_eps="):
+    hf["rms_norm_eps"] = json.loads(text.split("=", 1)[1])
+    text = json.dumps(hf)
+  src = _golden_copy(tmp_path / "src", config_text=text)
+  with pytest.raises(ConversionError, match=re.escape(needle)):
+    hf_to_orbax(src, tmp_path / "out", progress=False)
+  assert not (tmp_path / "out").exists()
+
+
+def test_symlinks_outside_the_source_are_refused(tmp_path):
+  secret = tmp_path / "elsewhere" / "secret.txt"
+  secret.parent.mkdir()
+  secret.write_text("do not copy")
+  src = _golden_copy(tmp_path / "src")
+  (src / "notes.txt").symlink_to(secret)
+  with pytest.raises(ConversionError, match=r"outside it.*\n  notes.txt -> .*secret.txt"):
+    hf_to_orbax(src, tmp_path / "out", progress=False)
+  assert not (tmp_path / "out").exists()
+  # a Hugging Face cache snapshot links into its repository's blobs/: allowed
+  blobs, snap = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "abc"
+  blobs.mkdir(parents=True)
+  snap.mkdir(parents=True)
+  for f in ("model.safetensors", "config.json"):
+    shutil.copy(GOLDEN / f, blobs / f"hash_{f}")
+    (snap / f).symlink_to(Path("../../blobs") / f"hash_{f}")
+  cfg, _ = load_hf_params(snap)
+  assert cfg.arch == "kimi_linear"
+
+
+def test_stale_temporaries_are_removed_or_named(tmp_path):
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True)
+  host = socket.gethostname()
+  stale = tmp_path / f".out.tmp-{host}-{int(dead.stdout)}-0123abcd"
+  (stale / "params").mkdir(parents=True)
+  (stale / "params" / "junk").write_bytes(b"x" * 1000)
+  live = tmp_path / f".out2.tmp-{host}-{os.getpid()}-0123abcd"
+  live.mkdir()
+  hf_to_orbax(GOLDEN, tmp_path / "out", progress=False)
+  assert not stale.exists() and (tmp_path / "out" / "params").is_dir()
+  with pytest.raises(ConversionError, match=re.escape(f"{live} is another conversion")):
+    hf_to_orbax(GOLDEN, tmp_path / "out2", progress=False)
+
+
+_SLOW_CONVERSION = """
+import sys, time
+from k3jax.convert import to_orbax
+block = to_orbax._Source.block
+def slow(self, idx):
+  print("block", flush=True)
+  time.sleep(0.05)
+  return block(self, idx)
+to_orbax._Source.block = slow
+to_orbax.hf_to_orbax(sys.argv[1], sys.argv[2], progress=False, max_block_bytes=4096)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_stops_the_conversion_and_removes_its_temporary(tmp_path, sig):
+  dst = tmp_path / "out"
+  p = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERSION, str(GOLDEN), str(dst)], cwd=ROOT,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+  for line in p.stdout:
+    if line.startswith("block"):
+      break
+  assert list(tmp_path.glob(".out.tmp-*"))  # it is writing
+  p.send_signal(sig)
+  out = p.communicate(timeout=60)[0]
+  assert p.returncode in (-sig, 128 + sig) or "KeyboardInterrupt" in out, (p.returncode, out[-2000:])
+  assert not dst.exists() and not list(tmp_path.glob(".out.tmp-*")), out[-2000:]

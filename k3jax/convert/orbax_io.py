@@ -4,6 +4,7 @@ slice reads through tensorstore, and restoring a converted directory."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Callable, Iterator
@@ -54,14 +55,20 @@ def register_lazy_handler():
             process_index=ocdbt_utils.get_process_index_for_subdir(use_ocdbt=info.is_ocdbt_checkpoint))
         t = await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
         pending, in_flight = [], 0
-        for idx, block in value.blocks():  # overlap producing the next block with writing
-          pending.append((t[idx].write(block), block.nbytes))
-          in_flight += block.nbytes
-          while pending and (in_flight > _IN_FLIGHT_BYTES or len(pending) > 8):
-            fut, n = pending.pop(0)
-            await fut
-            in_flight -= n
-          await asyncio.sleep(0)
+        try:
+          for idx, block in value.blocks():  # overlap producing the next block with writing
+            pending.append((t[idx].write(block), block.nbytes))
+            in_flight += block.nbytes
+            while pending and (in_flight > _IN_FLIGHT_BYTES or len(pending) > 8):
+              fut, n = pending.pop(0)
+              await fut
+              in_flight -= n
+            await asyncio.sleep(0)
+        except BaseException:  # the issued writes finish first, so the directory can be removed
+          for fut, _ in pending:
+            with contextlib.suppress(Exception):
+              await fut
+          raise
         for fut, _ in pending:
           await fut
 

@@ -89,8 +89,8 @@ def _gpu_kernel(lens_ref, table_ref, qoff_ref, q_ref, cache_ref, o_ref, lse_ref,
   qk_parts = lat_parts + rope_parts
   q_parts = [q_ref[:, pl.ds(o, w)] for o, w in qk_parts]
   start = s_idx * steps_per_split
-  stop = jnp.minimum(start + steps_per_split, lax.div(length + bk - 1, bk))
-  per_page = page_size // bk
+  bk32, per_page = jnp.int32(bk), jnp.int32(page_size // bk)  # lax.div: same dtypes, also under x64
+  stop = jnp.minimum(start + steps_per_split, lax.div(length + bk - 1, bk32))
 
   def body(j, carry):
     m, l, accs = carry
@@ -400,9 +400,10 @@ def _tpu_decode(q, cache, page_table, lengths, qoff, *, kv_lora_rank, scale, con
   sps = -(-steps // ns)
 
   def cache_idx(i, s, j, lens, table):
-    last = jnp.maximum(lax.div(lens[i] + bk - 1, bk) - 1, 0)
+    bk32, pp = jnp.int32(bk), jnp.int32(per_page)  # lax.div: same dtypes, also under x64
+    last = jnp.maximum(lax.div(lens[i] + bk - 1, bk32) - 1, 0)
     step = jnp.minimum(s * sps + j, last)  # past the end: same block again, no new DMA
-    return table[i * max_pages + lax.div(step, per_page)], lax.rem(step, per_page), 0
+    return table[i * max_pages + lax.div(step, pp)], lax.rem(step, pp), 0
 
   kernel = functools.partial(_tpu_kernel, scale=scale, bk=bk, steps_per_split=sps,
                              kv_lora_rank=kv_lora_rank)
