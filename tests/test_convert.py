@@ -514,7 +514,8 @@ def test_stale_temporaries_are_removed_or_named(tmp_path):
 
 
 _SLOW_CONVERSION = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if inherited ignored
 from k3jax.convert import to_orbax
 block = to_orbax._Source.block
 def slow(self, idx):
@@ -532,8 +533,7 @@ def test_interrupt_stops_the_conversion_and_removes_its_temporary(tmp_path, sig)
   dst = tmp_path / "out"
   p = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERSION, str(GOLDEN), str(dst)], cwd=ROOT,
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
   for line in p.stdout:
     if line.startswith("block"):
       break

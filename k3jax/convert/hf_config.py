@@ -44,7 +44,7 @@ def _field_problems(t: dict, lin: dict) -> list[str]:
               if _first(t, *names) is None]
   reals = [(t, k, *v) for k, v in _REALS.items()] + [(lin, "gate_lower_bound", -5.0, False)]
   for d, key, default, positive in reals:
-    v = d.get(key, default)
+    v = _first(d, key, default=default)
     if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
         or (positive and v <= 0)):
       problems.append(f"{key}={v!r} is not a {'positive ' if positive else ''}finite number")
