@@ -112,7 +112,7 @@ def _shard_files(directory: Path) -> tuple[list[str], dict[str, str] | None]:
     return sorted(p.name for p in directory.glob("*.safetensors")), None
   try:
     weight_map = json.loads(index.read_text())["weight_map"]
-  except (ValueError, KeyError, TypeError) as e:
+  except (ValueError, KeyError, TypeError, RecursionError) as e:
     raise ConversionError(f"{index}: not an index with a weight_map ({e!r})") from None
   if not (isinstance(weight_map, dict) and all(
       isinstance(f, str) and f == Path(f).name and f.endswith(".safetensors")
