@@ -6,8 +6,8 @@ file), ``.jsonl`` (one document per line, ``data.text_field``), ``.parquet`` (on
 ``data.text_field``) or ``.array_record`` (pre-tokenised: each record is one document's token ids
 as little-endian int32 bytes).
 
-Tokenizers (``data.tokenizer``): ``"byte"`` (UTF-8 bytes 0-255), a HF ``tokenizer.json`` path, or a
-tiktoken-format BPE file (Kimi's ``tiktoken.model``, split with Kimi's pre-tokenisation pattern).
+Tokenizers (``data.tokenizer``, :mod:`k3jax.tokenizer`): ``"byte"`` (UTF-8 bytes 0-255), a HF
+``tokenizer.json`` path, or a tiktoken-format BPE file (Kimi's ``tiktoken.model``).
 
 Every document becomes ``x = [bos] + ids + [eos]``; its training pairs are ``x[:-1]`` (inputs) and
 ``x[1:]`` (targets), so no target ever belongs to another document. Pairs are concatenated and cut
@@ -31,24 +31,13 @@ import json
 import os
 import sysconfig
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import grain
 import numpy as np
 
 from k3jax.config import Config, ConfigError
-
-# Kimi's pre-tokenisation pattern (tokenization_kimi.py of the K2/K3 releases).
-KIMI_PATTERN = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
+from k3jax.tokenizer import HFTokenizer, Tokenizer, make_tokenizer
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".text")
 RECORD_SUFFIXES = (".jsonl", ".parquet", ".array_record")
@@ -59,62 +48,7 @@ class DataError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenizers: encode(text) -> list of ids (no special tokens), vocab_size.
-
-
-class Tokenizer(Protocol):
-  vocab_size: int
-
-  def encode(self, text: str) -> list[int]: ...
-
-
-class ByteTokenizer:
-  """UTF-8 bytes as ids 0-255."""
-  vocab_size = 256
-
-  def encode(self, text: str) -> list[int]:
-    return list(text.encode("utf-8", errors="replace"))
-
-
-class HFTokenizer:
-  """A HF ``tokenizers`` ``tokenizer.json``; special tokens are added by the pipeline, not here."""
-
-  def __init__(self, path: str):
-    import tokenizers
-    self._tok = tokenizers.Tokenizer.from_file(path)
-    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-
-  def encode(self, text: str) -> list[int]:
-    return self._tok.encode(text, add_special_tokens=False).ids
-
-
-class TiktokenTokenizer:
-  """A tiktoken-format BPE file (base64 token, rank per line) with Kimi's split pattern."""
-
-  def __init__(self, path: str):
-    import tiktoken
-    from tiktoken.load import load_tiktoken_bpe
-    ranks = load_tiktoken_bpe(path)
-    self._enc = tiktoken.Encoding(name=Path(path).stem, pat_str=KIMI_PATTERN,
-                                  mergeable_ranks=ranks, special_tokens={})
-    self.vocab_size = len(ranks)
-
-  def encode(self, text: str) -> list[int]:
-    return self._enc.encode_ordinary(text)
-
-
-def make_tokenizer(spec: str) -> Tokenizer:
-  """``"byte"``, a ``tokenizer.json`` path, or a tiktoken BPE file path."""
-  if spec == "byte":
-    return ByteTokenizer()
-  if not os.path.isfile(spec):
-    raise DataError(f"data.tokenizer: {spec!r} is neither 'byte' nor an existing file")
-  try:
-    if spec.endswith(".json"):
-      return HFTokenizer(spec)
-    return TiktokenTokenizer(spec)
-  except Exception as e:  # the libraries' own errors do not name the file
-    raise DataError(f"data.tokenizer: cannot load {spec!r}: {e}") from e
+# Tokenizers (k3jax.tokenizer) against the config's special ids.
 
 
 def check_special_ids(cfg: Config, tokenizer: Tokenizer) -> None:
@@ -123,7 +57,7 @@ def check_special_ids(cfg: Config, tokenizer: Tokenizer) -> None:
   (which ordinary text never becomes)."""
   special: set[int] = set()
   if isinstance(tokenizer, HFTokenizer):
-    with open(cfg.data.tokenizer) as f:
+    with open(tokenizer.path) as f:
       special = {t["id"] for t in json.load(f).get("added_tokens", []) if t.get("special")}
   for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
     i = getattr(cfg.model, name)

@@ -36,6 +36,7 @@ from k3jax import config as config_lib
 from k3jax import data as data_lib
 from k3jax import flops as flops_lib
 from k3jax import metrics as metrics_lib
+from k3jax import tokenizer as tokenizer_lib
 from k3jax import train_step as step_lib
 from k3jax.data import stage_at, stages
 from k3jax.train_state import abstract_model, abstract_train_state, init_train_state
@@ -373,7 +374,7 @@ def main(argv=None) -> int:
     cfg = config_lib.load(args.config, args.overrides)
     run_dir = Path(args.run_dir or f"runs/{cfg.model.name}")
     train(cfg, run_dir, progress=not args.no_progress)
-  except (config_lib.ConfigError, data_lib.DataError, TrainError,
+  except (config_lib.ConfigError, data_lib.DataError, tokenizer_lib.TokenizerError, TrainError,
           checkpoint_lib.LayoutError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
