@@ -1,67 +1,9 @@
-"""Checkpoint conversion between released HF safetensors (Kimi Linear, Kimi K3) and Orbax.
+"""Checkpoint conversion between released HF safetensors and Orbax (``python convert.py -h``);
+the command line is :mod:`k3jax.convert.cli`."""
 
-    python convert.py hf-to-orbax --src HF_DIR --dst OUT_DIR [--dtype bf16|fp32] [--mesh fsdp=8,expert=4]
-    python convert.py orbax-to-hf --src OUT_DIR --dst HF_DIR [--config CONFIG.yaml] [--experts auto|mxfp4|bf16]
-
-The architecture comes from config.json (model_type kimi_linear or kimi_k3). Tensors stream one
-at a time (one expert at a time for the routed experts), the output is written to a temporary
-directory next to the destination and renamed only when complete. See k3jax/convert/.
-"""
-
-from __future__ import annotations
-
-import argparse
-import json
 import sys
 
-from k3jax.convert import ConversionError, hf_to_orbax, orbax_to_hf
-
-
-def _mesh(text: str | None) -> dict[str, int] | None:
-  if not text:
-    return None
-  out = {}
-  for item in text.split(","):
-    axis, _, size = item.partition("=")
-    if axis not in ("data", "fsdp", "expert", "context", "tensor") or not size.isdigit():
-      raise ConversionError(
-          f"--mesh: expected axis=size pairs over data/fsdp/expert/context/tensor, got {item!r}")
-    out[axis] = int(size)
-  return out
-
-
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  sub = ap.add_subparsers(dest="cmd", required=True)
-  a = sub.add_parser("hf-to-orbax", help="HF safetensors directory -> Orbax directory")
-  a.add_argument("--src", required=True)
-  a.add_argument("--dst", required=True)
-  a.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
-                 help="storage dtype of every floating tensor (default: keep the source's; "
-                      "MXFP4 experts become bf16 exactly)")
-  a.add_argument("--mesh", default=None, help="lay arrays out for this mesh, e.g. fsdp=8,expert=4")
-  b = sub.add_parser("orbax-to-hf", help="Orbax directory -> HF safetensors directory")
-  b.add_argument("--src", required=True)
-  b.add_argument("--dst", required=True)
-  b.add_argument("--config", default=None, help="k3jax YAML when SRC has no k3jax.yaml")
-  b.add_argument("--experts", choices=("auto", "mxfp4", "bf16"), default="auto",
-                 help="routed expert storage (auto: as in the source checkpoint)")
-  for p in (a, b):
-    p.add_argument("--no-progress", action="store_true")
-  args = ap.parse_args(argv)
-  try:
-    if args.cmd == "hf-to-orbax":
-      stats = hf_to_orbax(args.src, args.dst, dtype=args.dtype, mesh=_mesh(args.mesh),
-                          progress=not args.no_progress)
-    else:
-      stats = orbax_to_hf(args.src, args.dst, config=args.config, experts=args.experts,
-                          progress=not args.no_progress)
-  except ConversionError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  print(json.dumps({"command": args.cmd, "src": args.src, "dst": args.dst, **stats}))
-  return 0
-
+from k3jax.convert.cli import main
 
 if __name__ == "__main__":
   sys.exit(main())

@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from k3jax import config as config_lib
+from k3jax import run_dir
 from k3jax.config import ModelConfig
 from k3jax.convert.errors import ConversionError
 from k3jax.convert.hf_config import config_from_hf, read_hf_config
@@ -105,15 +106,21 @@ def flatten_paths(tree: dict, prefix: str = "") -> dict[str, object]:
 
 
 class OrbaxReader:
-  """Reads slices of the arrays of an Orbax PyTree checkpoint through tensorstore."""
+  """Reads slices of the arrays of an Orbax PyTree checkpoint through tensorstore. With
+  ``subtrees`` (a training checkpoint's ``("params", "biases")``) only the arrays under those
+  top-level keys are seen, by their paths inside them (the model's paths)."""
 
-  def __init__(self, directory: str | Path):
+  def __init__(self, directory: str | Path, *, subtrees: tuple[str, ...] = ()):
     import orbax.checkpoint as ocp
     self.dir = Path(directory)
     meta = ocp.PyTreeCheckpointer().metadata(self.dir)
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
-    self.meta = flatten_paths(dict(tree))
+    tree = dict(tree)
+    parts = {s: flatten_paths(dict(tree[s])) for s in subtrees} if subtrees else {"": flatten_paths(tree)}
+    self.meta = {k: v for part in parts.values() for k, v in part.items()}
+    # our path -> the array's name in the checkpoint
+    self.stored = {k: f"{s}.{k}" if s else k for s, part in parts.items() for k in part}
     self._open: dict[str, object] = {}
 
   def shape(self, path: str) -> tuple[int, ...]:
@@ -127,7 +134,7 @@ class OrbaxReader:
     from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
     t = self._open.get(path)
     if t is None:
-      kv = ts_utils.build_kvstore_tspec(self.dir.as_posix(), name=path,
+      kv = ts_utils.build_kvstore_tspec(self.dir.as_posix(), name=self.stored[path],
                                         use_ocdbt=(self.dir / "manifest.ocdbt").exists())
       ctx = ts_utils.get_ts_context(use_ocdbt=True)
       try:
@@ -141,30 +148,48 @@ class OrbaxReader:
     return np.asarray(self._array(path)[idx].read().result())
 
 
+def orbax_tree(src: Path) -> tuple[Path, tuple[str, ...]]:
+  """(the Orbax tree holding the weights of ``src``, the subtrees of it that are weights): a
+  converted directory's ``params/`` (all of it), or the ``state`` of a training run's newest
+  checkpoint or of one ``RUN_DIR/checkpoints/<step>`` (its ``params`` and ``biases``)."""
+  run = run_dir.find(src)
+  if run is not None:
+    return run.state_dir, run_dir.WEIGHT_FIELDS
+  return (src / "params" if (src / "params").is_dir() else src), ()
+
+
 def load_orbax_config(src: Path, config: str | Path | None) -> ModelConfig:
-  """The model config of a converted directory: ``config`` (a k3jax YAML) if given, else its
-  ``k3jax.yaml``, else its HF ``config.json``."""
+  """The model config of a converted directory or a training run: ``config`` (a k3jax YAML) if
+  given, else its ``k3jax.yaml``, the run's ``config.yaml``, or its HF ``config.json``."""
   if config is not None:
     return config_lib.load(config).model
   if (src / "k3jax.yaml").is_file():
     return config_lib.load(src / "k3jax.yaml").model
+  run = run_dir.find(src)
+  if run is not None:
+    return config_lib.load(run.config_path).model
   if (src / "config.json").is_file():
     return config_from_hf(read_hf_config(src))
-  raise ConversionError(f"{src}: neither k3jax.yaml nor config.json found (pass --config)")
+  raise ConversionError(f"{src}: neither k3jax.yaml, a training run's config.yaml nor config.json "
+                        "found (pass --config)")
 
 
 def load_orbax_params(src: str | Path, *, config: str | Path | None = None,
                       shardings: dict | None = None) -> tuple[ModelConfig, dict[str, object]]:
-  """Restores an Orbax directory: (config, {our path: np.ndarray}); with ``shardings`` (our path
-  -> ``jax.sharding.Sharding`` for every parameter) each device reads only its shard and the
-  values are ``jax.Array``."""
+  """Restores an Orbax directory or a training run's checkpoint (its weights only): (config,
+  {our path: np.ndarray}); with ``shardings`` (our path -> ``jax.sharding.Sharding`` for every
+  parameter) each device reads only its shard and the values are ``jax.Array``."""
   import orbax.checkpoint as ocp
   src = Path(src)
   cfg = load_orbax_config(src, config)
-  ckpt = src / "params" if (src / "params").is_dir() else src
-  if shardings:
-    args = nest_paths({k: ocp.ArrayRestoreArgs(sharding=s) for k, s in shardings.items()})
-    tree = ocp.PyTreeCheckpointer().restore(ckpt, restore_args=args)
-  else:
-    tree = ocp.PyTreeCheckpointer().restore(ckpt)
-  return cfg, flatten_paths(tree)
+  ckpt, subtrees = orbax_tree(src)
+  if not subtrees and not shardings:
+    return cfg, flatten_paths(ocp.PyTreeCheckpointer().restore(ckpt))
+  reader = OrbaxReader(ckpt, subtrees=subtrees)
+  args = {reader.stored[k]: ocp.ArrayRestoreArgs(sharding=shardings[k]) if shardings
+          and k in shardings else ocp.RestoreArgs(restore_type=np.ndarray) for k in reader.meta}
+  item = nest_paths({reader.stored[k]: m for k, m in reader.meta.items()})
+  tree = ocp.PyTreeCheckpointer().restore(ckpt, args=ocp.args.PyTreeRestore(
+      item=item, restore_args=nest_paths(args), partial_restore=bool(subtrees)))
+  flat = flatten_paths(tree)
+  return cfg, {k: flat[stored] for k, stored in reader.stored.items()}

@@ -17,7 +17,7 @@ from k3jax.convert.hf_config import config_to_hf, read_hf_config
 from k3jax.convert.links import refuse_outside_links
 from k3jax.convert.mxfp4 import mxfp4_quantize, mxfp4_shapes
 from k3jax.convert.names import Param, hf_source_shape, hf_weight_name, plan
-from k3jax.convert.orbax_io import OrbaxReader, load_orbax_config
+from k3jax.convert.orbax_io import OrbaxReader, load_orbax_config, orbax_tree
 from k3jax.convert.output import Progress, check_interrupt, conversion_stats, staged_dir
 from k3jax.convert.safetensors_io import ST_DTYPES, SafetensorsWriter
 
@@ -84,8 +84,8 @@ def orbax_to_hf(src: str | Path, dst: str | Path, *, config: str | Path | None =
   else:
     prefix = "language_model." if cfg.arch == "kimi_k3" else ""
   params = plan(cfg, prefix)
-  ckpt = src / "params" if (src / "params").is_dir() else src
-  reader = OrbaxReader(ckpt)
+  ckpt, subtrees = orbax_tree(src)
+  reader = OrbaxReader(ckpt, subtrees=subtrees)
   problems = []
   for p in params:
     if p.path not in reader.meta:

@@ -1,0 +1,87 @@
+"""The command lines' shared front: every entry point (``train.py``, ``convert.py``,
+``python -m k3jax.generate``, ``k3jax.info``, ``k3jax.plan``) takes its config the same way.
+
+- ``--config NAME_OR_PATH`` (``info`` and ``plan`` also take it as their first positional): a
+  path to a YAML file, else the name of a packaged config (``k3_tiny`` or ``k3_tiny.yaml``), found
+  in the package's ``configs`` directory from any working directory.
+- ``key=value`` overrides anywhere on the line, before or after the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+from pathlib import Path
+
+from k3jax import config as config_lib
+
+
+def config_dirs() -> list[Path]:
+  """Where packaged configs live: ``k3jax/configs`` of the installed package, then the
+  ``configs/`` next to the package in a source checkout."""
+  dirs = [Path(str(importlib.resources.files("k3jax") / "configs")),
+          Path(__file__).resolve().parent.parent / "configs"]
+  return [d for d in dirs if d.is_dir()]
+
+
+def resolve_config(name: str | Path) -> Path:
+  """The YAML file for ``--config name``: ``name`` (or ``name.yaml``) as a path if it exists,
+  else that file in a packaged configs directory (:func:`config_dirs`)."""
+  name = str(name)
+  candidates = [name] if name.endswith((".yaml", ".yml")) else [name, name + ".yaml"]
+  for c in candidates:
+    if Path(c).is_file():
+      return Path(c)
+  dirs = config_dirs()
+  for d in dirs:
+    for c in candidates:
+      if "/" not in c and (d / c).is_file():
+        return d / c
+  known = sorted({p.stem for d in dirs for p in d.glob("*.yaml")})
+  raise config_lib.ConfigError(f"config {name!r} is neither a file nor a packaged config "
+                               f"(packaged: {', '.join(known) or 'none found'})")
+
+
+def load(name: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> config_lib.Config:
+  """:func:`k3jax.config.load` of the config ``name`` resolves to."""
+  return config_lib.load(resolve_config(name), overrides)
+
+
+def parser(prog: str, description: str, *, config_default: str | None = None,
+           config_positional: bool = False, config_help: str = "") -> argparse.ArgumentParser:
+  """An ``ArgumentParser`` with ``--config`` (and, with ``config_positional``, a positional
+  form) and ``key=value`` overrides; parse it with :func:`parse`."""
+  p = argparse.ArgumentParser(prog=prog, description=description,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  help_ = config_help or ("YAML config: a path, or a packaged config's name (k3_tiny, k3_1b, ...)"
+                          + (f"; default {config_default}" if config_default else ""))
+  p.add_argument("--config", default=None, help=help_)
+  if config_positional:
+    p.add_argument("config_arg", nargs="?", default=None, metavar="CONFIG", help="as --config")
+  p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, anywhere")
+  p.set_defaults(_config_default=config_default, _config_positional=config_positional)
+  return p
+
+
+def parse(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+  """Parses ``argv`` with overrides mixed among the options; ``args.config`` is the config given
+  (positionally or by ``--config``, else the default) and ``args.overrides`` the ``key=value``
+  items. Anything else left over is an error."""
+  args = p.parse_intermixed_args(argv)
+  rest = list(args.overrides)
+  if getattr(args, "_config_positional", False):
+    if args.config_arg is not None and "=" in args.config_arg:  # an override, not a config
+      rest.insert(0, args.config_arg)
+    elif args.config_arg is not None:
+      if args.config is not None:
+        p.error(f"the config is given twice: {args.config_arg!r} and --config {args.config!r}")
+      args.config = args.config_arg
+    del args.config_arg
+  bad = [r for r in rest if "=" not in r or r.startswith("=")]
+  if bad:
+    p.error(f"unrecognized arguments: {' '.join(bad)} (overrides are key=value)")
+  args.overrides = rest
+  if args.config is None:
+    args.config = args._config_default
+  del args._config_default, args._config_positional
+  return args
