@@ -233,6 +233,9 @@ class TrainConfig:
   # Store the head's logits in bf16 between its matmul and the softmax (k3jax/losses.py): half
   # the traffic of the step's largest tensors, each logit rounded to bf16 before the softmax.
   bf16_logits: bool = False
+  # Start from the weights of this directory (an HF checkpoint, a converted Orbax directory or a
+  # train.py run): parameters and router biases only, a fresh optimizer, step 0. "": random init.
+  init_from: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from k3jax import config as config_lib
 from k3jax import convert, run_dir
 from k3jax.config import ModelConfig
 from k3jax.model import K3Model
@@ -29,7 +30,7 @@ def _is_orbax(path: Path) -> bool:
 def checkpoint_config(path: str | Path, config: str | Path | None = None) -> ModelConfig:
   """The model config stored with the weights in ``path`` (``config``: a k3jax YAML overriding
   it, for Orbax directories)."""
-  path = Path(path)
+  path = Path(path).absolute()  # Orbax reads absolute paths only
   if not path.is_dir():
     raise convert.ConversionError(f"{path} is not a directory")
   if _is_orbax(path):
@@ -41,7 +42,9 @@ def checkpoint_config(path: str | Path, config: str | Path | None = None) -> Mod
       "nor an HF config.json")
 
 
-def _key(path) -> str:
+def key_of(path) -> str:
+  """The model path (``"layers.0.mlp.down_proj.kernel"``) of a ``jax.tree_util`` key path into a
+  pure dict of the model's state."""
   return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
@@ -51,7 +54,7 @@ def read_weights(path: str | Path, cfg: ModelConfig, *, shardings: dict | None =
   ``ConversionError`` lists every missing parameter and every shape that differs from ``cfg``'s.
   ``shardings`` (model path -> sharding): Orbax directories are read shard by shard."""
   path = Path(path).absolute()
-  want = {_key(p): v for p, v in jax.tree_util.tree_flatten_with_path(
+  want = {key_of(p): v for p, v in jax.tree_util.tree_flatten_with_path(
       nnx.to_pure_dict(nnx.state(abstract_model(cfg))))[0]}
   if _is_orbax(path):
     _, values = convert.load_orbax_params(path, config=config, shardings=shardings)
@@ -67,7 +70,8 @@ def read_weights(path: str | Path, cfg: ModelConfig, *, shardings: dict | None =
 
 
 def from_pretrained(path: str | Path, *, dtype: str | None = None,
-                    mesh: jax.sharding.Mesh | None = None, config: str | Path | None = None) -> K3Model:
+                    mesh: jax.sharding.Mesh | None = None, config: str | Path | None = None,
+                    overrides: list[str] | tuple[str, ...] = ()) -> K3Model:
   """Loads ``path`` (an HF directory with ``config.json`` and safetensors, an Orbax directory
   written by ``convert.py hf-to-orbax``, a ``train.py`` run directory or one of its
   ``checkpoints/<step>``) into a :class:`K3Model`. Only the weights (parameters and router
@@ -76,10 +80,13 @@ def from_pretrained(path: str | Path, *, dtype: str | None = None,
   dtype: "float32" or "bfloat16" for parameters and compute (default: the checkpoint's config).
   mesh: shard the parameters over this mesh with the default sharding rules (Orbax directories
   are then read shard by shard). config: a k3jax YAML overriding the stored config (Orbax only).
+  overrides: ``model.*=value`` items applied to the config (e.g. ``model.kda.implementation=naive``).
   The model called on int32 ``input_ids [B, T]`` returns float32 logits ``[B, T, vocab]``.
   """
   path = Path(path)
   cfg = checkpoint_config(path, config)
+  if overrides:
+    cfg = config_lib.from_dict({"model": config_lib.to_dict(cfg)}, overrides).model
   if dtype is not None:
     if dtype not in ("float32", "bfloat16"):
       raise convert.ConversionError(f"from_pretrained: dtype must be float32 or bfloat16, got {dtype!r}")

@@ -1,8 +1,11 @@
 """The training loop behind ``python train.py [--config CONFIG] [--run-dir DIR] [key=value ...]``.
 
-With no arguments it trains ``configs/k3_tiny.yaml`` on the embedded default data (the Python
+With no arguments it trains the packaged ``k3_tiny`` config on the embedded default data (the Python
 standard library's source, byte-level tokens) into ``runs/k3_tiny``. Running again with the same
 run directory resumes from its latest complete checkpoint, exactly where it stopped.
+``train.init_from=DIR`` starts a new run from the weights of an HF, Orbax or run directory
+(parameters and router biases; a fresh optimizer, step 0); a run directory that already has a
+checkpoint resumes from it instead, and says so.
 
 The loop, step by step:
   config -> checks before any work (the mesh divides the batch, the run directory is writable)
@@ -17,7 +20,6 @@ The loop, step by step:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -32,6 +34,8 @@ import jax
 import yaml
 
 from k3jax import checkpoint as checkpoint_lib
+from k3jax import cli, convert
+from k3jax import run_dir as run_dir_lib
 from k3jax import config as config_lib
 from k3jax import data as data_lib
 from k3jax import flops as flops_lib
@@ -42,7 +46,7 @@ from k3jax.data import stage_at, stages
 from k3jax.train_state import abstract_model, abstract_train_state, init_train_state
 import sharding
 
-DEFAULT_CONFIG = "configs/k3_tiny.yaml"
+DEFAULT_CONFIG = "k3_tiny"
 # The settings that decide which rows the data iterator yields: a resume that changes one of them
 # is refused unless data.reset_iterator=true (the saved iterator position means nothing then).
 DATA_KEYS = ("data.source", "data.tokenizer", "data.text_field", "data.seq_len",
@@ -55,13 +59,28 @@ class TrainError(RuntimeError):
 
 
 def parse_args(argv):
-  p = argparse.ArgumentParser(prog="train.py", description="Pre-trains a K3 model.",
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default {DEFAULT_CONFIG})")
+  p = cli.parser("train.py", "Pre-trains a K3 model.", config_default=DEFAULT_CONFIG)
   p.add_argument("--run-dir", default=None, help="run directory (default runs/<model.name>)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
-  p.add_argument("overrides", nargs="*", help="config overrides, e.g. train.steps=100")
-  return p.parse_args(argv)
+  return cli.parse(p, argv)
+
+
+def init_weights(cfg: config_lib.Config, state):
+  """``state`` with its params and router biases replaced by those of ``train.init_from``, each
+  cast to its dtype and placed as its sharding; every name and shape is checked against the
+  config first (:func:`k3jax.pretrained.read_weights`)."""
+  from k3jax import pretrained
+  src = Path(cfg.train.init_from)
+  if not src.is_dir():
+    raise TrainError(f"train.init_from: {src} is not a directory")
+  leaves = [leaf for tree in (state.params, state.biases)
+            for leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  values = pretrained.read_weights(src, cfg.model, shardings={
+      pretrained.key_of(path): x.sharding for path, x in leaves})
+  place = lambda path, x: jax.device_put(
+      jax.numpy.asarray(values[pretrained.key_of(path)], x.dtype), x.sharding)
+  return state.replace(params=jax.tree_util.tree_map_with_path(place, state.params),
+                       biases=jax.tree_util.tree_map_with_path(place, state.biases))
 
 
 def data_settings(cfg: config_lib.Config) -> dict:
@@ -207,6 +226,8 @@ def _train(cfg: config_lib.Config, run_dir: Path, progress: bool) -> dict:
     step, arrays, meta, it = restored
     state = state.replace(**arrays)
     nonfinite_run = int(meta.get("nonfinite_run", 0))
+  elif cfg.train.init_from:
+    state = init_weights(cfg, state)
   stage = stage_at(all_stages, max(step - 1, 0))
   it = it or data_iter(step)
 
@@ -237,7 +258,11 @@ def _train(cfg: config_lib.Config, run_dir: Path, progress: bool) -> dict:
     if whole:
       metrics.say(whole)
   if restored is not None:
-    metrics.say(f"resumed from step {step} ({run_dir / 'checkpoints' / str(step)})")
+    metrics.say(f"resumed from step {step} ({run_dir / 'checkpoints' / str(step)})"
+                + (f"; train.init_from={cfg.train.init_from} is not used: the run's own "
+                   "checkpoint wins" if cfg.train.init_from else ""))
+  elif cfg.train.init_from:
+    metrics.say(f"initialised the weights from {cfg.train.init_from} (fresh optimizer, step 0)")
   if step >= total:
     metrics.say(f"the run is complete (step {step} of train.steps={total}); nothing to do")
 
@@ -371,11 +396,11 @@ def main(argv=None) -> int:
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
   args = parse_args(sys.argv[1:] if argv is None else argv)
   try:
-    cfg = config_lib.load(args.config, args.overrides)
+    cfg = cli.load(args.config, args.overrides)
     run_dir = Path(args.run_dir or f"runs/{cfg.model.name}")
     train(cfg, run_dir, progress=not args.no_progress)
   except (config_lib.ConfigError, data_lib.DataError, tokenizer_lib.TokenizerError, TrainError,
-          checkpoint_lib.LayoutError) as e:
+          checkpoint_lib.LayoutError, convert.ConversionError, run_dir_lib.RunDirError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   return 0
