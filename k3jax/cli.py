@@ -69,13 +69,15 @@ def parse(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namesp
   items. Anything else left over is an error."""
   args = p.parse_intermixed_args(argv)
   rest = list(args.overrides)
-  if getattr(args, "_config_positional", False):
-    if args.config_arg is not None and "=" in args.config_arg:  # an override, not a config
+  if args._config_positional:  # the one positional that is not key=value, wherever it stands
+    if args.config_arg is not None:
       rest.insert(0, args.config_arg)
-    elif args.config_arg is not None:
-      if args.config is not None:
-        p.error(f"the config is given twice: {args.config_arg!r} and --config {args.config!r}")
-      args.config = args.config_arg
+    names = [r for r in rest if "=" not in r]
+    if len(names) + (args.config is not None) > 1:
+      p.error(f"more than one config given: {', '.join(names + [args.config] * (args.config is not None))}")
+    if names:
+      args.config = names[0]
+      rest.remove(names[0])
     del args.config_arg
   bad = [r for r in rest if "=" not in r or r.startswith("=")]
   if bad:
@@ -83,5 +85,7 @@ def parse(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namesp
   args.overrides = rest
   if args.config is None:
     args.config = args._config_default
+  if args.config is None:
+    p.error("a config is required (CONFIG or --config NAME_OR_PATH)")
   del args._config_default, args._config_positional
   return args

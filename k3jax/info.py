@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax import config as config_lib
+from k3jax import cli, config as config_lib
 from k3jax.config import ModelConfig
 
 
@@ -81,13 +81,18 @@ def param_counts(cfg: ModelConfig) -> dict:
   }
 
 
-def main(argv: list[str] | None = None) -> None:
-  argv = sys.argv[1:] if argv is None else argv
-  if not argv:
-    raise SystemExit("usage: python -m k3jax.info CONFIG [key=value ...]")
-  cfg = config_lib.load(argv[0], argv[1:])
+def main(argv: list[str] | None = None) -> int:
+  p = cli.parser("python -m k3jax.info", "Parameter counts and cache sizes of a config.",
+                 config_positional=True)
+  args = cli.parse(p, argv)
+  try:
+    cfg = cli.load(args.config, args.overrides)
+  except config_lib.ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   print(json.dumps(param_counts(cfg.model), indent=2))
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

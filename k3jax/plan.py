@@ -47,7 +47,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -60,7 +59,7 @@ from flax import nnx
 
 import pallas_kernels
 import sharding
-from k3jax import aot, config as config_lib
+from k3jax import aot, cli, config as config_lib
 from k3jax.config import Config, MeshConfig
 from k3jax.train_state import abstract_model, abstract_train_state, state_names
 from sharding import context_parallel, mesh as mesh_lib
@@ -503,8 +502,7 @@ def plan(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lower_lay
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m k3jax.plan", description=__doc__.split("\n\n")[0])
-  ap.add_argument("config")
+  ap = cli.parser("python -m k3jax.plan", __doc__.split("\n\n")[0], config_positional=True)
   ap.add_argument("--mesh", required=True, help="axis=size,... over data, fsdp, expert, context, tensor")
   ap.add_argument("--seq-len", type=int, default=None, help="default: data.seq_len")
   ap.add_argument("--batch", type=int, default=None, help="sequences per step; default: train.batch_size")
@@ -525,11 +523,14 @@ def main(argv=None) -> int:
                   help="memory a device may use (GB): report whether the layout fits and, "
                        "with traced activations and a remat policy, the largest "
                        "model.remat_skip that does")
-  ap.add_argument("overrides", nargs="*", help="config overrides key=value")
-  args = ap.parse_intermixed_args(argv)
+  args = cli.parse(ap, argv)
   sizes = parse_mesh(args.mesh)
   over = list(args.overrides) + [f"mesh.{a}={s}" for a, s in sizes.items()]
-  cfg = config_lib.load(args.config, over)
+  try:
+    cfg = cli.load(args.config, over)
+  except config_lib.ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   seq_len = args.seq_len or cfg.data.seq_len
   batch = args.batch or cfg.train.batch_size
   platform = args.platform or (aot.platform(args.compile_target) if args.compile_target
