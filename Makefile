@@ -43,7 +43,7 @@ test-fast: $(STAMP)
 	  $(PY) -m pytest -n 2 --dist loadfile -m "not slow" tests
 
 generate: $(STAMP)
-	$(PY) -m k3jax.generate --config configs/k3_tiny.yaml --prompt "def main(" --max-new-tokens 64
+	$(PY) -m k3jax.generate --config k3_tiny --prompt "def main(" --max-new-tokens 64
 
 clean:
 	rm -rf $(VENV) $(AOT) .pytest_cache
