@@ -32,10 +32,12 @@ def resolve_config(name: str | Path) -> Path:
   for c in candidates:
     if Path(c).is_file():
       return Path(c)
+  if "/" in name:  # a path, not a name
+    raise config_lib.ConfigError(f"config file {name!r} does not exist")
   dirs = config_dirs()
   for d in dirs:
     for c in candidates:
-      if "/" not in c and (d / c).is_file():
+      if (d / c).is_file():
         return d / c
   known = sorted({p.stem for d in dirs for p in d.glob("*.yaml")})
   raise config_lib.ConfigError(f"config {name!r} is neither a file nor a packaged config "
