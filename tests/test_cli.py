@@ -50,6 +50,7 @@ def test_positional_or_flag_config_and_clear_errors(tmp_path, monkeypatch, capsy
   assert info.main(["nope"]) == 2
 
 
+@pytest.mark.slow
 def test_generate_and_convert_take_config_by_name(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)
   gen = importlib.import_module("k3jax.generate")
