@@ -70,13 +70,13 @@ def sample(logits: jax.Array, rng: jax.Array, temperature: float = 0.0, top_p: f
 def check_decoding(*, max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
   """Raises one :class:`GenerateError` listing every decoding argument out of range."""
   problems = []
-  if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
     problems.append(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
   if not temperature >= 0.0:
     problems.append(f"temperature must be >= 0 (0: greedy), got {temperature!r}")
   if not 0.0 < top_p <= 1.0:
     problems.append(f"top_p must lie in (0, 1] (1: no nucleus cut), got {top_p!r}")
-  if not isinstance(top_k, int) or top_k < 0:
+  if not isinstance(top_k, (int, np.integer)) or top_k < 0:
     problems.append(f"top_k must be an integer >= 0 (0: no top-k cut), got {top_k!r}")
   if problems:
     raise GenerateError("generate: " + "; ".join(problems))
