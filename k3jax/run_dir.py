@@ -50,3 +50,21 @@ def find(path: str | Path) -> RunCheckpoint | None:
   if not steps:
     raise RunDirError(f"{path}: the run has no complete checkpoint in {path / 'checkpoints'}")
   return RunCheckpoint(path, steps[-1], path / "checkpoints" / str(steps[-1]) / "state")
+
+
+def verify(run: RunCheckpoint, weights) -> None:
+  """Checks the weights read from ``run`` (``{"params": ..., "biases": ...}`` as restored) against
+  the fingerprints ``train.py`` saved with the checkpoint (:func:`k3jax.checkpoint.fingerprints`);
+  :class:`RunDirError` names every array that differs (corrupted on disk) or holds a non-finite
+  value. A checkpoint saved before fingerprints were recorded is only checked for finiteness."""
+  import orbax.checkpoint as ocp
+  from k3jax.checkpoint import fingerprints
+  meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(run.state_dir.parent / "meta")
+  saved = meta.get("checksums")
+  sums, nonfinite = fingerprints(weights)
+  changed = [] if saved is None else sorted(k for k, v in sums.items() if saved.get(k) != v)
+  problems = ([f"{k}: does not match its checksum (corrupted on disk)" for k in changed]
+              + [f"{k}: holds non-finite values" for k in nonfinite])
+  if problems:
+    raise RunDirError(f"{run.run_dir} checkpoint {run.step} cannot be loaded "
+                      f"({len(problems)} arrays):\n  " + "\n  ".join(problems))

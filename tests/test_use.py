@@ -3,6 +3,8 @@ a train.py run loaded by from_pretrained, converted to HF and back, decoded by t
 command line from each form, and used as train.init_from (issue 43 items 1 and 2)."""
 
 import importlib
+import json
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 from flax import nnx
 
 import k3jax
-from k3jax import cli, convert, train, train_state
+from k3jax import cli, convert, run_dir, train, train_state
 from k3jax.convert import cli as convert_cli
 from test_train import SMALL
 
@@ -47,6 +49,21 @@ def test_run_dir_loads_latest_or_named_checkpoint(work, monkeypatch):
   hf = logits(k3jax.from_pretrained("hf"), tokens)
   np.testing.assert_allclose(hf, latest, atol=0.05)
   np.testing.assert_allclose(logits(k3jax.from_pretrained("orb"), tokens), hf, rtol=1e-6, atol=1e-6)
+
+
+def test_run_dir_weights_are_checked_against_their_checksums(work, monkeypatch):
+  """Loading a run's weights checks them against the fingerprints saved with the checkpoint: a
+  changed array is named, nothing is loaded silently."""
+  monkeypatch.chdir(work)
+  shutil.copytree("run", "tampered")
+  meta = work / "tampered/checkpoints/3/meta/metadata"
+  saved = json.loads(meta.read_text())
+  name = next(k for k in sorted(saved["checksums"]) if k.startswith("params."))
+  saved["checksums"][name][0] ^= 1  # as if one bit of that array had flipped on disk
+  meta.write_text(json.dumps(saved))
+  with pytest.raises(run_dir.RunDirError, match=rf"{name}: does not match its checksum"):
+    k3jax.from_pretrained("tampered")
+  k3jax.from_pretrained("tampered/checkpoints/2")  # the older checkpoint is intact
 
 
 def test_generate_cli_from_each_form(work, monkeypatch, capsys):

@@ -191,5 +191,7 @@ def load_orbax_params(src: str | Path, *, config: str | Path | None = None,
   item = nest_paths({reader.stored[k]: m for k, m in reader.meta.items()})
   tree = ocp.PyTreeCheckpointer().restore(ckpt, args=ocp.args.PyTreeRestore(
       item=item, restore_args=nest_paths(args), partial_restore=bool(subtrees)))
+  if subtrees:  # a training run's checkpoint: its weights against the checksums saved with them
+    run_dir.verify(run_dir.find(src), tree)
   flat = flatten_paths(tree)
   return cfg, {k: flat[stored] for k, stored in reader.stored.items()}
