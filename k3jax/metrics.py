@@ -1,5 +1,5 @@
-"""Run metrics: ``RUN_DIR/metrics.jsonl`` (one JSON object per line), TensorBoard event files
-when ``tensorboardX`` or ``torch.utils.tensorboard`` is importable, and a tqdm progress bar.
+"""Run metrics: ``RUN_DIR/metrics.jsonl`` (one JSON object per line), TensorBoard event files in
+``RUN_DIR/tensorboard`` with the ``[tensorboard]`` extra (tensorboardX), and a tqdm progress bar.
 
 Non-finite numbers are written as ``null`` so that every line is strict JSON. A run that starts at
 step ``s`` (a resume, or 0) first drops the records past ``s`` (those of steps it is about to run
@@ -33,13 +33,12 @@ def _plain(v: Any) -> Any:
 
 
 def _tb_writer(log_dir: Path):
-  for module in ("tensorboardX", "torch.utils.tensorboard"):
-    try:
-      mod = __import__(module, fromlist=["SummaryWriter"])
-      return mod.SummaryWriter(str(log_dir))
-    except Exception:  # not installed, or installed without its dependencies
-      continue
-  return None
+  """tensorboardX's writer when the ``[tensorboard]`` extra is installed, else None."""
+  try:
+    from tensorboardX import SummaryWriter
+  except ImportError:
+    return None
+  return SummaryWriter(str(log_dir))
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

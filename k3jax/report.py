@@ -1,0 +1,111 @@
+"""``python -m k3jax.report RUN_DIR [--out PNG]``: one PNG of a training run's curves.
+
+Four panels over steps, from ``RUN_DIR/metrics.jsonl``: training and eval loss, the learning
+rate, tokens/s, and each MoE layer's expert-load imbalance (max over mean load; 1 is perfectly
+balanced). The default output is ``RUN_DIR/report.png``. Drawn with matplotlib's Agg canvas
+without pyplot, so it neither needs a display nor changes a notebook's backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+from matplotlib.figure import Figure
+
+from k3jax import config as config_lib
+from k3jax import metrics as metrics_lib
+from k3jax.train_step import moe_layers
+
+
+class ReportError(RuntimeError):
+  """The run directory has nothing to plot."""
+
+
+def series(records: list[dict]) -> dict[str, dict[int, object]]:
+  """``{key: {step: value}}`` of every non-null value; a resumed run's later line for a step
+  replaces the earlier one."""
+  out: dict[str, dict[int, object]] = {}
+  for r in records:
+    for k, v in r.items():
+      if k != "step" and v is not None:
+        out.setdefault(k, {})[r["step"]] = v
+  return out
+
+
+def _layer_names(run_dir: Path, n: int) -> list[str]:
+  """Labels of the ``n`` per-MoE-layer columns: their layer indices from the run's config."""
+  path = run_dir / "config.yaml"
+  if path.is_file():
+    cfg = config_lib.from_dict(yaml.safe_load(path.read_text()) or {})
+    layers = moe_layers(cfg)
+    if len(layers) == n:
+      return [f"layer {i}" for i in layers]
+  return [f"MoE layer {j}" for j in range(n)]
+
+
+def _line(ax, s: dict[int, object], label: str, **kw) -> None:
+  steps = sorted(s)
+  ax.plot(steps, [s[t] for t in steps], label=label, **kw)
+
+
+def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
+  """Writes the report of ``run_dir`` to ``out`` (default ``RUN_DIR/report.png``); returns it."""
+  run_dir = Path(run_dir)
+  path = run_dir / "metrics.jsonl"
+  if not path.is_file():
+    raise ReportError(f"{path} does not exist: RUN_DIR must be a training run directory "
+                      "(the --run-dir of k3jax-train)")
+  s = series(metrics_lib.read_jsonl(path))
+  if "loss" not in s:
+    raise ReportError(f"{path} holds no training step yet")
+  out = Path(out) if out is not None else run_dir / "report.png"
+
+  fig = Figure(figsize=(11, 7.5), layout="constrained")
+  (loss, lr), (tps, moe) = fig.subplots(2, 2, sharex=True)
+  fig.suptitle(f"{run_dir.resolve().name}: {max(s['loss'])} steps")
+  _line(loss, s["loss"], "train")
+  if "eval_loss" in s:
+    _line(loss, s["eval_loss"], "eval", marker="o")
+  loss.set(title="loss (nats / token)")
+  loss.legend()
+  _line(lr, s.get("lr", {}), "lr")
+  lr.set(title="learning rate")
+  _line(tps, s.get("tokens_per_s", {}), "tokens/s")
+  tps.set(title="tokens / s", ylim=(0, None))
+  imbalance = s.get("moe_load_max_mean", {})
+  width = max((len(v) for v in imbalance.values()), default=0)
+  for j, name in enumerate(_layer_names(run_dir, width)):
+    _line(moe, {t: v[j] for t, v in imbalance.items() if len(v) == width}, name)
+  moe.axhline(1.0, color="grey", lw=0.8, ls="--")
+  moe.set(title="expert load imbalance (max / mean)")
+  if width:
+    moe.legend(fontsize="small", ncols=1 + width // 8)
+  for ax in (tps, moe):
+    ax.set_xlabel("step")
+  for ax in (loss, lr, tps, moe):
+    ax.grid(alpha=0.3)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  tmp = out.with_name(out.name + ".tmp")
+  fig.savefig(tmp, dpi=100, format="png")
+  tmp.replace(out)
+  return out
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m k3jax.report", description=__doc__.split("\n")[0])
+  p.add_argument("run_dir", help="a training run directory (holds metrics.jsonl)")
+  p.add_argument("--out", default=None, help="PNG to write (default RUN_DIR/report.png)")
+  args = p.parse_args(argv)
+  try:
+    print(plot(args.run_dir, args.out))
+  except ReportError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
