@@ -70,3 +70,31 @@ def test_installed_train_runs_from_an_empty_directory(fresh_venv, tmp_path):
              .read_text().splitlines()]
   assert [m["step"] for m in metrics if "loss" in m] == [1, 2]
   assert (tmp_path / "runs" / "k3_tiny" / "checkpoints" / "2").is_dir()
+
+
+def test_quickstart_notebook_runs_top_to_bottom(fresh_venv, tmp_path, root, monkeypatch):
+  """notebooks/quickstart.ipynb in a kernel of the fresh venv, its console scripts on PATH, with
+  a few steps of the SMALL model appended to its parameters cell."""
+  import nbclient
+  import nbformat
+  nb = nbformat.read(root / "notebooks" / "quickstart.ipynb", as_version=4)
+  (params,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+  params.source += f"\nCI = True\nSTEPS = 3\nOVERRIDES = {SMALL!r}\nMAX_NEW_TOKENS = 4\n"
+  spec = tmp_path / "jupyter" / "kernels" / "k3jax-wheel"
+  spec.mkdir(parents=True)
+  (spec / "kernel.json").write_text(json.dumps({
+      "argv": [str(fresh_venv / "python"), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+      "display_name": "k3jax wheel", "language": "python"}))
+  monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+  monkeypatch.setenv("PATH", f"{fresh_venv}{os.pathsep}{os.environ['PATH']}")
+  monkeypatch.delenv("PYTHONPATH", raising=False)
+  work = tmp_path / "work"
+  work.mkdir()
+  nbclient.NotebookClient(nb, kernel_name="k3jax-wheel", timeout=600,
+                          resources={"metadata": {"path": str(work)}}).execute()
+  outputs = {c.id: c.outputs for c in nb.cells if c.cell_type == "code"}
+  assert any(o.get("output_type") in ("display_data", "execute_result")
+             and "image/png" in o.get("data", {})
+             for o in outputs[nb.cells[-1].id])
+  assert (work / "runs" / "quickstart" / "report.png").is_file()
+  assert (work / "quickstart_hf" / "config.json").is_file()
