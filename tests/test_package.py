@@ -24,7 +24,8 @@ def fresh_venv(tmp_path_factory, root) -> Path:
   """The ``bin`` directory of a venv holding only the built wheel."""
   tmp = tmp_path_factory.mktemp("package")
   src = tmp / "src"  # a copy, so that the build leaves nothing in the checkout
-  shutil.copy(root / "pyproject.toml", src.mkdir() or src / "pyproject.toml")
+  src.mkdir()
+  shutil.copy(root / "pyproject.toml", src)
   for d in ("k3jax", "pallas_kernels", "sharding", "configs"):
     shutil.copytree(root / d, src / d, symlinks=True,
                     ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
