@@ -123,8 +123,8 @@ def _stats(tiles: _Tiles, w_ref, refs, nd, with_g):
 
   zeros = (jnp.zeros((tiles.br,), jnp.float32),) * (s * (3 if with_g else 2))
   if nd == 1:
-    return chunk(0, zeros)
-  return jax.lax.fori_loop(0, nd, lambda k, c: chunk(k, c)[0], zeros), None
+    return chunk(jnp.int32(0), zeros)
+  return jax.lax.fori_loop(jnp.int32(0), nd, lambda k, c: chunk(k, c)[0], zeros), None
 
 
 def _softmax(ssq, dots, d, eps):
@@ -151,9 +151,9 @@ def _fwd_kernel(w_ref, *refs, s, n, d, br, bd, eps):
     return carry
 
   if nd == 1:
-    mix(0, 0)
+    mix(jnp.int32(0), 0)
   else:
-    jax.lax.fori_loop(0, nd, mix, 0)
+    jax.lax.fori_loop(jnp.int32(0), nd, mix, 0)
 
 
 def _bwd_kernel(w_ref, g_ref, *refs, s, n, d, br, bd, steps, blocks, eps):

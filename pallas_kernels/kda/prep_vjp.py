@@ -70,7 +70,7 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, dq_ref, dk_ref, dg
   i, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   f32 = jnp.float32
   heads = [h * group + j for j in range(group)]
-  cols = pl.ds(0, kd)
+  cols = pl.ds(jnp.int32(0), kd)
   if gate is not None:
     alog_o, dtb_o = part_refs
     a = [jnp.exp(alog_ref[hv].astype(f32)) for hv in heads]

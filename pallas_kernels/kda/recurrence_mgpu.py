@@ -91,7 +91,7 @@ def _ring(bars, stages: int, nc: int, tiles):
   into ring slot ``i % stages``, signalled on ``bars[slot]``; the first ``stages - 1`` chunks are
   fetched here."""
   def fetch(i):
-    slot = lax.rem(i, stages)
+    slot = lax.rem(jnp.int32(i), jnp.int32(stages))
     for src, ring in tiles:
       plgpu.copy_gmem_to_smem(src(i), ring.at[slot], bars.at[slot])
 
@@ -107,7 +107,7 @@ def _kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, 
    in0, in1, ready, free) = scratch
   c = CHUNK
   bh, wg = lax.axis_index("bh"), lax.axis_index("wg")
-  b, h = lax.div(bh, hv), lax.rem(bh, hv)
+  b, h = lax.div(bh, jnp.int32(hv)), lax.rem(bh, jnp.int32(hv))
   vs = pl.ds(pl.multiple_of(lax.axis_index("v") * bv, bv), bv)
   rows = lambda i: pl.ds(i * c, c)
 
@@ -118,7 +118,7 @@ def _kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, 
         (lambda i: u_ref.at[b, rows(i), h, vs], u_smem), (lambda i: gc_ref.at[b, i, h], gc_smem)))
 
     def step(i, s):
-      slot, p = lax.rem(i, stages), lax.rem(i, nbuf)
+      slot, p = lax.rem(i, jnp.int32(stages)), lax.rem(i, jnp.int32(nbuf))
       pl.when(i + stages - 1 < nc)(lambda: fetch(i + stages - 1))
       plgpu.barrier_wait(in0.at[slot])
       pl.when(i >= nbuf)(lambda: plgpu.barrier_wait(free.at[p]))  # warpgroup 1 is done with p
@@ -141,9 +141,9 @@ def _kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, 
       return wgmma.add(s, (kd_smem.at[slot].T, vn_smem.at[p]), interpret=interpret)
 
     s0 = plgpu.load(s0_ref.at[b, h, :, vs], layout=plgpu.Layout.WGMMA, optimized=False)
-    st_ref.at[b, h, :, vs][...] = lax.fori_loop(0, nc, step, s0)
+    st_ref.at[b, h, :, vs][...] = lax.fori_loop(jnp.int32(0), nc, step, s0)
     for j in range(nbuf):  # warpgroup 1's releases of the last chunks (each phase waited once)
-      pl.when(nc > j)(lambda: plgpu.barrier_wait(free.at[lax.rem(nc - 1 - j, nbuf)]))
+      pl.when(nc > j)(lambda: plgpu.barrier_wait(free.at[jnp.int32((nc - 1 - j) % nbuf)]))
     if store:
       plgpu.wait_smem_to_gmem(0)
 
@@ -153,7 +153,7 @@ def _kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, 
                                     (lambda i: a_ref.at[b, rows(i), h], a_smem)))
 
     def step(i, carry):
-      slot, p = lax.rem(i, stages), lax.rem(i, nbuf)
+      slot, p = lax.rem(i, jnp.int32(stages)), lax.rem(i, jnp.int32(nbuf))
       pl.when(i + stages - 1 < nc)(lambda: fetch(i + stages - 1))
       plgpu.barrier_wait(in1.at[slot])
       plgpu.barrier_wait(ready.at[p])
@@ -165,7 +165,7 @@ def _kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, 
       plgpu.copy_smem_to_gmem(o_smem.at[p], o_ref.at[b, rows(i), h, vs])
       return carry
 
-    lax.fori_loop(0, nc, step, 0)
+    lax.fori_loop(jnp.int32(0), nc, step, 0)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -216,7 +216,7 @@ def _bwd_kernel(do_ref, qg_ref, a_ref, kd_ref, w_ref, gc_ref, dst_ref, dvn_ref, 
                 ready, *, hv, nc, bv, stages, nbuf, interpret):
   c = CHUNK
   bh = lax.axis_index("bh")
-  b, h = lax.div(bh, hv), lax.rem(bh, hv)
+  b, h = lax.div(bh, jnp.int32(hv)), lax.rem(bh, jnp.int32(hv))
   vs = pl.ds(pl.multiple_of(lax.axis_index("v") * bv, bv), bv)
 
   rows = lambda j: pl.ds((nc - 1 - j) * c, c)  # the j-th chunk of the reverse walk
@@ -227,7 +227,7 @@ def _bwd_kernel(do_ref, qg_ref, a_ref, kd_ref, w_ref, gc_ref, dst_ref, dvn_ref, 
       (lambda j: gc_ref.at[b, nc - 1 - j, h], gc_smem)))
 
   def step(j, ds):
-    slot, p, ci = lax.rem(j, stages), lax.rem(j, nbuf), nc - 1 - j
+    slot, p, ci = lax.rem(j, jnp.int32(stages)), lax.rem(j, jnp.int32(nbuf)), nc - 1 - j
     pl.when(j + stages - 1 < nc)(lambda: fetch(j + stages - 1))
     plgpu.barrier_wait(ready.at[slot])
     plgpu.wait_smem_to_gmem(nbuf - 1, wait_read_only=True)  # chunk j - nbuf's copies read p
@@ -248,7 +248,7 @@ def _bwd_kernel(do_ref, qg_ref, a_ref, kd_ref, w_ref, gc_ref, dst_ref, dvn_ref, 
                      interpret=interpret)
 
   dst = plgpu.load(dst_ref.at[b, h, :, vs], layout=plgpu.Layout.WGMMA, optimized=False)
-  ds0_ref.at[b, h, :, vs][...] = lax.fori_loop(0, nc, step, dst)
+  ds0_ref.at[b, h, :, vs][...] = lax.fori_loop(jnp.int32(0), nc, step, dst)
   plgpu.wait_smem_to_gmem(0)
 
 

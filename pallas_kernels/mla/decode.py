@@ -163,7 +163,8 @@ def _mgpu_program(lens_ref, steps_per_split: int):
   rb, s_idx, n = lax.axis_index("rb"), lax.axis_index("split"), lax.axis_index("req")
   length = lens_ref[n]
   start = s_idx * steps_per_split
-  stop = jnp.minimum(start + steps_per_split, lax.div(length + MGPU_STEP - 1, MGPU_STEP))
+  step32 = jnp.int32(MGPU_STEP)  # lax.div: same dtypes, also under x64
+  stop = jnp.minimum(start + steps_per_split, lax.div(length + MGPU_STEP - 1, step32))
   return rb, s_idx, n, lax.axis_index("wg"), length, start, jnp.maximum(stop - start, 0)
 
 
@@ -178,7 +179,8 @@ def _mgpu_stream(table_ref, cache_ref, k_smem, k_ready, k_free, *, n, start, cou
   """Producer warpgroup: TMA request n's cache steps ``start .. start + count - 1`` (``[64, D]``
   each) into the ring ``k_smem [stages, 64, D]``; a slot is refilled once ``k_free`` says both
   consumer warpgroups are done with it."""
-  stages = k_smem.shape[0]
+  # int32 like the loop index, also under x64 (lax.div / lax.rem take equal dtypes)
+  stages, per_page = jnp.int32(k_smem.shape[0]), jnp.int32(per_page)
   plgpu.set_max_registers(40, action="decrease")
 
   @pl.loop(0, count)
@@ -245,7 +247,7 @@ def _mgpu_kernel(lens_ref, table_ref, q_ref, cache_ref, o_ref, lse_ref, q_smem, 
 
     def step(k, carry, masked):
       acc, m, l = carry
-      slot = lax.rem(k, stages)
+      slot = lax.rem(k, jnp.int32(stages))
       plgpu.barrier_wait(k_ready.at[slot])
       kv = k_smem.at[slot]
 
@@ -276,7 +278,7 @@ def _mgpu_kernel(lens_ref, table_ref, q_ref, cache_ref, o_ref, lse_ref, q_smem, 
             plgpu.layout_cast(jnp.full((MGPU_ROWS,), -jnp.inf, jnp.float32), row_layout),
             plgpu.layout_cast(jnp.zeros((MGPU_ROWS,), jnp.float32), row_layout))
     # steps before ``full`` hold only keys every query row of the request sees: no mask
-    full = jnp.clip(lax.div(length - tn + 1, MGPU_STEP) - start, 0, count)
+    full = jnp.clip(lax.div(length - tn + 1, jnp.int32(MGPU_STEP)) - start, 0, count)
     carry = lax.fori_loop(0, full, functools.partial(step, masked=False), init)
     acc, m, l = lax.fori_loop(full, count, functools.partial(step, masked=True), carry)
     seen = l > 0.0
@@ -300,7 +302,7 @@ def _mgpu_kernel(lens_ref, table_ref, q_ref, cache_ref, o_ref, lse_ref, q_smem, 
     plgpu.set_max_registers(232, action="increase")
 
     def step(k, acc):
-      slot = lax.rem(k, stages)
+      slot = lax.rem(k, jnp.int32(stages))
       plgpu.barrier_wait(k_ready.at[slot])
       plgpu.barrier_wait(p_ready)
       alpha = plgpu.load(alpha_smem, layout=row_layout)

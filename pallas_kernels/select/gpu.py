@@ -64,7 +64,7 @@ def _count_pass(load, steps, prefix, below, k, shift, bits, cols, base, prefetch
   thresholds = [prefix + jnp.uint32(d << shift) for d in range(1, 1 << bits)]
 
   def count(keys, counts):
-    return tuple(c + jnp.sum((keys < t).astype(jnp.int32), axis=0)
+    return tuple(c + jnp.sum(keys < t, axis=0, dtype=jnp.int32)
                  for c, t in zip(counts, thresholds))
 
   def step(i, carry):  # carry: (this step's keys, counters); the next step's loads go first
@@ -76,7 +76,7 @@ def _count_pass(load, steps, prefix, below, k, shift, bits, cols, base, prefetch
     _, counts = jax.lax.fori_loop(0, steps, step, (load(0), zeros))
   else:
     counts = jax.lax.fori_loop(0, steps, lambda i, c: count(load(i), c), zeros)
-  counts = [base + jnp.sum(c) for c in counts]
+  counts = [base + jnp.sum(c, dtype=jnp.int32) for c in counts]
   ok = [c <= k for c in counts]  # #{key < threshold} <= k: the answer is at or above it
   d = functools.reduce(jnp.add, [o.astype(jnp.uint32) for o in ok])
   below = functools.reduce(jnp.maximum, [jnp.where(o, c, below) for o, c in zip(ok, counts)])
