@@ -122,6 +122,8 @@ def _stats(tiles: _Tiles, w_ref, refs, nd, with_g):
     return tuple(out), vs
 
   zeros = (jnp.zeros((tiles.br,), jnp.float32),) * (s * (3 if with_g else 2))
+  # int32 chunk starts like the row start: under x64 interpret mode's masked loads and stores
+  # refuse an int64 (a Python int, a Python-bounded loop index) beside it
   if nd == 1:
     return chunk(jnp.int32(0), zeros)
   return jax.lax.fori_loop(jnp.int32(0), nd, lambda k, c: chunk(k, c)[0], zeros), None

@@ -70,6 +70,8 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, dq_ref, dk_ref, dg
   i, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   f32 = jnp.float32
   heads = [h * group + j for j in range(group)]
+  # an int32 start like the program ids': under x64 interpret mode's masked loads and stores
+  # refuse a Python int (int64) beside them
   cols = pl.ds(jnp.int32(0), kd)
   if gate is not None:
     alog_o, dtb_o = part_refs

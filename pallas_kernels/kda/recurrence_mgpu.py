@@ -107,6 +107,7 @@ def _kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, 
    in0, in1, ready, free) = scratch
   c = CHUNK
   bh, wg = lax.axis_index("bh"), lax.axis_index("wg")
+  # int32 operands of lax.div / lax.rem and int32 loop indices, also under jax_enable_x64
   b, h = lax.div(bh, jnp.int32(hv)), lax.rem(bh, jnp.int32(hv))
   vs = pl.ds(pl.multiple_of(lax.axis_index("v") * bv, bv), bv)
   rows = lambda i: pl.ds(i * c, c)

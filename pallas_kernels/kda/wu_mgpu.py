@@ -68,7 +68,7 @@ def _kernel(pkk_ref, kg_ref, v_ref, beta_ref, cont_ref, w_ref, u_ref, *rest, hv,
       (rest[0], rest[1:]) if keep else (None, rest))
   c, f32 = CHUNK, jnp.float32
   ci, bh = lax.axis_index("c"), lax.axis_index("bh")
-  b, h = lax.div(bh, jnp.int32(hv)), lax.rem(bh, jnp.int32(hv))
+  b, h = lax.div(bh, jnp.int32(hv)), lax.rem(bh, jnp.int32(hv))  # equal dtypes under x64 too
   rows = pl.ds(ci * c, c)
   for src, dst in ((pkk_ref.at[b, rows, h], a_smem), (kg_ref.at[b, rows, h], kg_smem),
                    (v_ref.at[b, rows, h], v_smem), (beta_ref.at[b, h, rows], beta_smem),

@@ -63,7 +63,7 @@ def _count_pass(load, steps, prefix, below, k, shift, bits, cols, base, prefetch
   keys below every threshold that ``load`` does not return."""
   thresholds = [prefix + jnp.uint32(d << shift) for d in range(1, 1 << bits)]
 
-  def count(keys, counts):
+  def count(keys, counts):  # int32 sums: under x64 an integer sum widens to int64
     return tuple(c + jnp.sum(keys < t, axis=0, dtype=jnp.int32)
                  for c, t in zip(counts, thresholds))
 
