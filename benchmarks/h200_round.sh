@@ -164,7 +164,7 @@ glu() { bench glu 60 benchmarks/glu.py --sweep; }
 lse() {  # LSE_DTYPE=bfloat16: train.bf16_logits's chunk
   bench logsumexp 60 benchmarks/logsumexp.py --sweep --dtype "${LSE_DTYPE:-float32}"; }
 qbselect() { bench radix_select 58 benchmarks/radix_select.py --budget 42; }
-kdadecode() { bench kda_decode 200 benchmarks/kda.py --decode-sweep --budget 120 --peers; }
+kdadecode() { bench kda_decode 200 benchmarks/kda_decode.py --budget 120 --peers; }
 mladecode() { bench mla_decode 150 benchmarks/mla.py --decode-only; }
 conv() { bench conv 100 benchmarks/conv.py; }
 attnres() { bench attn_res 120 benchmarks/attn_res.py --budget 100; }

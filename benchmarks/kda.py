@@ -23,12 +23,9 @@ when importable, in the same run, within a time budget (the H200 run takes about
                                            # whole run (repeatable)
   python3 benchmarks/kda.py --emulate      # CPU: the check with the GPU's matrix-unit roundings
                                            # emulated, for the default and GATE_DOTS (~2 min)
-  python3 benchmarks/kda.py --decode-sweep # decode only: every tuning of decode.SWEEP at N=256,
-                                           # each checked vs the XLA path, with ceiling references
-                                           # (XLA and Pallas in-place scaling of the pool), then
-                                           # N=64 fastest first, within --budget (75 s) (~85 s);
-                                           # --peers: then fla's fused_recurrent_kda at N=64, 256
-  python3 benchmarks/kda.py --decode-sweep --decode-ns 3 --decode-heads 2  # CPU dry run
+
+The decode kernel's tunings are swept by ``benchmarks/kda_decode.py``; this script times its
+default (rows in ``$OUT/kda_decode.json``).
 
 Every row is written to ``$OUT/kda_bench.json`` as soon as it is measured, so a run cut short
 keeps what it measured.
@@ -44,8 +41,6 @@ JAX times: median over repeats of 5 back-to-back calls; fla times: triton's do_b
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import os
 import sys
 import time
@@ -55,17 +50,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.experimental import pallas as pl  # noqa: E402
-from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
 from pallas_kernels.kda import kda, kda_decode  # noqa: E402
-from pallas_kernels.kda import (chunk_dense, chunk_ops, config, decode as dec,  # noqa: E402
-                                prep_vjp, recurrence)
-from timing import (Rows, config_diff, gpu_span, kernel_times, median_ms as jtime,  # noqa: E402
+from pallas_kernels.kda import chunk_dense, chunk_ops, config, prep_vjp, recurrence  # noqa: E402
+import kda_decode as kda_decode_bench  # noqa: E402
+from kda_decode import DECODE_TOL  # noqa: E402
+from timing import (Rows, gpu_span, kernel_times, median_ms as jtime,  # noqa: E402
                     rel_err as rel, replace_options)
 
 SHAPES = [(1, 16384, 32, 128), (4, 4096, 32, 128), (1, 65536, 16, 128)]
-DECODE_N = (64, 256)
 LB = -5.0
 _ROWS = Rows("kda_bench.json")
 ROWS = _ROWS.rows
@@ -496,66 +489,6 @@ def time_fla(shape):
   return r
 
 
-def time_fla_decode(n):
-  import torch
-  from fla.ops.kda import fused_recurrent_kda
-  from triton.testing import do_bench
-  h, kd = 32, 128
-  q, k, v = (torch.randn(1, n, h, kd, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-  g = -torch.rand(1, n, h, kd, device="cuda")
-  beta = torch.rand(1, n, h, device="cuda", dtype=torch.bfloat16)
-  h0 = torch.randn(n, h, kd, kd, device="cuda")
-  cu = torch.arange(n + 1, device="cuda", dtype=torch.long)
-  f = lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                  use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
-  return do_bench(f, warmup=25, rep=100, return_mode="median")
-
-
-def decode_inputs(n, h=32, kd=128):
-  """One token for N requests (bf16 q, k, v; float32 log decay in (-1, 0), beta in (0, 1)) and a
-  float32 pool of N states."""
-  q, k, v, _, beta, _, _ = inputs(n, 1, h, kd)
-  g = -jax.random.uniform(jax.random.key(5), (n, 1, h, kd), jnp.float32)
-  pool = jax.random.normal(jax.random.key(6), (n, h, kd, kd), jnp.float32)
-  return (q, k, v, g, jax.nn.sigmoid(beta)), pool
-
-
-def kda_gpu_decode(q, k, v, g, b, s, slots, cfg=dec.DecodeConfig()):
-  """The decode kernel with L2 norm fused, precomputed decay and beta; ``cfg``: its tuning."""
-  return dec.decode_gpu(q, k, v, g, b, s, slots, scale=q.shape[-1] ** -0.5, use_qk_l2norm=True,
-                        A_log=None, dt_bias=None, gate=None, lower_bound=LB, beta_is_logit=False,
-                        config=cfg)
-
-
-def time_donated(fn, args, pool, reps=15, inner=20):
-  """Median ms per call of ``fn(*args, pool) -> (..., pool)`` (the pool donated), over ``reps``
-  samples of ``inner`` back-to-back calls. Returns ``(ms, pool)``."""
-  pool = fn(*args, pool)[-1]
-  jax.block_until_ready(pool)
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(inner):
-      pool = fn(*args, pool)[-1]
-    jax.block_until_ready(pool)
-    ts.append((time.perf_counter() - t0) / inner)
-  ts.sort()
-  return ts[len(ts) // 2] * 1e3, pool
-
-
-def state_tbps(pool_shape, ms):
-  """State traffic (read + write) per second in TB/s."""
-  return 2 * 4 * math.prod(pool_shape) / ms / 1e9
-
-
-def time_decode(n, cfg=dec.DecodeConfig()):
-  args, pool = decode_inputs(n)
-  slots = jnp.arange(n, dtype=jnp.int32)
-  step = jax.jit(lambda *a: kda_gpu_decode(*a, slots, cfg), donate_argnums=(5,))
-  ms, _ = time_donated(step, args, pool)
-  return ms, state_tbps(pool.shape, ms)
-
-
 def emulate():
   """On the CPU (interpret mode) the kernels' products are exact float32; this runs the check
   with the GPU's roundings emulated (``chunk_ops.gpu_rounding``) at B1 T256 H2 K128 for the
@@ -572,21 +505,8 @@ def main():
   if "--emulate" in sys.argv:
     return emulate()
   t0 = time.perf_counter()
-  sweep_decode = "--decode-sweep" in sys.argv
-  budget = (float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.argv
-            else 75.0 if sweep_decode else 135.0)
+  budget = float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.argv else 135.0
   left = lambda: budget - (time.perf_counter() - t0)
-  if sweep_decode:
-    print("jax", jax.__version__, jax.devices(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-          flush=True)
-    ns = (tuple(int(x) for x in sys.argv[sys.argv.index("--decode-ns") + 1].split(","))
-          if "--decode-ns" in sys.argv else DECODE_N)
-    h = int(sys.argv[sys.argv.index("--decode-heads") + 1]) if "--decode-heads" in sys.argv else 32
-    decode_sweep(left, ns, h)
-    if "--peers" in sys.argv:  # fla's fused_recurrent_kda in the same run
-      decode_fla()
-    print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
-    return
   for i, arg in enumerate(sys.argv):
     if arg == "--set":  # a KdaGpuConfig option over each shape's default for the whole run
       SETS.append(sys.argv[i + 1])
@@ -637,7 +557,7 @@ def main():
     except Exception as e:  # noqa: BLE001
       print("profile FAILED", repr(e)[:1500], flush=True)
   if "--no-decode" not in sys.argv:
-    decode()
+    kda_decode_bench.decode()
   table()
   tag = "B{} T{} H{} K{}".format(*shapes[0])
   if "--sweep" in sys.argv and parts is not None:
@@ -651,143 +571,9 @@ def main():
         print("fla unavailable:", repr(e)[:300], flush=True)
         break
     if left() > 15:
-      decode_fla()
+      kda_decode_bench.decode_fla()
     table()
   print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
-
-
-def decode():
-  """The default decode kernel at each N (``--decode-sweep`` times the other tunings)."""
-  for n in DECODE_N:
-    try:
-      ms, tbps = time_decode(n)
-      emit(name=f"ours decode N{n} H32 K128", ms=round(ms, 4), tbps=round(tbps, 2))
-    except Exception as e:  # noqa: BLE001
-      print(f"decode N{n} FAILED", repr(e)[:1500], flush=True)
-
-
-def _copy_kernel(s_ref, so_ref, *, bv, nvt):
-  u, n = pl.program_id(0), pl.program_id(1)
-  tile = lambda ref: ref.at[n, u // nvt, pl.ds((u % nvt) * bv, bv), :]
-  plgpu.store(tile(so_ref), plgpu.load(tile(s_ref)) * 1.0001)
-
-
-def pallas_scale(pool, *, block_v, num_warps):
-  """``pool * 1.0001`` in place as the decode kernel's tiles and grid: the copy speed of its
-  memory access pattern (ceiling reference). pool ``[N, HV, V, K]``."""
-  n, hv, vd, _ = pool.shape
-  nvt = vd // block_v
-  return (pl.pallas_call(
-      functools.partial(_copy_kernel, bv=block_v, nvt=nvt),
-      out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
-      grid=(hv * nvt, n),
-      input_output_aliases={0: 0},
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-      interpret=config.interpret(),
-      name="state_scale")(pool),)
-
-
-def _cfg_name(cfg):
-  return " ".join(f"{k}={v}" for k, v in config_diff(cfg, dec.DecodeConfig()).items()) or "default"
-
-
-def decode_refs(slots):
-  """Ceiling references, each ``pool -> (pool,)`` donated: XLA ``pool * 1.0001`` (a fused
-  in-place stream), XLA ``pool.at[slots].multiply`` (an in-place scatter) and the Pallas
-  ``pallas_scale`` at the decode tilings of ``decode.SWEEP``."""
-  refs = {"xla pool*1.0001": lambda p: (p * 1.0001,),
-          "xla pool.at[slots].multiply": lambda p: (p.at[slots].multiply(1.0001),)}
-  for cfg in dec.SWEEP:
-    refs[f"pallas scale block_v={cfg.block_v} num_warps={cfg.num_warps}"] = functools.partial(
-        pallas_scale, block_v=cfg.block_v, num_warps=cfg.num_warps)
-  return {name: jax.jit(fn, donate_argnums=(0,)) for name, fn in refs.items()}
-
-
-# Relative errors of the kernel vs the float32 XLA path (same maths): o is rounded to bf16, the
-# pool is float32 in both.
-DECODE_TOL = (1e-2, 1e-4)
-
-
-def decode_sweep(left, ns=DECODE_N, h=32):
-  """``--decode-sweep``: every tuning in ``decode.SWEEP`` and the ceiling references at the
-  largest N (each kernel first checked against the XLA token recurrence on the same inputs:
-  output and updated pool), then at the other Ns in the order of that first ranking while
-  ``left()`` seconds remain; one table with the best per N."""
-  results = {}
-  order = list(dec.SWEEP)
-  for i, n in enumerate(sorted(ns, reverse=True)):
-    args, pool0 = decode_inputs(n, h)
-    slots = jnp.arange(n, dtype=jnp.int32)
-    o_ref, p_ref = jax.jit(lambda *a: kda_decode(*a, slots=slots, use_qk_l2norm=True,
-                                                  implementation="naive"))(
-        *(x.astype(jnp.float32) for x in args), pool0)  # float32 maths, o not rounded
-    rows = results[n] = []
-    for name, fn in decode_refs(slots).items():
-      if left() < 6:
-        break
-      try:
-        ms, _ = time_donated(fn, (), jnp.copy(pool0))
-        rows.append((name, ms, None, None))
-        emit(name=f"decode ref N{n} {name}", ms=round(ms, 4),
-             tbps=round(state_tbps(pool0.shape, ms), 2))
-      except Exception as e:  # noqa: BLE001
-        print(f"decode ref N{n} {name} FAILED", repr(e)[:800], flush=True)
-    for cfg in order:
-      if left() < 6:
-        print(f"decode sweep: time budget spent, N{n} stops before {_cfg_name(cfg)}",
-              flush=True)
-        break
-      try:
-        step = jax.jit(lambda *a, cfg=cfg: kda_gpu_decode(*a, slots, cfg),
-                       donate_argnums=(5,))
-        o, pool = step(*args, jnp.copy(pool0))
-        err = (rel(o, o_ref), rel(pool, p_ref))
-        ms, _ = time_donated(step, args, pool)
-        rows.append((_cfg_name(cfg), ms, *err))
-        emit(name=f"decode N{n} {_cfg_name(cfg)}", ms=round(ms, 4),
-             tbps=round(state_tbps(pool0.shape, ms), 2), o_err=float(f"{err[0]:.2e}"),
-             pool_err=float(f"{err[1]:.2e}"))
-        if not (err[0] < DECODE_TOL[0] and err[1] < DECODE_TOL[1]):
-          print(f"CHECK FAILED decode N{n} {_cfg_name(cfg)}: o {err[0]:.2e} pool {err[1]:.2e}",
-                flush=True)
-      except Exception as e:  # noqa: BLE001
-        print(f"decode N{n} {_cfg_name(cfg)} FAILED", repr(e)[:1500], flush=True)
-    if i == 0:  # the other Ns: fastest tunings of this N first
-      ms_of = {r[0]: r[1] for r in rows}
-      order.sort(key=lambda c: ms_of.get(_cfg_name(c), float("inf")))
-    del args, pool0, o_ref, p_ref
-  decode_table(results, h)
-
-
-def decode_table(results, h):
-  """One markdown table of the decode sweep (ms, state TB/s, errors) and the best per N."""
-  print("\n| N | kernel / reference | ms | state TB/s | o err | pool err |\n"
-        "|---|---|---|---|---|---|")
-  best = {}
-  for n, rows in sorted(results.items()):
-    for name, ms, eo, ep in rows:
-      tb = state_tbps((n, h, 128, 128), ms)
-      errs = " | ".join("-" if e is None else f"{e:.1e}" for e in (eo, ep))
-      print(f"| {n} | {name} | {ms:.4f} | {tb:.2f} | {errs} |", flush=True)
-      if eo is not None and eo < DECODE_TOL[0] and ep < DECODE_TOL[1]:
-        best[n] = min(best.get(n, (ms, name)), (ms, name))
-  for n, (ms, name) in sorted(best.items()):
-    ms_of = {r[0]: r[1] for r in results[n]}
-    vs = "".join(f", speed {ms_of[r] / ms:.2f}x that of {r}"
-                 for r in ("default", "xla pool*1.0001") if r in ms_of)
-    print(f"best N{n}: {name}: {ms:.4f} ms, {state_tbps((n, h, 128, 128), ms):.2f} TB/s{vs}",
-          flush=True)
-
-
-def decode_fla():
-  for n in DECODE_N:
-    try:
-      ms = time_fla_decode(n)
-    except Exception as e:  # noqa: BLE001
-      print("fla decode unavailable:", repr(e)[:300], flush=True)
-      return
-    emit(name=f"fla decode N{n} H32 K128", ms=round(ms, 4),
-         tbps=round(2 * n * 32 * 128 * 128 * 4 / ms / 1e9, 2))
 
 
 def table():

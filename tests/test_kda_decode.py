@@ -77,7 +77,7 @@ def _tuning_id(x):
 
 @pytest.mark.parametrize("tn,cfg", TUNINGS, ids=_tuning_id)
 def test_decode_gpu_tunings(tn, cfg):
-  """The kernel's tunings (benchmarks/kda.py --decode-sweep): V tiles and warps, Tn 1 and 3;
+  """The kernel's tunings (benchmarks/kda_decode.py): V tiles and warps, Tn 1 and 3;
   grouped values, non-contiguous slots, the untouched pool rows unchanged."""
   n, h, hv, kd, vd = 3, 2, 4, 16, 32
   r = np.random.default_rng(tn + 2)
