@@ -127,6 +127,9 @@ def test_resolve():
   import pallas_kernels
   with pallas_kernels.target_platform("tpu"):
     assert conv.resolve("pallas") == "xla" and conv.resolve(None) == "xla"
+  # None's default follows the target too (on this CPU host it is "xla" either way without it)
+  with pallas_kernels.target_platform("gpu"):
+    assert conv.resolve(None) == "pallas_gpu"
 
 
 @pytest.mark.parametrize("c,segmented", [(1024, True), (160, False)], ids=["C1024_seg", "C160"])
