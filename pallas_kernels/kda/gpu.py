@@ -48,7 +48,7 @@ from pallas_kernels.kda import chunk_dense, chunk_general
 from pallas_kernels.kda.config import KdaGpuConfig, KdaOptions, default_config, diag_rows
 from pallas_kernels.kda.prep_vjp import preprocess_vjp
 from pallas_kernels.kda.recurrence import recurrence_bwd, recurrence_fwd
-from pallas_kernels.kda.reference import kda_gate, l2norm, restart_mask
+from pallas_kernels.kda.reference import kda_gate, l2norm, pad_time, restart_mask
 
 
 def _pow2(n: int) -> bool:
@@ -104,18 +104,11 @@ def _kda_core(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg):
   return _forward(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg, save=False)[0]
 
 
-def _pad(tp, *xs):
-  t = xs[0].shape[1]
-  if tp == t:
-    return xs
-  return tuple(jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2)) for x in xs)
-
-
 def _forward(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg, save):
   """((o, final state), what the backward reuses: None, or with ``save`` the chunk factors,
   the inverse's factors, the chunk states and V')."""
   t = q.shape[1]
-  padded = _pad(seg.shape[1], q, k, v, g, beta)
+  padded = [pad_time(x, cfg.chunk) for x in (q, k, v, g, beta)]  # to seg's whole chunks
   factors, kept = prepare(cfg, *padded, A_log, dt_bias, seg, t, keep=save)
   o, st, *states = recurrence_fwd(cfg, *factors, s0, v.dtype, store=save)
   return (o[:, :t], st), ((factors, kept, *states) if save else None)
@@ -135,15 +128,15 @@ def _kda_fwd(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg):
 def _kda_bwd(cfg, res, cts):
   q, k, v, g, beta, A_log, dt_bias, s0, seg, saved = res
   do, dst = cts
-  t, tp = q.shape[1], seg.shape[1]
-  padded = _pad(tp, q, k, v, g, beta)
+  t = q.shape[1]
+  padded = [pad_time(x, cfg.chunk) for x in (q, k, v, g, beta)]
   if saved is None:  # recompute the chunk factors, the chunk states and V'
     factors, kept = prepare(cfg, *padded, A_log, dt_bias, seg, t, keep=True)
     _, _, hs, vn = recurrence_fwd(cfg, *factors, s0, v.dtype, store=True)
   else:
     factors, kept, hs, vn = saved
   w, u, qg, aqk, kd, gc = factors
-  (do,) = _pad(tp, do)
+  do = pad_time(do, cfg.chunk)
   dvn, dh, ds0 = recurrence_bwd(cfg, do, qg, aqk, kd, w, gc, dst.astype(jnp.float32))
   dq, dk, dv, dg, dbeta = prepare_bwd(cfg, *padded, A_log, dt_bias, seg, hs, dh, vn, dvn, do,
                                        t, kept)
