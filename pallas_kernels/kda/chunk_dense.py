@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import chunk_ops, wu_mgpu
 from pallas_kernels.kda.chunk_ops import call, lower_inverse, tok
-from pallas_kernels.kda.config import KdaOptions, interpret, store_dtype
+from pallas_kernels.kda.config import BF16, KdaOptions, interpret, store_dtype
 from pallas_kernels.kda.reference import L2_EPS
 
 
@@ -389,7 +389,7 @@ def _pair_grad_dtype(cfg, dots):
   """Storage dtype of a pair-product gradient whose products use the algorithms ``dots``: the
   kernels' bf16 when every product rounds its operands to bf16 anyway (half the bytes, the same
   results), else float32."""
-  single = all(d == jax.lax.DotAlgorithmPreset.BF16_BF16_F32 for d in dots)
+  single = all(d == BF16 for d in dots)
   return jnp.dtype(cfg.dtype) if single and cfg.dtype == "bfloat16" else jnp.float32
 
 

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import chunk_ops
-from pallas_kernels.kda.chunk_ops import HI, X3, call, lower_inverse, tok
-from pallas_kernels.kda.config import SUB, KdaOptions
+from pallas_kernels.kda.chunk_ops import HI, call, lower_inverse, tok
+from pallas_kernels.kda.config import SUB, X3, KdaOptions
 from pallas_kernels.kda.reference import L2_EPS
 
 
@@ -217,6 +217,7 @@ def _prep_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, alog_ref, dtb_ref, se
   n = cfg.chunk // SUB
   c0 = ci * cfg.chunk
   f32 = jnp.float32
+  # the gate gradient is a small difference of large terms: ~16 mantissa bits, not bf16's 8
   mmx = functools.partial(chunk_ops.mm, precision=X3)
   ch = _Chunk(cfg, (q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref), b, h,
               h // group, c0, n, t)

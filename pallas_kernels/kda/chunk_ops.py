@@ -10,12 +10,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.config import KdaOptions, compiler_params, interpret, stages
+from pallas_kernels.kda.config import BF16, X3, KdaOptions, compiler_params, interpret, stages
 
 HI = jax.lax.Precision.HIGHEST
-# The gate gradient is a small difference of large terms: the backward's products keep ~16
-# mantissa bits (three bf16 matrix-unit passes) instead of bf16's 8.
-X3 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
 
 
 # Inside gpu_rounding(), products round their operands as the GPU's matrix units do (interpret
@@ -54,7 +51,7 @@ def _rounded(a, b, ta, tb, precision):
   if precision == X3:
     ah, bh = bf16(a), bf16(b)
     return f(ah, bh) + f(bf16(a - ah), bh) + f(ah, bf16(b - bh))
-  if precision == jax.lax.DotAlgorithmPreset.BF16_BF16_F32:
+  if precision == BF16:
     return f(bf16(a), bf16(b))
   return f(a, b) if precision == HI else f(round_mantissa(a, 10), round_mantissa(b, 10))
 

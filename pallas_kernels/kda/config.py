@@ -22,8 +22,9 @@ from pallas_kernels.kda import prep_vjp
 SUB = 16  # sub-tile rows of the general path (its pair products and inverse blocks)
 MAX_EXP = 85.0  # largest exponent a dense diagonal block may need (float32 max ~ e^88)
 
-_X3 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
-_BF16 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
+# Matrix-unit algorithms of the chunk kernels' products: three bf16 passes (~16 mantissa bits) or one
+X3 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+BF16 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
 
 # Warps per chunk-local kernel (by pallas_call name); benchmarks/RESULTS.md, KDA runs 35-36 and
 # 43-44 (``benchmarks/kda.py --sweep`` times others).
@@ -58,7 +59,7 @@ class KdaGpuConfig:
   # Matrix-unit algorithms of kda_chunk_dqkg's pair-product gradients ((P_qk: d q, d k), (P_kk:
   # d k_row, d k_col)). The gate gradient takes small differences of their large terms: P_qk's
   # need ~16 mantissa bits (three bf16 passes), P_kk's do not (``benchmarks/kda.py --emulate``).
-  gate_dot: tuple = ((_X3, _X3), (_BF16, _BF16))
+  gate_dot: tuple = ((X3, X3), (BF16, BF16))
   # Backward intermediates stored in the kernels' dtype on the dense path (bf16 inputs), by
   # name: the chunk states "h", their gradients "dh", dV' "dvn", dY "dy" and kda_chunk_dqkg's
   # dq, dk "dqk" (the others float32). The gate gradient "dg" would lose accuracy in dA_log
