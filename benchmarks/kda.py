@@ -87,8 +87,12 @@ SETS: list[str] = []  # --set NAME=VALUE over each shape's default tuning, for t
 def tuning(v_shape, **changes):
   """The kernels' tuning at values ``v_shape``: ``default_config`` with ``--set`` and
   ``changes`` (a sweep's variant) applied."""
-  base = config.default_config(v_shape, use_qk_l2norm=True, beta_is_logit=True)
-  return dataclasses.replace(replace_options(base, SETS), **changes)
+  base = replace_options(config.default_config(v_shape, use_qk_l2norm=True, beta_is_logit=True),
+                         SETS)
+  for table in ("warps", "chunk_loop"):  # a variant's partial table updates the current one
+    if table in changes:  # (KdaGpuConfig fills a given table from the module defaults)
+      changes[table] = {**dict(getattr(base, table)), **dict(changes[table])}
+  return dataclasses.replace(base, **changes)
 
 
 def ours(q, k, v, f, beta, a_log, dt_bias, segment_ids=None, initial_state=None,
