@@ -17,11 +17,10 @@ from k3jax import config as config_lib
 
 
 def config_dirs() -> list[Path]:
-  """Where packaged configs live: ``k3jax/configs`` of the installed package, then the
-  ``configs/`` next to the package in a source checkout."""
-  dirs = [Path(str(importlib.resources.files("k3jax") / "configs")),
-          Path(__file__).resolve().parent.parent / "configs"]
-  return [d for d in dirs if d.is_dir()]
+  """Where packaged configs live: ``k3jax/configs`` of the package (in a source checkout a
+  symlink to the repo's ``configs/``)."""
+  d = Path(str(importlib.resources.files("k3jax") / "configs"))
+  return [d] if d.is_dir() else []
 
 
 def resolve_config(name: str | Path) -> Path:
