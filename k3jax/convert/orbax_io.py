@@ -148,24 +148,33 @@ class OrbaxReader:
     return np.asarray(self._array(path)[idx].read().result())
 
 
-def orbax_tree(src: Path) -> tuple[Path, tuple[str, ...]]:
+# default of the ``run`` arguments below: look the run up (run_dir.find builds an Orbax
+# CheckpointManager, so a caller that has it passes it down)
+_FIND = object()
+
+
+def orbax_tree(src: Path, run=_FIND) -> tuple[Path, tuple[str, ...]]:
   """(the Orbax tree holding the weights of ``src``, the subtrees of it that are weights): a
   converted directory's ``params/`` (all of it), or the ``state`` of a training run's newest
-  checkpoint or of one ``RUN_DIR/checkpoints/<step>`` (its ``params`` and ``biases``)."""
-  run = run_dir.find(src)
+  checkpoint or of one ``RUN_DIR/checkpoints/<step>`` (its ``params`` and ``biases``).
+  run: ``run_dir.find(src)`` if the caller has it."""
+  if run is _FIND:
+    run = run_dir.find(src)
   if run is not None:
     return run.state_dir, run_dir.WEIGHT_FIELDS
   return (src / "params" if (src / "params").is_dir() else src), ()
 
 
-def load_orbax_config(src: Path, config: str | Path | None) -> ModelConfig:
+def load_orbax_config(src: Path, config: str | Path | None, run=_FIND) -> ModelConfig:
   """The model config of a converted directory or a training run: ``config`` (a k3jax YAML) if
-  given, else its ``k3jax.yaml``, the run's ``config.yaml``, or its HF ``config.json``."""
+  given, else its ``k3jax.yaml``, the run's ``config.yaml``, or its HF ``config.json``.
+  run: ``run_dir.find(src)`` if the caller has it."""
   if config is not None:
     return config_lib.load(config).model
   if (src / "k3jax.yaml").is_file():
     return config_lib.load(src / "k3jax.yaml").model
-  run = run_dir.find(src)
+  if run is _FIND:
+    run = run_dir.find(src)
   if run is not None:
     return config_lib.load(run.config_path).model
   if (src / "config.json").is_file():
@@ -181,8 +190,9 @@ def load_orbax_params(src: str | Path, *, config: str | Path | None = None,
   parameter) each device reads only its shard and the values are ``jax.Array``."""
   import orbax.checkpoint as ocp
   src = Path(src)
-  cfg = load_orbax_config(src, config)
-  ckpt, subtrees = orbax_tree(src)
+  run = run_dir.find(src)  # once for config, tree and verify
+  cfg = load_orbax_config(src, config, run)
+  ckpt, subtrees = orbax_tree(src, run)
   if not subtrees and not shardings:
     return cfg, flatten_paths(ocp.PyTreeCheckpointer().restore(ckpt))
   reader = OrbaxReader(ckpt, subtrees=subtrees)
@@ -192,6 +202,6 @@ def load_orbax_params(src: str | Path, *, config: str | Path | None = None,
   tree = ocp.PyTreeCheckpointer().restore(ckpt, args=ocp.args.PyTreeRestore(
       item=item, restore_args=nest_paths(args), partial_restore=bool(subtrees)))
   if subtrees:  # a training run's checkpoint: its weights against the checksums saved with them
-    run_dir.verify(run_dir.find(src), tree)
+    run_dir.verify(run, tree)
   flat = flatten_paths(tree)
   return cfg, {k: flat[stored] for k, stored in reader.stored.items()}

@@ -12,6 +12,7 @@ from typing import Iterator
 
 import numpy as np
 
+from k3jax import run_dir
 from k3jax.convert.errors import ConversionError
 from k3jax.convert.hf_config import config_to_hf, read_hf_config
 from k3jax.convert.links import refuse_outside_links
@@ -76,7 +77,8 @@ def orbax_to_hf(src: str | Path, dst: str | Path, *, config: str | Path | None =
   refuse_outside_links(src)
   if (src / "hf_extra").is_dir():
     refuse_outside_links(src / "hf_extra")
-  cfg = load_orbax_config(src, config)
+  run = run_dir.find(src)  # once for config and tree
+  cfg = load_orbax_config(src, config, run)
   mpath = src / "hf_manifest.json"
   manifest = json.loads(mpath.read_text()) if mpath.is_file() else None
   if manifest:
@@ -84,7 +86,7 @@ def orbax_to_hf(src: str | Path, dst: str | Path, *, config: str | Path | None =
   else:
     prefix = "language_model." if cfg.arch == "kimi_k3" else ""
   params = plan(cfg, prefix)
-  ckpt, subtrees = orbax_tree(src)
+  ckpt, subtrees = orbax_tree(src, run)
   reader = OrbaxReader(ckpt, subtrees=subtrees)
   problems = []
   for p in params:
