@@ -34,7 +34,7 @@ def checkpoint_config(path: str | Path, config: str | Path | None = None) -> Mod
   if not path.is_dir():
     raise convert.ConversionError(f"{path} is not a directory")
   if _is_orbax(path):
-    return convert.load_orbax_config(path, config)
+    return convert.load_orbax_config(path, config, run_dir.find(path))
   if (path / "config.json").is_file():
     return convert.config_from_hf(convert.read_hf_config(path), name=path.name)
   raise convert.ConversionError(

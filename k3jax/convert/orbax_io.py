@@ -148,33 +148,25 @@ class OrbaxReader:
     return np.asarray(self._array(path)[idx].read().result())
 
 
-# default of the ``run`` arguments below: look the run up (run_dir.find builds an Orbax
-# CheckpointManager, so a caller that has it passes it down)
-_FIND = object()
-
-
-def orbax_tree(src: Path, run=_FIND) -> tuple[Path, tuple[str, ...]]:
+def orbax_tree(src: Path, run: run_dir.RunCheckpoint | None) -> tuple[Path, tuple[str, ...]]:
   """(the Orbax tree holding the weights of ``src``, the subtrees of it that are weights): a
   converted directory's ``params/`` (all of it), or the ``state`` of a training run's newest
   checkpoint or of one ``RUN_DIR/checkpoints/<step>`` (its ``params`` and ``biases``).
-  run: ``run_dir.find(src)`` if the caller has it."""
-  if run is _FIND:
-    run = run_dir.find(src)
+  run: ``run_dir.find(src)`` (it opens the run's checkpoints: callers look it up once)."""
   if run is not None:
     return run.state_dir, run_dir.WEIGHT_FIELDS
   return (src / "params" if (src / "params").is_dir() else src), ()
 
 
-def load_orbax_config(src: Path, config: str | Path | None, run=_FIND) -> ModelConfig:
+def load_orbax_config(src: Path, config: str | Path | None,
+                      run: run_dir.RunCheckpoint | None) -> ModelConfig:
   """The model config of a converted directory or a training run: ``config`` (a k3jax YAML) if
   given, else its ``k3jax.yaml``, the run's ``config.yaml``, or its HF ``config.json``.
-  run: ``run_dir.find(src)`` if the caller has it."""
+  run: ``run_dir.find(src)``."""
   if config is not None:
     return config_lib.load(config).model
   if (src / "k3jax.yaml").is_file():
     return config_lib.load(src / "k3jax.yaml").model
-  if run is _FIND:
-    run = run_dir.find(src)
   if run is not None:
     return config_lib.load(run.config_path).model
   if (src / "config.json").is_file():
