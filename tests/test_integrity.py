@@ -33,6 +33,7 @@ def test_fingerprints_catch_every_single_bit_flip_and_name_non_finite_arrays():
   sums, nonfinite = checkpoint.fingerprints(state)
   assert nonfinite == [] and set(sums) == {"params.w", "params.b", "opt_state.mu",
                                            "opt_state.count", "rng"}
+  compiles = checkpoint._tree_checks._cache_size()
   rng = np.random.default_rng(1)
   for name, leaf in (("params.w", ("params", "w")), ("params.b", ("params", "b")),
                      ("opt_state.count", ("opt_state", "count"))):
@@ -44,6 +45,8 @@ def test_fingerprints_catch_every_single_bit_flip_and_name_non_finite_arrays():
       flipped = np.frombuffer(bytes(raw), x.dtype).reshape(x.shape)
       other = {**state, leaf[0]: {**state[leaf[0]], leaf[1]: jnp.asarray(flipped)}}
       assert checkpoint.fingerprints(other)[0][name] != sums[name]
+  # Every save of a same-layout state reuses one executable: nothing recompiles per checkpoint.
+  assert checkpoint._tree_checks._cache_size() == compiles
   # Two words swapped keep the plain sum; the position-weighted one changes.
   w = np.asarray(state["params"]["w"]).copy()
   w[0, 0], w[3, 5] = w[3, 5], w[0, 0]
