@@ -43,7 +43,7 @@ from k3jax import metrics as metrics_lib
 from k3jax import tokenizer as tokenizer_lib
 from k3jax import train_step as step_lib
 from k3jax.data import stage_at, stages
-from k3jax.train_state import abstract_model, abstract_train_state, init_train_state
+from k3jax.train_state import abstract_model, init_train_state
 import sharding
 
 DEFAULT_CONFIG = "k3_tiny"
@@ -220,8 +220,10 @@ def _train(cfg: config_lib.Config, run_dir: Path, progress: bool) -> dict:
   step, nonfinite_run = 0, 0
   it = None
   is_main = jax.process_index() == 0
-  restored = ckpt and ckpt.restore_latest(abstract_train_state(cfg, mesh).arrays(), data_iter,
-                                          keep_data_position(cfg))
+  # The restore target: the shapes and shardings of the state just built (no second build).
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        state.arrays())
+  restored = ckpt and ckpt.restore_latest(target, data_iter, keep_data_position(cfg))
   if restored is not None:
     step, arrays, meta, it = restored
     state = state.replace(**arrays)
