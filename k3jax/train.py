@@ -209,9 +209,11 @@ def _train(cfg: config_lib.Config, run_dir: Path, progress: bool) -> dict:
 
   state = init_train_state(cfg, mesh)
 
-  def data_iter(step: int):  # the iterator a checkpoint at ``step`` saved: that of step - 1
-    stage = stage_at(all_stages, max(step - 1, 0))
+  def stage_iter(stage):  # a fresh training iterator of ``stage``
     return iter(data.dataset("train", stage.seq_len, seed=cfg.data.seed + stage.index))
+
+  def data_iter(step: int):  # the iterator a checkpoint at ``step`` saved: that of step - 1
+    return stage_iter(stage_at(all_stages, max(step - 1, 0)))
 
   ckpt = None
   if cfg.checkpoint.enabled:
@@ -290,7 +292,7 @@ def _train(cfg: config_lib.Config, run_dir: Path, progress: bool) -> dict:
     while step < total:
       now = stage_at(all_stages, step)
       if now.index != stage.index:
-        stage, it = now, iter(data.dataset("train", now.seq_len, seed=cfg.data.seed + now.index))
+        stage, it = now, stage_iter(now)
         metrics.say(f"stage {now.index}: seq_len {now.seq_len} from step {step}")
       host_batch = next(it)
       contexts.append(flops_lib.mean_causal_context(host_batch["segment_ids"]))
