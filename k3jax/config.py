@@ -260,6 +260,25 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServeConfig:
+  """``serve.py`` and :class:`k3jax.serve.engine.Engine` (docs/serving.md)."""
+  host: str = "127.0.0.1"
+  port: int = 8000  # 0: any free port (the URL printed when ready names it)
+  model_name: str = ""  # the id /v1/models lists ("": the model config's name)
+  max_batch: int = 64  # requests decoding together; decode steps compile for powers of two up to it
+  prefill_rows: int = 4  # requests whose prompt chunks run in one prefill step
+  block_size: int = 256  # prefix-cache block and largest prefill chunk (tokens; a multiple of page_size)
+  page_size: int = 64  # MLA latent tokens per cache page
+  num_pages: int = 0  # MLA pages per layer (0: enough for max_batch requests of max_model_len)
+  num_slots: int = 0  # KDA state slots, requests' and prefix checkpoints' (0: 2 * max_batch + 1)
+  max_model_len: int = 8192  # prompt plus generated tokens of one request
+  token_budget: int = 2048  # prompt tokens prefilled per engine step (decode tokens not counted)
+  prefix_cache: bool = True
+  checkpoint_every: int = 1  # a KDA state checkpoint every this many blocks of a prompt
+  default_max_tokens: int = 256  # max_tokens when a request leaves it out
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   model: ModelConfig = ModelConfig()
   data: DataConfig = DataConfig()
@@ -267,6 +286,7 @@ class Config:
   train: TrainConfig = TrainConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   mesh: MeshConfig = MeshConfig()
+  serve: ServeConfig = ServeConfig()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,6 +529,17 @@ def validate(cfg: Config) -> None:
   ea = cfg.mesh.expert_axes
   _check(len(ea) > 0 and len(set(ea)) == len(ea) and set(ea) <= {"data", "fsdp", "expert", "context"},
          "mesh.expert_axes", f"{list(ea)}: must be distinct axes among data, fsdp, expert, context")
+  s = cfg.serve
+  _check(0 <= s.port < 65536, "serve.port", f"must be in [0, 65535] (0: any free port), got {s.port}")
+  for name in ("max_batch", "prefill_rows", "block_size", "page_size", "max_model_len",
+               "token_budget", "checkpoint_every", "default_max_tokens"):
+    _check(getattr(s, name) > 0, f"serve.{name}", f"must be positive, got {getattr(s, name)}")
+  _check(s.block_size % s.page_size == 0, "serve.block_size",
+         f"must be a multiple of serve.page_size={s.page_size}, got {s.block_size}")
+  _check(s.num_pages >= 0 and s.num_slots >= 0, "serve", "num_pages and num_slots must be >= 0 "
+         "(0: sized from max_batch and max_model_len)")
+  _check(s.token_budget >= s.block_size, "serve.token_budget",
+         f"must be at least serve.block_size={s.block_size}, got {s.token_budget}")
 
 
 def dtype(name: str):
