@@ -25,16 +25,17 @@ from sharding.rules import logical_spec, per_device, shard
 
 
 def short_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
-               tail: jax.Array | None = None, implementation: str | None = None
-               ) -> tuple[jax.Array, jax.Array]:
+               tail: jax.Array | None = None, implementation: str | None = None,
+               lengths: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Causal depthwise conv followed by SiLU.
 
   x: ``[B, T, C]``; w: ``[W, C]`` (tap ``W-1`` multiplies the current token); tail: ``[B, W-1, C]``
   inputs preceding x (zeros when None). With segment ids, taps never reach into another
   document (nor into the tail). Returns (y ``[B, T, C]``, new tail ``[B, W-1, C]``: the last W-1
-  inputs). Without a tail (training, prefill from scratch) it is the fused op
-  :func:`pallas_kernels.conv.causal_conv_silu` (``implementation``: its kernels); with one, its
-  XLA form over the tail and x.
+  inputs, or with ``lengths [B]`` the W-1 inputs before position ``lengths[b]`` of x, for
+  right-padded rows whose padding must not enter the tail). Without a tail (training, prefill
+  from scratch) it is the fused op :func:`pallas_kernels.conv.causal_conv_silu`
+  (``implementation``: its kernels); with one, its XLA form over the tail and x.
   """
   width = w.shape[0]
   if tail is None:
@@ -45,7 +46,10 @@ def short_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
     seg = None if segment_ids is None else jnp.pad(segment_ids, ((0, 0), (width - 1, 0)),
                                                    constant_values=-1)
     y = conv_ops.causal_conv_silu(xp, w, seg, implementation="xla")[:, width - 1:]
-  return y, xp[:, xp.shape[1] - (width - 1):]
+  if lengths is None:
+    return y, xp[:, xp.shape[1] - (width - 1):]
+  idx = lengths[:, None] + np.arange(width - 1)[None, :]  # positions in xp
+  return y, jnp.take_along_axis(xp, idx[..., None], axis=1)
 
 
 def _fused_conv(x, w, segment_ids, implementation):
@@ -120,8 +124,9 @@ class KDA(nnx.Module):
                          std=std / math.sqrt(2 * cfg.num_layers))
 
   def init_cache(self, batch: int) -> dict:
-    """Decode cache of one request batch: conv tails and the float32 recurrent state, stored as
-    the decode kernel's K-last pool ``[B, HV, V, K]`` (``kda_ops.to_pool``)."""
+    """Decode cache of ``batch`` rows (one per request, or the serving engine's slot pool): conv
+    tails ``[batch, W-1, C]`` and the float32 recurrent state, stored as the decode kernel's
+    K-last pool ``[batch, HV, V, K]`` (``kda_ops.to_pool``)."""
     k = self.cfg.kda
     cd = self.cfg.cdtype
     w = k.conv_size - 1
@@ -141,20 +146,23 @@ class KDA(nnx.Module):
   def __call__(self, x: jax.Array, *, segment_ids=None, valid=None, cache=None, decode=False):
     """x: ``[B, T, d]``; segment_ids ``[B, T]`` (packed documents); valid ``[B, T]`` bool, a
     prefix of each row (prefill of right-padded prompts: padding leaves state and conv tails
-    unchanged); cache: this layer's decode cache or None; decode: x holds new tokens that
-    continue the cache. Returns (y ``[B, T, d]``, new cache or None)."""
+    unchanged); cache: this layer's decode cache (:meth:`init_cache` of B rows), the same of a
+    slot pool plus ``"slots" [B]`` int32 (row b continues pool entry ``slots[b]``; the serving
+    engine's cache), or None; decode: x holds new tokens that continue the cache. Returns
+    (y ``[B, T, d]``, new cache or None)."""
     k = self.cfg.kda
     b, t, _ = x.shape
     h, hv, kd, vd = k.num_heads, k.value_heads, k.head_dim, k.v_head_dim
+    slots = None if cache is None else cache.get("slots")
+    rows = (lambda a: a) if slots is None else (lambda a: a[slots])
     proj = {"q": self.q_proj(x), "k": self.k_proj(x), "v": self.v_proj(x)}
     convs = {"q": self.q_conv1d, "k": self.k_conv1d, "v": self.v_conv1d}
+    lengths = None if valid is None else valid.sum(1)
     out, tails = {}, {}
     for n in ("q", "k", "v"):
-      tail = None if cache is None else cache["conv_" + n]
+      tail = None if cache is None else rows(cache["conv_" + n])
       out[n], tails[n] = short_conv(proj[n], convs[n].kernel[...], segment_ids, tail,
-                                    k.conv_implementation)
-      if valid is not None:
-        tails[n] = conv_tail_at(proj[n], valid.sum(1), k.conv_size)
+                                    k.conv_implementation, lengths=lengths)
     names = ("batch", "length", "heads", None)
     q = shard(out["q"].reshape(b, t, h, kd), names)
     kk = shard(out["k"].reshape(b, t, h, kd), names)
@@ -173,28 +181,26 @@ class KDA(nnx.Module):
                        jax.nn.sigmoid(beta.astype(jnp.promote_types(beta.dtype, jnp.float32))), 0.0)
       gate_kw.update(gate=None, beta_is_logit=False)
     if decode:
-      o, state = kda_ops.kda_decode(q, kk, v, f, beta, cache["state"],
+      o, state = kda_ops.kda_decode(q, kk, v, f, beta, cache["state"], slots=slots,
                                     implementation=k.implementation, **gate_kw)
     else:
       kda_fn = context_parallel.kda if context_parallel.active() else _kda_per_device
-      o, state = kda_fn(q, kk, v, f, beta, segment_ids=segment_ids,
-                        initial_state=None if cache is None else kda_ops.from_pool(cache["state"]),
+      s0 = None if cache is None else kda_ops.from_pool(rows(cache["state"]))
+      o, state = kda_fn(q, kk, v, f, beta, segment_ids=segment_ids, initial_state=s0,
                         output_final_state=cache is not None, chunk_size=k.chunk_size,
                         save_residuals=k.save_residuals,
                         implementation=k.implementation, **gate_kw)
-      state = None if state is None else kda_ops.to_pool(state)
+      if state is not None:
+        state = kda_ops.to_pool(state).astype(cache["state"].dtype)
+        if slots is not None:
+          state = cache["state"].at[slots].set(state)
     o = self.o_norm(o) * jax.nn.sigmoid(self._output_gate(x)).reshape(b, t, hv, vd).astype(o.dtype)
     y = self.o_proj(o.reshape(b, t, hv * vd))
     if cache is None:
       return y, None
-    return y, {"conv_q": tails["q"], "conv_k": tails["k"], "conv_v": tails["v"], "state": state}
-
-
-def conv_tail_at(x_proj: jax.Array, lengths: jax.Array, width: int) -> jax.Array:
-  """The last ``width - 1`` inputs before position ``lengths[b]`` of each row: ``[B, W-1, C]``.
-
-  For right-padded prefill, where the tail returned by :func:`short_conv` would hold padding."""
-  b, t, c = x_proj.shape
-  xp = jnp.pad(x_proj, ((0, 0), (width - 1, 0), (0, 0)))
-  idx = lengths[:, None] + np.arange(width - 1)[None, :]  # positions in the padded sequence
-  return jnp.take_along_axis(xp, idx[..., None], axis=1)
+    new = {"conv_" + n: tails[n] if slots is None else cache["conv_" + n].at[slots].set(tails[n])
+           for n in ("q", "k", "v")}
+    new["state"] = state
+    if slots is not None:
+      new["slots"] = slots
+    return y, new

@@ -85,10 +85,13 @@ class MLA(nnx.Module):
   def __call__(self, x: jax.Array, *, segment_ids=None, valid=None, cache=None, decode=False,
                lengths=None):
     """x ``[B, T, d]``. Training/prefill: causal (and segment-masked) attention over x; with a
-    cache, the latents of x are written at positions ``0..T-1``. Decode (``decode=True``): x holds
-    ``T`` new tokens per row written at ``lengths - T .. lengths - 1`` (``lengths [B]``: cached
-    tokens including the new ones) and attention runs on the latent cache. Returns
-    (y ``[B, T, d]``, new cache or None)."""
+    contiguous cache (:meth:`init_cache`), the latents of x are written at positions
+    ``0..T-1``. Decode (``decode=True``), and every call with a paged cache ``{"pages"
+    [P, page_size, R + Dr], "page_table" [B, max_pages]}`` (the serving engine's; page 0 takes
+    the writes of unmapped positions): x holds ``T`` new tokens per row written at ``lengths - T
+    .. lengths - 1`` (``lengths [B]``: cached tokens including the new ones) and attention runs on
+    the latent cache, the new tokens attending causally. Returns (y ``[B, T, d]``, new cache or
+    None)."""
     del valid  # padding sits after the valid tokens: causal masking already hides it
     a = self.cfg.mla
     b, t, _ = x.shape
@@ -97,12 +100,13 @@ class MLA(nnx.Module):
     lat = self._latent(x)  # [B, T, R + Dr]
     w_kv = self.kv_b_proj.kernel[...].astype(x.dtype).reshape(r, h, a.qk_nope_head_dim + a.v_head_dim)
     w_uk, w_uv = w_kv[..., :a.qk_nope_head_dim], w_kv[..., a.qk_nope_head_dim:]
-    if not decode and cache is None and context_parallel.active():
+    paged = cache is not None and "pages" in cache
+    if not decode and not paged and cache is None and context_parallel.active():
       o = context_parallel.mla_attention(q, lat, w_kv, segment_ids=segment_ids, scale=self.scale,
                                          nope_dim=a.qk_nope_head_dim,
                                          implementation=a.implementation)
       return self._output(x, o), None
-    if not decode:
+    if not decode and not paged:
       kv = jnp.einsum("btr,rhd->bthd", lat[..., :r], w_kv)
       k_nope, v = kv[..., :a.qk_nope_head_dim], kv[..., a.qk_nope_head_dim:]
       k_r = jnp.broadcast_to(lat[:, :, None, r:], (b, t, h, a.qk_rope_head_dim))
@@ -118,15 +122,25 @@ class MLA(nnx.Module):
         new_cache = {"latent": jax.lax.dynamic_update_slice_in_dim(
             cache["latent"], lat.astype(cache["latent"].dtype), 0, axis=1)}
       return self._output(x, o), new_cache
-    # Decode: write the new latents, then absorbed attention on the paged view of the cache.
+    # Write the new latents, then absorbed attention on the paged view of the cache.
     pos = lengths[:, None] - t + jnp.arange(t)[None, :]  # [B, T]
-    latent = cache["latent"].at[jnp.arange(b)[:, None], pos].set(lat.astype(cache["latent"].dtype))
+    if paged:
+      pages, page_table = cache["pages"], cache["page_table"]
+      ps, width = pages.shape[1], page_table.shape[1]
+      col = pos // ps
+      page = jnp.take_along_axis(page_table, jnp.minimum(col, width - 1), axis=1)
+      page = jnp.where(col < width, page, 0)
+      pages = pages.at[page, pos % ps].set(lat.astype(pages.dtype))
+      new_cache = {"pages": pages, "page_table": page_table}
+    else:
+      latent = cache["latent"].at[jnp.arange(b)[:, None], pos].set(lat.astype(cache["latent"].dtype))
+      max_len = latent.shape[1]
+      pages = latent.reshape(b * (max_len // PAGE_SIZE), PAGE_SIZE, latent.shape[-1])
+      page_table = jnp.arange(b * (max_len // PAGE_SIZE), dtype=jnp.int32).reshape(b, -1)
+      new_cache = {"latent": latent}
     q_abs = jnp.concatenate(
         [jnp.einsum("bthd,rhd->bthr", q[..., :a.qk_nope_head_dim], w_uk), q[..., a.qk_nope_head_dim:]], -1)
-    max_len = latent.shape[1]
-    pages = latent.reshape(b * (max_len // PAGE_SIZE), PAGE_SIZE, latent.shape[-1])
-    page_table = jnp.arange(b * (max_len // PAGE_SIZE), dtype=jnp.int32).reshape(b, -1)
     o_lat = mla_ops.mla_decode(q_abs, pages, page_table, lengths.astype(jnp.int32),
                                kv_lora_rank=r, scale=self.scale, implementation=a.implementation)
     o = jnp.einsum("bthr,rhd->bthd", o_lat.astype(x.dtype), w_uv)
-    return self._output(x, o), {"latent": latent}
+    return self._output(x, o), new_cache

@@ -1,0 +1,486 @@
+"""The serving engine: continuous batching over the hybrid paged cache with prefix caching.
+
+Every :meth:`Engine.step` admits waiting requests (restoring a cached prefix: shared MLA pages
+plus a KDA checkpoint copied into the request's own slot), then runs at most two compiled
+programs: one decode step for every request with one token to feed, and one prefill step for up
+to ``serve.prefill_rows`` requests' next prompt chunks (``serve.token_budget`` tokens in all).
+Chunks never cross a ``serve.block_size`` boundary, so the KDA state at the end of a chunk that
+reaches one is the boundary state the prefix index checkpoints, taken in the same pass. Step
+shapes come from a fixed set (batch rows and chunk lengths in powers of two) compiled by
+:meth:`Engine.compile`, so load never triggers a compile. When pages run out the newest request is
+preempted: its cache is released and it is recomputed (prompt plus the tokens generated so far)
+when it is admitted again.
+
+Requests come in through :meth:`Engine.submit` (any thread) and leave through their callback,
+called on the engine thread (:meth:`Engine.start`) once per token. :meth:`Engine.generate` drives
+the same steps synchronously, for tests and in-process use.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import logging
+import math
+import secrets
+import threading
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.config import ServeConfig
+from k3jax.generate import GenerateError, check_decoding
+from k3jax.model import K3Model
+from k3jax.serve import step as step_lib
+from k3jax.serve.cache import Allocator, Block, Hit, PrefixIndex, chain_key
+from k3jax.serve.types import TOP_LOGPROBS, EngineStats, RequestError, SamplingParams, TokenOutput
+
+log = logging.getLogger("k3jax.serve")
+_MIN_CHUNK = 16
+
+
+def buckets(limit: int, smallest: int = 1) -> tuple[int, ...]:
+  """Powers of two from ``smallest`` below ``limit``, then ``limit``."""
+  out = []
+  n = smallest
+  while n < limit:
+    out.append(n)
+    n *= 2
+  return tuple(out) + (limit,)
+
+
+def _fit(sizes: tuple[int, ...], n: int) -> int:
+  return next(s for s in sizes if s >= n)
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+  id: int
+  prompt: tuple[int, ...]
+  params: SamplingParams
+  callback: Callable[[TokenOutput], None]
+  seed: int
+  stop_ids: frozenset[int]
+  tokens: list[int] = dataclasses.field(default_factory=list)  # prompt + generated
+  computed: int = 0  # leading tokens whose cache entries are written
+  slot: int | None = None
+  pages: list[int] = dataclasses.field(default_factory=list)  # page of each page-size span
+  blocks: list[Block] = dataclasses.field(default_factory=list)  # its prefix-index blocks, in order
+  cached: int = 0  # prompt tokens of the first admission served from the prefix cache
+
+  @property
+  def generated(self) -> int:
+    return len(self.tokens) - len(self.prompt)
+
+  @property
+  def pending(self) -> int:
+    return len(self.tokens) - self.computed
+
+
+class Engine:
+  """Continuous-batching engine of one model (see the module docstring).
+
+  model: the model to serve (its parameters are split off once); serve: the ``serve.*`` config;
+  mesh: a :class:`jax.sharding.Mesh` the parameters are already placed on (with
+  ``sharding.layout`` of the training rules active while the engine compiles and runs), or None.
+  """
+
+  def __init__(self, model: K3Model, serve: ServeConfig, *, mesh=None):
+    self.cfg, self.serve, self.mesh = model.cfg, serve, mesh
+    self.max_model_len = min(serve.max_model_len, self.cfg.max_position)
+    ps, bs = serve.page_size, serve.block_size
+    num_pages = serve.num_pages or serve.max_batch * math.ceil(self.max_model_len / ps) + 1
+    num_slots = serve.num_slots or 2 * serve.max_batch + 1
+    self.pages = Allocator(num_pages, "MLA page")
+    self.slots = Allocator(num_slots, "KDA slot")
+    self.index = PrefixIndex(self.pages, self.slots, bs)
+    self.table_width = math.ceil((self.max_model_len + bs) / ps)
+    self.decode_sizes = buckets(serve.max_batch)
+    self.prefill_sizes = buckets(serve.prefill_rows)
+    self.chunk_sizes = buckets(bs, min(_MIN_CHUNK, bs))
+    self._graphdef, self._params = nnx.split(model)
+    self._pools = step_lib.init_pools(model, num_pages=num_pages, page_size=ps,
+                                      num_slots=num_slots)
+    self._steps: dict[tuple[bool, int, int], Callable] = {}
+    self._copy = jax.jit(step_lib.copy_slots, donate_argnums=0)
+    self._copy_width = 2 * max(serve.max_batch, serve.prefill_rows)
+    self.stats = EngineStats(pages_total=self.pages.total, slots_total=self.slots.total)
+    self.waiting: collections.deque[_Request] = collections.deque()
+    self.running: list[_Request] = []
+    self._ids = itertools.count(1)
+    self._wake = threading.Condition()
+    self._inbox: list[_Request] = []
+    self._cancels: set[int] = set()
+    self._thread: threading.Thread | None = None
+    self._stop = False
+    self._restores: list[tuple[int, int]] = []  # (checkpoint slot or 0 to zero, request slot)
+    self._checkpoints: list[tuple[int, int]] = []  # (request slot, checkpoint slot)
+
+  # ------------------------------------------------------------------------------ requests
+
+  def validate(self, prompt, params: SamplingParams) -> None:
+    """Raises :class:`RequestError` naming what makes the request impossible to run."""
+    try:
+      check_decoding(max_new_tokens=params.max_tokens, temperature=params.temperature,
+                     top_p=params.top_p, top_k=params.top_k)
+    except GenerateError as e:
+      raise RequestError(str(e).removeprefix("generate: ")) from None
+    if not 0 <= params.logprobs <= TOP_LOGPROBS:
+      raise RequestError(f"logprobs must lie in [0, {TOP_LOGPROBS}], got {params.logprobs}")
+    if params.seed is not None and not 0 <= params.seed < 2**32:
+      raise RequestError(f"seed must lie in [0, 2**32), got {params.seed}")
+    vocab = self.cfg.vocab_size
+    if not prompt:
+      raise RequestError("the prompt is empty")
+    if any(not isinstance(t, (int, np.integer)) or not 0 <= t < vocab for t in prompt):
+      raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+    if any(not 0 <= t < vocab for t in params.stop_token_ids):
+      raise RequestError(f"stop token ids must lie in [0, {vocab})")
+    total = len(prompt) + params.max_tokens
+    if total > self.max_model_len:
+      raise RequestError(
+          f"this model's context limit is {self.max_model_len} tokens, but the request needs "
+          f"{total} ({len(prompt)} in the prompt, max_tokens={params.max_tokens})")
+    need = math.ceil(total / self.serve.page_size)
+    if need > self.pages.total:
+      raise RequestError(f"the request needs {need} cache pages of {self.serve.page_size} tokens "
+                         f"and the cache holds {self.pages.total} (serve.num_pages)")
+
+  def submit(self, prompt, params: SamplingParams, callback: Callable[[TokenOutput], None]) -> int:
+    """Queues a request (any thread); returns its id. Its outputs reach ``callback``."""
+    self.validate(prompt, params)
+    stop = set(params.stop_token_ids)
+    if not params.ignore_eos:
+      stop.add(self.cfg.eos_token_id)
+    r = _Request(next(self._ids), tuple(int(t) for t in prompt), params, callback,
+                 secrets.randbits(32) if params.seed is None else params.seed, frozenset(stop))
+    r.tokens = list(r.prompt)
+    with self._wake:
+      self._inbox.append(r)
+      self._wake.notify()
+    return r.id
+
+  def cancel(self, request_id: int) -> None:
+    """Ends a request (any thread): it gets a last output with finish_reason ``"abort"``."""
+    with self._wake:
+      self._cancels.add(request_id)
+      self._wake.notify()
+
+  def generate(self, prompts, params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    """Runs requests to completion on the calling thread (the engine thread must not run);
+    returns each request's generated tokens."""
+    if self._thread is not None:
+      raise RuntimeError("Engine.generate: the engine thread is running; use submit")
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    outs: dict[int, list[int]] = {}
+    errors = []
+
+    def collect(o: TokenOutput):
+      if o.token is not None:
+        outs[o.request_id].append(o.token)
+      if o.error:
+        errors.append(o.error)
+
+    ids = [self.submit(p, sp, collect) for p, sp in zip(prompts, params)]
+    for i in ids:
+      outs[i] = []
+    while self.has_work():
+      self.step()
+    if errors:
+      raise RuntimeError("; ".join(errors))
+    return [outs[i] for i in ids]
+
+  def has_work(self) -> bool:
+    with self._wake:
+      return bool(self._inbox or self._cancels or self.running or self.waiting)
+
+  # ------------------------------------------------------------------------------ thread
+
+  def start(self) -> None:
+    """Compiles every step shape, then runs :meth:`step` on a background thread."""
+    self.compile()
+    self._thread = threading.Thread(target=self._loop, name="k3jax-engine", daemon=True)
+    self._thread.start()
+
+  def shutdown(self) -> None:
+    with self._wake:
+      self._stop = True
+      self._wake.notify()
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+
+  def _loop(self) -> None:
+    while True:
+      with self._wake:
+        while not self._stop and not (self._inbox or self._cancels or self.running or self.waiting):
+          self._wake.wait()
+        if self._stop:
+          break
+      try:
+        self.step()
+      except Exception as e:  # a failed step ends what it ran; the engine keeps serving
+        log.exception("engine step failed")
+        for r in list(self.running):
+          self._finish(r, "error", error=f"engine step failed: {e}")
+    for r in list(self.running) + list(self.waiting):
+      self._finish(r, "abort")
+
+  # ------------------------------------------------------------------------------ compiling
+
+  def _compiled(self, decode: bool, n: int, t: int):
+    key = (decode, n, t)
+    if key not in self._steps:
+      i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+      f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+      spec = lambda tree: jax.tree.map(
+          lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+      fn = jax.jit(functools.partial(step_lib.step, self._graphdef, decode), donate_argnums=1)
+      self._steps[key] = fn.lower(
+          spec(self._params), spec(self._pools), i32(n, t), i32(n), i32(n), i32(n, self.table_width),
+          i32(n), f32(n), f32(n), i32(n), jax.ShapeDtypeStruct((n,), jnp.uint32), i32(n)).compile()
+    return self._steps[key]
+
+  def step_shapes(self) -> list[tuple[bool, int, int]]:
+    """Every (decode, rows, tokens per row) shape a step may take."""
+    return ([(True, n, 1) for n in self.decode_sizes]
+            + [(False, n, t) for n in self.prefill_sizes for t in self.chunk_sizes])
+
+  def compile(self) -> float:
+    """Compiles every step shape; returns (and logs) the seconds it took."""
+    t0 = time.perf_counter()
+    for shape in self.step_shapes():
+      self._compiled(*shape)
+    secs = time.perf_counter() - t0
+    log.info("compiled %d step shapes in %.1f s", len(self._steps), secs)
+    return secs
+
+  # ------------------------------------------------------------------------------ the step
+
+  def step(self) -> None:
+    """Admits, runs one decode and one prefill program, hands out the new tokens."""
+    self._take_inbox()
+    self._admit()
+    decode, prefill = self._schedule()
+    self._copy_pending(self._restores, zero_src=True)
+    results = []
+    if decode:
+      results.append((decode, self._run(True, [(r, r.computed, 1) for r in decode])))
+    if prefill:
+      results.append(([r for r, *_ in prefill], self._run(False, prefill)))
+    emitted = []
+    for rows, (counts, out) in results:
+      for i, r in enumerate(rows):
+        emitted.extend(self._advance(r, counts[i], [a[i] for a in out]))
+    self._copy_pending(self._checkpoints, zero_src=False)
+    self.stats.steps += 1
+    self._update_stats()
+    for r, o in emitted:
+      r.callback(o)
+
+  def _take_inbox(self) -> None:
+    with self._wake:
+      inbox, self._inbox = self._inbox, []
+      cancels, self._cancels = self._cancels, set()
+    self.waiting.extend(inbox)
+    for r in [r for r in list(self.waiting) + self.running if r.id in cancels]:
+      self._finish(r, "abort")
+
+  def _alloc_slot(self) -> int | None:
+    s = self.slots.alloc()
+    while s is None and self.index.evict_checkpoint():
+      s = self.slots.alloc()
+    return s
+
+  def _alloc_page(self) -> int | None:
+    p = self.pages.alloc()
+    if p is None:
+      self.index.evict_pages(1)
+      p = self.pages.alloc()
+    return p
+
+  def _admit(self) -> None:
+    while self.waiting and len(self.running) < self.serve.max_batch:
+      r = self.waiting[0]
+      slot = self._alloc_slot()
+      if slot is None:
+        return
+      self.waiting.popleft()
+      r.slot = slot
+      chain, hit = (self.index.lookup(r.tokens) if self.serve.prefix_cache else ([], Hit()))
+      for p in hit.pages:
+        self.pages.incref(p)
+      r.pages, r.computed = list(hit.pages), hit.length
+      r.blocks = chain[:hit.length // self.serve.block_size]
+      if hit.checkpoint is not None:
+        self.slots.incref(hit.checkpoint)  # held until the copy has run
+        self._restores.append((hit.checkpoint, slot))
+        self.stats.kda_checkpoint_hits += 1
+        self.stats.prefix_hit_tokens += hit.length
+      else:
+        self._restores.append((0, slot))  # a fresh state: zeros
+      if r.generated == 0:
+        r.cached = hit.length
+      self.running.append(r)
+
+  def _reserve(self, r: _Request, end: int) -> bool:
+    """Maps pages for positions ``< end`` of ``r``, preempting newer requests when the cache is
+    full; False if ``r`` itself had to go."""
+    need = math.ceil(end / self.serve.page_size)
+    while len(r.pages) < need:
+      p = self._alloc_page()
+      if p is None:
+        victim = self.running[-1]
+        self._preempt(victim)
+        if victim is r:
+          return False
+        continue
+      r.pages.append(p)
+    return True
+
+  def _schedule(self):
+    """The decode rows and the prefill rows ``(request, start, length)`` of this step."""
+    decode = []
+    for r in list(self.running):
+      if r in self.running and r.pending == 1 and self._reserve(r, r.computed + 1):
+        decode.append(r)
+    prefill, budget = [], self.serve.token_budget
+    bs = self.serve.block_size
+    for r in list(self.running):
+      if len(prefill) == self.serve.prefill_rows or budget == 0:
+        break
+      if r not in self.running or r.pending <= 1:
+        continue
+      n = min(r.pending, bs - r.computed % bs, budget)
+      if self._reserve(r, r.computed + n):
+        prefill.append((r, r.computed, n))
+        budget -= n
+    decode = [r for r in decode if r in self.running]
+    prefill = [x for x in prefill if x[0] in self.running]
+    return decode, prefill
+
+  def _preempt(self, r: _Request) -> None:
+    self._release(r)
+    r.computed, r.blocks = 0, []
+    self.running.remove(r)
+    self.waiting.appendleft(r)
+    self.stats.preemptions += 1
+
+  def _release(self, r: _Request) -> None:
+    for p in r.pages:
+      self.pages.decref(p)
+    r.pages = []
+    if r.slot is not None:
+      for i, (src, dst) in enumerate(self._restores):
+        if dst == r.slot:
+          if src:
+            self.slots.decref(src)
+          del self._restores[i]
+          break
+      self.slots.decref(r.slot)
+      r.slot = None
+
+  def _finish(self, r: _Request, reason: str, error: str | None = None) -> None:
+    if r in self.running:
+      self._release(r)
+      self.running.remove(r)
+    elif r in self.waiting:
+      self.waiting.remove(r)
+    r.callback(TokenOutput(r.id, None, finish_reason=reason, error=error,
+                           prompt_tokens=len(r.prompt), cached_tokens=r.cached))
+
+  def _copy_pending(self, pairs: list[tuple[int, int]], *, zero_src: bool) -> None:
+    """Runs the queued slot copies (``zero_src``: source 0 means zeros) and drops the
+    references the restores held on their checkpoints."""
+    while pairs:
+      batch, pairs[:] = pairs[:self._copy_width], pairs[self._copy_width:]
+      src = np.zeros(self._copy_width, np.int32)
+      dst = np.zeros(self._copy_width, np.int32)
+      src[:len(batch)], dst[:len(batch)] = zip(*batch)
+      zero = (src == 0) & (dst != 0) if zero_src else np.zeros_like(src, bool)
+      self._pools = self._copy(self._pools, jnp.asarray(src), jnp.asarray(dst), jnp.asarray(zero))
+      if zero_src:
+        for s, _ in batch:
+          if s:
+            self.slots.decref(s)
+
+  def _run(self, decode: bool, rows: list[tuple[_Request, int, int]]):
+    """Runs one compiled step over ``rows`` (request, start, tokens); returns (the token counts,
+    host arrays of the sampled tokens, logprobs, top ids, top logprobs)."""
+    sizes = self.decode_sizes if decode else self.prefill_sizes
+    n = _fit(sizes, len(rows))
+    t = 1 if decode else _fit(self.chunk_sizes, max(c for _, _, c in rows))
+    tokens = np.zeros((n, t), np.int32)
+    starts = np.zeros(n, np.int32)
+    nvalid = np.ones(n, np.int32)
+    table = np.zeros((n, self.table_width), np.int32)
+    slots = np.zeros(n, np.int32)
+    temp, top_p = np.zeros(n, np.float32), np.ones(n, np.float32)
+    top_k, seeds, counters = np.zeros(n, np.int32), np.zeros(n, np.uint32), np.zeros(n, np.int32)
+    for i, (r, start, c) in enumerate(rows):
+      tokens[i, :c] = r.tokens[start:start + c]
+      starts[i], nvalid[i], slots[i] = start, c, r.slot
+      table[i, :len(r.pages)] = r.pages
+      p = r.params
+      temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
+      seeds[i], counters[i] = r.seed, r.generated
+    fn = self._compiled(decode, n, t)
+    self._pools, *out = fn(self._params, self._pools, tokens, starts, nvalid, table, slots, temp,
+                           top_p, top_k, seeds, counters)
+    return [c for _, _, c in rows], [np.asarray(a) for a in out]
+
+  def _advance(self, r: _Request, count: int, out) -> list[tuple[_Request, TokenOutput]]:
+    """Books ``count`` computed tokens of ``r`` (registering a completed block) and, when its
+    tokens are all computed, its sampled token. Returns the outputs to hand out."""
+    tok, lp, top_ids, top_lp = out
+    r.computed += count
+    self._register(r)
+    if r.computed < len(r.tokens):
+      return []
+    t = int(tok)
+    r.tokens.append(t)
+    self.stats.generation_tokens += 1
+    if r.generated == 1:
+      self.stats.prompt_tokens += len(r.prompt)
+    reason = None
+    if t in r.stop_ids:
+      reason = "stop"
+    elif r.generated >= r.params.max_tokens or len(r.tokens) >= self.max_model_len:
+      reason = "length"
+    k = r.params.logprobs
+    o = TokenOutput(r.id, t, float(lp), tuple(zip(top_ids[:k].tolist(), top_lp[:k].tolist())),
+                    finish_reason=reason, prompt_tokens=len(r.prompt), cached_tokens=r.cached)
+    if reason is not None:
+      self._release(r)
+      self.running.remove(r)
+    return [(r, o)]
+
+  def _register(self, r: _Request) -> None:
+    """Puts the block ``r`` just completed into the prefix index, with a KDA checkpoint every
+    ``serve.checkpoint_every`` blocks."""
+    bs = self.serve.block_size
+    i = r.computed // bs - 1
+    if not self.serve.prefix_cache or r.computed % bs or len(r.blocks) != i:
+      return
+    tokens = r.tokens[i * bs:(i + 1) * bs]
+    parent = r.blocks[-1] if r.blocks else None
+    per = bs // self.serve.page_size
+    block = self.index.insert(chain_key(parent.key if parent else 0, tokens), parent, tokens,
+                              r.pages[i * per:(i + 1) * per])
+    r.blocks.append(block)
+    if block.checkpoint is None and (i + 1) % self.serve.checkpoint_every == 0:
+      slot = self._alloc_slot()
+      if slot is not None:
+        self.index.set_checkpoint(block, slot)
+        self._checkpoints.append((r.slot, slot))
+
+  def _update_stats(self) -> None:
+    s = self.stats
+    s.running, s.waiting = len(self.running), len(self.waiting) + len(self._inbox)
+    s.pages_used, s.slots_used = self.pages.used, self.slots.used

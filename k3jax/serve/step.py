@@ -1,0 +1,97 @@
+"""Device side of the serving engine: the cache pools, the forward-and-sample step and slot copies.
+
+Pools, one entry per decoder layer: an MLA layer's ``{"pages": [P, page_size, R + Dr]}`` latent
+pages, a KDA layer's ``{"conv_q", "conv_k", "conv_v": [S, W-1, C], "state": [S, HV, V, K]
+float32}`` slots (:meth:`k3jax.kda.KDA.init_cache` of S rows). Page 0 and slot 0 are scratch.
+
+A step runs ``N`` rows of ``T`` tokens each: row ``b`` continues a request whose first
+``starts[b]`` tokens are cached, with ``nvalid[b] <= T`` real tokens (the rest is padding that
+changes no cached state), its pages in ``page_table[b]`` and its KDA entry ``slots[b]``. Decode
+steps (``T = 1``) take the token recurrence kernel on the slot pool in place; prefill steps take
+the chunked KDA kernel from the slot's state and the paged MLA attention over the cached pages and
+the chunk. Sampling runs on device with per-row parameters and per-request random streams.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.model import K3Model
+from k3jax.serve.types import TOP_LOGPROBS
+
+_ROW_KEYS = ("page_table", "slots")
+
+
+def init_pools(model: K3Model, *, num_pages: int, page_size: int, num_slots: int) -> list[dict]:
+  """Zeroed pools for every layer of ``model`` (see the module docstring)."""
+  cfg = model.cfg
+  width = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+  return [{"pages": jnp.zeros((num_pages, page_size, width), cfg.cdtype)} if layer.kind == "mla"
+          else layer.self_attn.init_cache(num_slots) for layer in model.layers]
+
+
+def filter_logits(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
+                  top_k: jax.Array) -> jax.Array:
+  """``[N, V]`` logits -> the temperature-scaled logits with what top-k (the ``top_k[n]``
+  likeliest tokens; 0 keeps all) and nucleus sampling (the smallest set reaching mass
+  ``top_p[n]``, at least the top token) leave, ``-inf`` elsewhere. ``temperature [N] > 0``."""
+  x = logits.astype(jnp.float32) / temperature[:, None]
+  v = x.shape[-1]
+  srt = -jnp.sort(-x, axis=-1)
+  k = jnp.where((top_k > 0) & (top_k < v), top_k, v)
+  srt = jnp.where(jnp.arange(v)[None, :] < k[:, None], srt, -jnp.inf)
+  probs = jax.nn.softmax(srt, axis=-1)
+  keep = ((jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]) | (top_p[:, None] >= 1.0)
+  keep &= srt > -jnp.inf
+  cutoff = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
+  return jnp.where(x >= cutoff, x, -jnp.inf)
+
+
+def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,
+                top_p: jax.Array, top_k: jax.Array) -> jax.Array:
+  """``[N, V]`` logits -> ``[N]`` int32 tokens: greedy where ``temperature <= 0``, else drawn with
+  key ``fold_in(key(seeds[n]), counters[n])`` from :func:`filter_logits`."""
+  greedy = temperature <= 0.0
+  keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+  x = filter_logits(logits, jnp.where(greedy, 1.0, temperature), top_p, top_k)
+  drawn = jax.vmap(jax.random.categorical)(keys, x)
+  return jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+
+
+def forward(model: K3Model, pools: list[dict], tokens, starts, nvalid, page_table, slots, *,
+            decode: bool):
+  """tokens ``[N, T]`` continuing the cached requests -> (float32 logits ``[N, V]`` after each
+  row's last real token, updated pools)."""
+  t = tokens.shape[1]
+  cache = [dict(p, page_table=page_table) if "pages" in p else dict(p, slots=slots) for p in pools]
+  valid = None if decode else jnp.arange(t)[None, :] < nvalid[:, None]
+  h, aux = model.hidden(tokens, valid=valid, cache=cache, decode=decode, lengths=starts + t)
+  last = jnp.take_along_axis(h, (nvalid - 1)[:, None, None], axis=1)[:, 0]
+  pools = [{k: v for k, v in c.items() if k not in _ROW_KEYS} for c in aux["cache"]]
+  return model.logits(last), pools
+
+
+def step(graphdef, decode: bool, params, pools, tokens, starts, nvalid, page_table, slots,
+         temperature, top_p, top_k, seeds, counters):
+  """One engine step (jit with ``graphdef`` and ``decode`` bound, pools donated). Returns
+  (pools, tokens ``[N]``, their logprobs ``[N]``, top ids ``[N, TOP_LOGPROBS]`` and their
+  logprobs): logprobs of the model's distribution, before temperature and filtering."""
+  model = nnx.merge(graphdef, params)
+  logits, pools = forward(model, pools, tokens, starts, nvalid, page_table, slots, decode=decode)
+  tok = sample_rows(logits, seeds, counters, temperature, top_p, top_k)
+  lp = jax.nn.log_softmax(logits, axis=-1)
+  top_lp, top_ids = jax.lax.top_k(lp, TOP_LOGPROBS)
+  chosen = jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+  return pools, tok, chosen, top_ids.astype(jnp.int32), top_lp
+
+
+def copy_slots(pools: list[dict], src: jax.Array, dst: jax.Array, zero: jax.Array) -> list[dict]:
+  """Copies KDA slot ``src[m]`` to ``dst[m]`` (zeros where ``zero[m]``) in every KDA layer's pool:
+  checkpoints taken and restored, fresh states. ``src``, ``dst``, ``zero``: ``[M]`` (unused pairs
+  ``0 -> 0``)."""
+  def copy(a):
+    rows = a[src]
+    return a.at[dst].set(jnp.where(zero.reshape((-1,) + (1,) * (a.ndim - 1)), 0, rows))
+  return [p if "pages" in p else {k: copy(a) for k, a in p.items()} for p in pools]
