@@ -115,3 +115,10 @@ def test_fused_short_conv_on_meshes():
   assert len(out) == 4
   for layout, err in out.items():
     assert max(err.values()) < 1e-5, (layout, err)
+
+
+def test_serving_engine_on_a_mesh():
+  """The serving engine with training's sharding rules on 8 devices gives one device's tokens."""
+  out = _run("serve_mesh")
+  assert out["equal"] and out["hits"] == 16 and out["devices"] == 8
+  assert out["state_spec"] == "P(None, 'tensor')"

@@ -375,6 +375,31 @@ def qb_histogram():
           "valid": int(valid.sum())}
 
 
+def serve_mesh():
+  """Greedy tokens of the serving engine on data=2, expert=2, tensor=2 (experts over expert,
+  heads over tensor, the KDA slots' heads too) vs one device, with a prefix hit."""
+  from flax import nnx
+  from k3jax.config import load
+  from k3jax.model import K3Model
+  from k3jax.serve.engine import Engine
+  from k3jax.serve.types import SamplingParams
+  cfg = load("configs/k3_tiny.yaml", [
+      "serve.max_batch=2", "serve.prefill_rows=1", "serve.block_size=16", "serve.page_size=16",
+      "serve.max_model_len=128", "serve.token_budget=16", "mesh.data=2", "mesh.expert=2",
+      "mesh.tensor=2"])
+  model = K3Model(cfg.model, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  prompts = [[int(t) for t in rng.integers(3, 320, n)] for n in (3, 21)]
+  prompts.append(prompts[1][:17] + [5, 6])
+  sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+  one = Engine(model, cfg.serve).generate(prompts, sp)
+  e = Engine(model, cfg.serve, mesh=cfg.mesh)
+  out = e.generate(prompts[:2], sp) + e.generate(prompts[2:], sp)
+  state = next(p["state"] for p in e._pools if "state" in p)
+  return {"equal": out == one, "hits": e.stats.prefix_hit_tokens,
+          "state_spec": str(state.sharding.spec), "devices": len(state.sharding.device_set)}
+
+
 if __name__ == "__main__":
   _setup()
   print(json.dumps(globals()[sys.argv[1]](*sys.argv[2:])))

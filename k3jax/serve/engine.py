@@ -19,6 +19,7 @@ the same steps synchronously, for tests and in-process use.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -34,15 +35,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax.config import ServeConfig
+import sharding
+from k3jax.config import ConfigError, MeshConfig, ServeConfig
 from k3jax.generate import GenerateError, check_decoding
 from k3jax.model import K3Model
 from k3jax.serve import step as step_lib
 from k3jax.serve.cache import Allocator, Block, Hit, PrefixIndex, chain_key
 from k3jax.serve.types import TOP_LOGPROBS, EngineStats, RequestError, SamplingParams, TokenOutput
+from sharding import mesh as mesh_lib
+from sharding.rules import DEFAULT_RULES
 
 log = logging.getLogger("k3jax.serve")
 _MIN_CHUNK = 16
+# logical axis names of the pools' arrays (k3jax.serve.step): slots and pages stay whole
+_POOL_NAMES = {"pages": (None, None, None), "state": (None, "kv_heads", None, None),
+               "conv_q": (None, None, "kv_heads"), "conv_k": (None, None, "kv_heads"),
+               "conv_v": (None, None, "kv_heads")}
 
 
 def buckets(limit: int, smallest: int = 1) -> tuple[int, ...]:
@@ -87,12 +95,16 @@ class Engine:
   """Continuous-batching engine of one model (see the module docstring).
 
   model: the model to serve (its parameters are split off once); serve: the ``serve.*`` config;
-  mesh: a :class:`jax.sharding.Mesh` the parameters are already placed on (with
-  ``sharding.layout`` of the training rules active while the engine compiles and runs), or None.
+  mesh: a ``MeshConfig`` to serve on a mesh of the local devices with training's sharding rules
+  (experts over ``expert``, heads over ``tensor``; the KDA slots' heads over ``tensor`` too, the
+  MLA pages, shared by all heads, and the step's rows on every device), or None: one device.
   """
 
-  def __init__(self, model: K3Model, serve: ServeConfig, *, mesh=None):
-    self.cfg, self.serve, self.mesh = model.cfg, serve, mesh
+  def __init__(self, model: K3Model, serve: ServeConfig, *, mesh: MeshConfig | None = None):
+    self.cfg, self.serve, self.mesh_cfg = model.cfg, serve, mesh
+    if mesh is not None and mesh.context != 1:
+      raise ConfigError(f"mesh.context: serving splits no sequence, got {mesh.context}")
+    self.mesh = None if mesh is None else mesh_lib.make_mesh(mesh)
     self.max_model_len = min(serve.max_model_len, self.cfg.max_position)
     ps, bs = serve.page_size, serve.block_size
     num_pages = serve.num_pages or serve.max_batch * math.ceil(self.max_model_len / ps) + 1
@@ -101,12 +113,22 @@ class Engine:
     self.slots = Allocator(num_slots, "KDA slot")
     self.index = PrefixIndex(self.pages, self.slots, bs)
     self.table_width = math.ceil((self.max_model_len + bs) / ps)
-    self.decode_sizes = buckets(serve.max_batch)
-    self.prefill_sizes = buckets(serve.prefill_rows)
+    # rows split over the mesh's batch axes come in multiples of their product
+    f = 1 if self.mesh is None else math.prod(
+        dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))[a] for a in DEFAULT_RULES["batch"])
+    self.decode_sizes = buckets(-(-serve.max_batch // f) * f, f)
+    self.prefill_sizes = buckets(-(-serve.prefill_rows // f) * f, f)
     self.chunk_sizes = buckets(bs, min(_MIN_CHUNK, bs))
     self._graphdef, self._params = nnx.split(model)
     self._pools = step_lib.init_pools(model, num_pages=num_pages, page_size=ps,
                                       num_slots=num_slots)
+    self._rows = None  # sharding of the step's per-row inputs
+    if self.mesh is not None:
+      self._params = mesh_lib.shard_params(self._params, self.mesh)
+      names = [{k: _POOL_NAMES[k][-a.ndim:] for k, a in p.items()} for p in self._pools]
+      self._pools = jax.device_put(self._pools,
+                                   mesh_lib.pure_shardings(self._pools, self.mesh, names))
+      self._rows = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     self._steps: dict[tuple[bool, int, int], Callable] = {}
     self._copy = jax.jit(step_lib.copy_slots, donate_argnums=0)
     self._copy_width = 2 * max(serve.max_batch, serve.prefill_rows)
@@ -234,17 +256,28 @@ class Engine:
 
   # ------------------------------------------------------------------------------ compiling
 
+  @contextlib.contextmanager
+  def _scope(self):
+    """The mesh and its layout, while tracing and running steps (nothing without a mesh)."""
+    if self.mesh is None:
+      yield
+      return
+    with jax.set_mesh(self.mesh), sharding.layout(self.mesh_cfg):
+      yield
+
   def _compiled(self, decode: bool, n: int, t: int):
     key = (decode, n, t)
     if key not in self._steps:
-      i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-      f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+      row = lambda dt, *s: jax.ShapeDtypeStruct(s, dt, sharding=self._rows)
       spec = lambda tree: jax.tree.map(
           lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+      i32, f32 = jnp.int32, jnp.float32
       fn = jax.jit(functools.partial(step_lib.step, self._graphdef, decode), donate_argnums=1)
-      self._steps[key] = fn.lower(
-          spec(self._params), spec(self._pools), i32(n, t), i32(n), i32(n), i32(n, self.table_width),
-          i32(n), f32(n), f32(n), i32(n), jax.ShapeDtypeStruct((n,), jnp.uint32), i32(n)).compile()
+      with self._scope():
+        self._steps[key] = fn.lower(
+            spec(self._params), spec(self._pools), row(i32, n, t), row(i32, n), row(i32, n),
+            row(i32, n, self.table_width), row(i32, n), row(f32, n), row(f32, n), row(i32, n),
+            row(jnp.uint32, n), row(i32, n)).compile()
     return self._steps[key]
 
   def step_shapes(self) -> list[tuple[bool, int, int]]:
@@ -404,7 +437,8 @@ class Engine:
       dst = np.zeros(self._copy_width, np.int32)
       src[:len(batch)], dst[:len(batch)] = zip(*batch)
       zero = (src == 0) & (dst != 0) if zero_src else np.zeros_like(src, bool)
-      self._pools = self._copy(self._pools, jnp.asarray(src), jnp.asarray(dst), jnp.asarray(zero))
+      with self._scope():
+        self._pools = self._copy(self._pools, src, dst, zero)
       if zero_src:
         for s, _ in batch:
           if s:
@@ -431,8 +465,11 @@ class Engine:
       temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
       seeds[i], counters[i] = r.seed, r.generated
     fn = self._compiled(decode, n, t)
-    self._pools, *out = fn(self._params, self._pools, tokens, starts, nvalid, table, slots, temp,
-                           top_p, top_k, seeds, counters)
+    args = (tokens, starts, nvalid, table, slots, temp, top_p, top_k, seeds, counters)
+    if self._rows is not None:
+      args = jax.device_put(args, self._rows)
+    with self._scope():
+      self._pools, *out = fn(self._params, self._pools, *args)
     return [c for _, _, c in rows], [np.asarray(a) for a in out]
 
   def _advance(self, r: _Request, count: int, out) -> list[tuple[_Request, TokenOutput]]:
