@@ -83,6 +83,10 @@ def _kda_per_device(q, k, v, g, beta, *, segment_ids, initial_state, A_log, dt_b
   return fn(q, k, v, g, beta, segment_ids, initial_state, A_log, dt_bias)
 
 
+# A gate input or beta logit no gate reaches back from: g = 0 and beta = 0 exactly.
+_OFF = -1e30
+
+
 def _dt_bias_init(key, shape, dtype, dt_min=1e-3, dt_max=0.1):
   """``inverse_softplus(dt)`` with dt log-uniform in [dt_min, dt_max]."""
   u = jax.random.uniform(key, shape, jnp.float32)
@@ -172,14 +176,12 @@ class KDA(nnx.Module):
     gate_kw = dict(use_qk_l2norm=True, A_log=self.A_log[...], dt_bias=self.dt_bias[...],
                    gate=k.gate, lower_bound=k.gate_lower_bound, beta_is_logit=True)
     if valid is not None and cache is not None:
-      # Padding must leave the carried state alone: no decay (g = 0), no write (beta = 0). Without
-      # a cache nothing reads the state past the padding (a document restarts it), so training
-      # keeps the gate and beta fused into the kernel (the bounded-gate fast path).
-      g = kda_ops.kda_gate(f, self.A_log[...], self.dt_bias[...], k.gate, k.gate_lower_bound)
-      f = jnp.where(valid[..., None, None], g, 0.0)
-      beta = jnp.where(valid[..., None],
-                       jax.nn.sigmoid(beta.astype(jnp.promote_types(beta.dtype, jnp.float32))), 0.0)
-      gate_kw.update(gate=None, beta_is_logit=False)
+      # Padding must leave the carried state alone: no decay (g = 0), no write (beta = 0). Both
+      # gates and the beta sigmoid reach exactly 0 at a hugely negative input, so the gate stays
+      # fused into the kernel (the bounded gate's fast path). Without a cache nothing reads the
+      # state past the padding (a document restarts it).
+      f = jnp.where(valid[..., None, None], f, _OFF)
+      beta = jnp.where(valid[..., None], beta, _OFF)
     if decode:
       o, state = kda_ops.kda_decode(q, kk, v, f, beta, cache["state"], slots=slots,
                                     implementation=k.implementation, **gate_kw)

@@ -182,3 +182,30 @@ ENTRY %main (a: f32[8], b: bf16[4,16]) -> f32[8] {
 }
 """
   assert aot.collective_bytes(hlo) == {"all-reduce": 128, "all-to-all": 128, "all-gather": 5 * 128}
+
+
+@pytest.mark.slow
+def test_serving_steps_compile_for_tpu():
+  """The serving engine's decode and prefill steps (paged MLA decode, the KDA pool recurrence and
+  chunked prefill from slot states, sampling) compile for a TPU v5p with the TPU kernels."""
+  from flax import nnx
+  from k3jax.model import K3Model
+  from k3jax.serve import step as step_lib
+  from tests.conftest import tiny_config
+  dev = _devices("v5p:2x2x1")[0]
+  cfg = tiny_config("model.param_dtype=bfloat16", "model.compute_dtype=bfloat16")
+  model = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(model)
+  pools = jax.eval_shape(lambda: step_lib.init_pools(model, num_pages=33, page_size=64,
+                                                     num_slots=9))
+  one = jax.sharding.SingleDeviceSharding(dev)
+  place = lambda tree: jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), tree)
+  mesh = jax.sharding.Mesh(np.array([dev]), ("x",))
+  kinds = {}
+  with jax.set_mesh(mesh), pallas_kernels.target_platform("tpu"):
+    for decode, n, t in [(True, 8, 1), (False, 2, 128)]:
+      lowered = step_lib.lower(graphdef, place(params), place(pools), decode=decode, rows=n,
+                               tokens=t, table_width=20, row_sharding=one)
+      kinds[decode] = aot.kernel_counts(aot.compile_lowered(lowered).as_text())
+  assert kinds[True] and kinds[False], kinds

@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 import itertools
 import logging
 import math
@@ -268,16 +267,10 @@ class Engine:
   def _compiled(self, decode: bool, n: int, t: int):
     key = (decode, n, t)
     if key not in self._steps:
-      row = lambda dt, *s: jax.ShapeDtypeStruct(s, dt, sharding=self._rows)
-      spec = lambda tree: jax.tree.map(
-          lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
-      i32, f32 = jnp.int32, jnp.float32
-      fn = jax.jit(functools.partial(step_lib.step, self._graphdef, decode), donate_argnums=1)
       with self._scope():
-        self._steps[key] = fn.lower(
-            spec(self._params), spec(self._pools), row(i32, n, t), row(i32, n), row(i32, n),
-            row(i32, n, self.table_width), row(i32, n), row(f32, n), row(f32, n), row(i32, n),
-            row(jnp.uint32, n), row(i32, n)).compile()
+        self._steps[key] = step_lib.lower(self._graphdef, self._params, self._pools, decode=decode,
+                                          rows=n, tokens=t, table_width=self.table_width,
+                                          row_sharding=self._rows).compile()
     return self._steps[key]
 
   def step_shapes(self) -> list[tuple[bool, int, int]]:

@@ -14,6 +14,8 @@ the chunk. Sampling runs on device with per-row parameters and per-request rando
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -85,6 +87,21 @@ def step(graphdef, decode: bool, params, pools, tokens, starts, nvalid, page_tab
   top_lp, top_ids = jax.lax.top_k(lp, TOP_LOGPROBS)
   chosen = jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
   return pools, tok, chosen, top_ids.astype(jnp.int32), top_lp
+
+
+def lower(graphdef, params, pools, *, decode: bool, rows: int, tokens: int, table_width: int,
+          row_sharding=None):
+  """:func:`step` for ``rows`` rows of ``tokens`` tokens, jitted (pools donated) and lowered for
+  ``params`` and ``pools`` as they are laid out (arrays or ``ShapeDtypeStruct``s with shardings:
+  compile-only devices too) and per-row inputs placed by ``row_sharding``."""
+  spec = lambda tree: jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), tree)
+  row = lambda dt, *s: jax.ShapeDtypeStruct(s, dt, sharding=row_sharding)
+  i32, f32, n = jnp.int32, jnp.float32, rows
+  fn = jax.jit(functools.partial(step, graphdef, decode), donate_argnums=1)
+  return fn.lower(spec(params), spec(pools), row(i32, n, tokens), row(i32, n), row(i32, n),
+                  row(i32, n, table_width), row(i32, n), row(f32, n), row(f32, n), row(i32, n),
+                  row(jnp.uint32, n), row(i32, n))
 
 
 def copy_slots(pools: list[dict], src: jax.Array, dst: jax.Array, zero: jax.Array) -> list[dict]:
