@@ -12,6 +12,7 @@ tokenizer's chat template when it has one.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -178,10 +179,36 @@ def default_tokenizer(checkpoint: Path | None, cfg_tokenizer: str) -> str:
   return cfg_tokenizer
 
 
+def load_model(config: str, overrides: list[str], *, checkpoint: str | None = None,
+               tokenizer: str | None = None, seed: int = 0):
+  """The config, model and tokenizer a command line decodes with: the weights of ``checkpoint``
+  (a ``train.py`` run, HF or Orbax directory; the ``model.*`` overrides apply to its config), else
+  a freshly initialised model of ``config`` (weights from ``seed``); the tokenizer ``tokenizer``,
+  else the checkpoint's own, else the run's (or, without a checkpoint, the config's)
+  ``data.tokenizer``. Returns ``(cfg, model, tokenizer)``: ``cfg`` is ``config`` with the
+  overrides and the model's config."""
+  from k3jax import cli, pretrained, run_dir
+  from k3jax import config as config_lib
+  if checkpoint is None:
+    cfg = cli.load(config, overrides)
+    model = K3Model(cfg.model, rngs=nnx.Rngs(seed))
+    spec = tokenizer or cfg.data.tokenizer
+  else:
+    ckpt = Path(checkpoint)
+    mine = [o for o in overrides if o.startswith("model.")]
+    model = pretrained.from_pretrained(ckpt, overrides=mine)
+    cfg = dataclasses.replace(cli.load(config, [o for o in overrides if o not in mine]),
+                              model=model.cfg)
+    run = run_dir.find(ckpt)
+    data_tok = config_lib.load(run.config_path).data.tokenizer if run else "byte"
+    spec = tokenizer or default_tokenizer(ckpt, data_tok)
+  return cfg, model, tokenizer_lib.make_tokenizer(spec, name="--tokenizer")
+
+
 def main(argv: list[str] | None = None) -> int:
   """The ``python -m k3jax.generate`` / ``k3jax-generate`` command line; prints each prompt's
   generated text; returns the exit status (2: bad arguments, config or checkpoint)."""
-  from k3jax import cli, convert, pretrained, run_dir
+  from k3jax import cli, convert, run_dir
   from k3jax import config as config_lib
   p = cli.parser("python -m k3jax.generate", __doc__.split("\n\n")[-1], config_default="k3_tiny",
                  config_help="config of a freshly initialised model (without --checkpoint): a "
@@ -205,17 +232,8 @@ def main(argv: list[str] | None = None) -> int:
   try:
     check_decoding(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_p=args.top_p, top_k=args.top_k)
-    if args.checkpoint is not None:
-      ckpt = Path(args.checkpoint)
-      model = pretrained.from_pretrained(ckpt, overrides=args.overrides)
-      run = run_dir.find(ckpt)
-      data_tok = config_lib.load(run.config_path).data.tokenizer if run else "byte"
-      spec = args.tokenizer or default_tokenizer(ckpt, data_tok)
-    else:
-      cfg = cli.load(args.config, args.overrides)
-      model = K3Model(cfg.model, rngs=nnx.Rngs(args.seed))
-      spec = args.tokenizer or cfg.data.tokenizer
-    tok = tokenizer_lib.make_tokenizer(spec, name="--tokenizer")
+    _, model, tok = load_model(args.config, args.overrides, checkpoint=args.checkpoint,
+                               tokenizer=args.tokenizer, seed=args.seed)
     texts = generate(model, prompts, tokenizer=tok, max_new_tokens=args.max_new_tokens,
                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                      rng=jax.random.key(args.seed), chat=args.chat)

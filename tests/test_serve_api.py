@@ -4,7 +4,11 @@ uvicorn server on a free port: over :class:`fake_engine.FakeEngine` for the API'
 and ``serve.py`` as a process (both slow)."""
 
 import json
+import queue
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -292,3 +296,107 @@ def test_models_health_metrics(fake):
   assert 'k3jax_requests_total{endpoint="/v1/completions",status="200"}' in text
   hits = [line for line in text.splitlines() if line.startswith("k3jax_prefix_hit_tokens_total")]
   assert float(hits[0].split()[-1]) >= 64
+
+
+# ------------------------------------------------------------------------------ the real engine
+
+REAL = ("serve.max_batch=4", "serve.prefill_rows=2", "serve.block_size=32", "serve.page_size=16",
+        "serve.max_model_len=256", "serve.num_pages=14", "serve.model_name=" + MODEL)
+
+
+@pytest.fixture(scope="module")
+def served(root, tmp_path_factory):
+  """``python serve.py`` of k3_tiny's random float32 weights (seed 0) on a free port."""
+  log = tmp_path_factory.mktemp("serve") / "stderr.txt"
+  with open(log, "w") as err:
+    proc = subprocess.Popen([sys.executable, "serve.py", "--config", "k3_tiny", "--port", "0", *REAL],
+                            cwd=root, stdout=subprocess.PIPE, stderr=err, text=True)
+  lines = queue.Queue()
+  threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+  try:
+    line = lines.get(timeout=540)
+  except queue.Empty:
+    line = ""
+  if not line.startswith(f"serving {MODEL} at http://127.0.0.1:"):
+    proc.kill()
+    pytest.fail(f"serve.py did not start: {line!r}\n{log.read_text()[-3000:]}")
+  url = line.split()[-1]
+  yield openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300), url[:-len("/v1")]
+  proc.send_signal(signal.SIGINT)
+  assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+
+
+@pytest.mark.slow
+def test_served_greedy_equals_generate(served):
+  """Greedy text through the server (concurrent requests, completions and chat) equals
+  k3jax.generate of the same weights, prompt by prompt."""
+  import jax
+  from flax import nnx
+
+  import k3jax
+  client, _ = served
+  prompts = ["def main(", "Grüße aus ☃ ", "x" * 70]
+  jobs = [("completion", p) for p in prompts] + [("chat", "Hello")]
+  got = [None] * len(jobs)
+
+  def ask(i, kind, text):
+    if kind == "chat":
+      r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
+                                         max_tokens=12, temperature=0)
+      got[i] = r.choices[0].message.content
+    else:
+      got[i] = client.completions.create(model=MODEL, prompt=text, max_tokens=12,
+                                         temperature=0).choices[0].text
+  threads = [threading.Thread(target=ask, args=(i, *job)) for i, job in enumerate(jobs)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  model = k3jax.K3Model(tiny_config().model, rngs=nnx.Rngs(0))
+  want = k3jax.generate(model, prompts, max_new_tokens=12, temperature=0, rng=jax.random.key(0))
+  want.append(k3jax.generate(model, "Hello", max_new_tokens=12, temperature=0, chat=True))
+  assert got == want
+
+
+@pytest.mark.slow
+def test_served_stream_cache_metrics_and_bad_input(served):
+  client, url = served
+  kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0.9, seed=7, n=2)
+  whole = client.completions.create(**kw)
+  parts = {0: "", 1: ""}
+  for chunk in client.completions.create(**kw, stream=True):
+    for c in chunk.choices:
+      parts[c.index] += c.text
+  assert [parts[0], parts[1]] == [c.text for c in whole.choices]
+  prompt = "0123456789" * 8  # 81 tokens with BOS: two 32-token blocks can be reused
+  first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+  second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+  assert second.choices[0].text == first.choices[0].text
+  assert second.usage.prompt_tokens_details.cached_tokens == 64
+  with httpx.Client(base_url=url, timeout=60) as http:
+    for body in ({"prompt": "a" * 300, "max_tokens": 1},  # longer than serve.max_model_len
+                 {"prompt": "a", "max_tokens": 230},  # 15 pages of 16, the cache holds 14
+                 {"prompt": [3, 320], "max_tokens": 1}):
+      r = http.post("/v1/completions", json={"model": MODEL} | body)
+      assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert http.get("/health").status_code == 200
+    metrics = http.get("/metrics").text
+  assert client.models.list().data[0].id == MODEL
+  values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+            if line and not line.startswith("#")}
+  assert values["k3jax_prefix_hit_tokens_total"] >= 64
+  assert values["k3jax_kda_checkpoint_hits_total"] >= 1
+  assert values['k3jax_requests_total{endpoint="/v1/completions",status="400"}'] == 3
+  assert "k3jax_time_to_first_token_seconds_count" in values and "k3jax_cache_pages_used" in values
+  r = client.completions.create(model=MODEL, prompt="still serving", max_tokens=3, temperature=0)
+  assert r.usage.completion_tokens >= 1
+
+
+def test_command_line_errors_before_any_work(capsys):
+  from k3jax.serve import cli
+  assert cli.main(["--config", "nope"]) == 2
+  assert "'nope' is neither a file nor a packaged config" in capsys.readouterr().err
+  assert cli.main(["--port", "70000"]) == 2
+  assert "serve.port" in capsys.readouterr().err
+  assert cli.main(["--checkpoint", "/nonexistent/run"]) == 2
+  assert "/nonexistent/run" in capsys.readouterr().err

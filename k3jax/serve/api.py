@@ -149,7 +149,7 @@ class _Server:
 
   def __init__(self, engine, tokenizer: tokenizer_lib.Tokenizer, model_name: str):
     if tokenizer.vocab_size > engine.cfg.vocab_size:
-      raise ValueError(f"the tokenizer's {tokenizer.vocab_size} ids do not fit the model's "
+      raise tokenizer_lib.TokenizerError(f"the tokenizer's {tokenizer.vocab_size} ids do not fit the model's "
                        f"vocab_size {engine.cfg.vocab_size}")
     self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
     self.metrics = ServerMetrics(lambda: engine.stats)
