@@ -179,6 +179,22 @@ def default_tokenizer(checkpoint: Path | None, cfg_tokenizer: str) -> str:
   return cfg_tokenizer
 
 
+def add_model_arguments(p) -> None:
+  """``--checkpoint`` and ``--tokenizer`` on the ``argparse`` parser ``p``, for :func:`load_model`."""
+  p.add_argument("--checkpoint", default=None, metavar="DIR",
+                 help="a train.py run directory (or its checkpoints/<step>), an HF or an Orbax directory")
+  p.add_argument("--tokenizer", default=None, help="'byte', a tokenizer.json, a tiktoken file or a "
+                 "directory with one (default: the checkpoint's own, else the run's data.tokenizer)")
+
+
+def load_errors() -> tuple[type[Exception], ...]:
+  """What :func:`load_model` raises for a bad config, checkpoint or tokenizer."""
+  from k3jax import config as config_lib
+  from k3jax import convert, run_dir
+  return (config_lib.ConfigError, convert.ConversionError, tokenizer_lib.TokenizerError,
+          run_dir.RunDirError)
+
+
 def load_model(config: str, overrides: list[str], *, checkpoint: str | None = None,
                tokenizer: str | None = None, seed: int = 0):
   """The config, model and tokenizer a command line decodes with: the weights of ``checkpoint``
@@ -208,15 +224,11 @@ def load_model(config: str, overrides: list[str], *, checkpoint: str | None = No
 def main(argv: list[str] | None = None) -> int:
   """The ``python -m k3jax.generate`` / ``k3jax-generate`` command line; prints each prompt's
   generated text; returns the exit status (2: bad arguments, config or checkpoint)."""
-  from k3jax import cli, convert, run_dir
-  from k3jax import config as config_lib
+  from k3jax import cli
   p = cli.parser("python -m k3jax.generate", __doc__.split("\n\n")[-1], config_default="k3_tiny",
                  config_help="config of a freshly initialised model (without --checkpoint): a "
                              "path or a packaged name; default k3_tiny")
-  p.add_argument("--checkpoint", default=None, metavar="DIR",
-                 help="a train.py run directory (or its checkpoints/<step>), an HF or an Orbax directory")
-  p.add_argument("--tokenizer", default=None, help="'byte', a tokenizer.json, a tiktoken file or a "
-                 "directory with one (default: the checkpoint's own, else the run's data.tokenizer)")
+  add_model_arguments(p)
   p.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
   chat = p.add_mutually_exclusive_group()
   chat.add_argument("--chat", dest="chat", action="store_true", default=None,
@@ -237,8 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     texts = generate(model, prompts, tokenizer=tok, max_new_tokens=args.max_new_tokens,
                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                      rng=jax.random.key(args.seed), chat=args.chat)
-  except (GenerateError, config_lib.ConfigError, convert.ConversionError,
-          tokenizer_lib.TokenizerError, run_dir.RunDirError) as e:
+  except (GenerateError, *load_errors()) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   for prompt, text in zip(prompts, texts):

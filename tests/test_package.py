@@ -16,7 +16,7 @@ from test_train import SMALL
 
 pytestmark = pytest.mark.slow  # builds a wheel, makes a venv, trains in a subprocess
 
-SCRIPTS = ("k3jax-train", "k3jax-convert", "k3jax-generate")
+SCRIPTS = ("k3jax-train", "k3jax-convert", "k3jax-generate", "k3jax-serve")
 
 
 @pytest.fixture(scope="module")

@@ -80,6 +80,18 @@ def test_generate_cli_from_each_form(work, monkeypatch, capsys):
   assert "top_p must lie in (0, 1]" in "".join(capsys.readouterr())
 
 
+def test_serve_and_generate_load_a_checkpoint_with_the_config_serve_keys(work, monkeypatch):
+  """``load_model`` (serve.py, generate): the checkpoint's weights and model config with its
+  ``model.*`` overrides, the other overrides on ``--config``, the run's tokenizer."""
+  monkeypatch.chdir(work)
+  cfg, model, tok = generate_cli.load_model(
+      "k3_tiny", ["serve.max_batch=2", "model.kda.implementation=naive"], checkpoint="run")
+  assert cfg.serve.max_batch == 2 and cfg.model is model.cfg
+  assert model.cfg.kda.implementation == "naive"
+  assert model.cfg == k3jax.from_pretrained("run", overrides=["model.kda.implementation=naive"]).cfg
+  assert tok.vocab_size == 256  # the run's data.tokenizer: bytes
+
+
 def test_init_from_loads_weights_into_a_fresh_state(work, monkeypatch):
   monkeypatch.chdir(work)
   for src in ("run", "hf", "orb"):

@@ -15,10 +15,6 @@ import logging
 import socket
 import sys
 
-from k3jax import config as config_lib
-from k3jax import convert, run_dir
-from k3jax import tokenizer as tokenizer_lib
-
 
 def bind(host: str, port: int) -> socket.socket:
   """A listening-ready TCP socket on ``host:port`` (port 0: a free one the OS picks)."""
@@ -48,16 +44,13 @@ def main(argv: list[str] | None = None) -> int:
   import uvicorn
 
   from k3jax import cli
-  from k3jax.generate import load_model
+  from k3jax.generate import add_model_arguments, load_errors, load_model
   from k3jax.serve.api import make_app
   from k3jax.serve.engine import Engine
   p = cli.parser("python serve.py", __doc__.split("\n\n", 1)[1], config_default="k3_tiny",
                  config_help="YAML config (a path or a packaged name; default k3_tiny): the model "
                              "without --checkpoint, and the serve.* keys")
-  p.add_argument("--checkpoint", default=None, metavar="DIR",
-                 help="a train.py run directory (or its checkpoints/<step>), an HF or an Orbax directory")
-  p.add_argument("--tokenizer", default=None, help="'byte', a tokenizer.json, a tiktoken file or a "
-                 "directory with one (default: the checkpoint's own, else data.tokenizer)")
+  add_model_arguments(p)
   p.add_argument("--host", default=None, help="address to listen on (default serve.host)")
   p.add_argument("--port", type=int, default=None, help="port (default serve.port; 0: a free one)")
   p.add_argument("--seed", type=int, default=0, help="seed of the random weights without --checkpoint")
@@ -73,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     name = s.model_name or cfg.model.name
     engine = Engine(model, s)
     app = make_app(engine, tok, model_name=name)
-  except (config_lib.ConfigError, convert.ConversionError, tokenizer_lib.TokenizerError,
-          run_dir.RunDirError) as e:
+  except load_errors() as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   try:
