@@ -4,7 +4,8 @@ The model is ``--checkpoint``'s (a ``train.py`` run directory, an HF or an Orbax
 a freshly initialised model of ``--config`` (random weights: its output is noise). The tokenizer
 is ``--tokenizer``, else the checkpoint's own, else the run's or the config's ``data.tokenizer``.
 Serving options are the config's ``serve.*`` keys (docs/serving.md); ``--host`` and ``--port``
-replace ``serve.host`` and ``serve.port`` (port 0: any free port). When the step shapes are
+replace ``serve.host`` and ``serve.port`` (port 0: any free port). With several devices the engine
+runs on a mesh of them laid out by the ``mesh.*`` keys, with training's sharding rules. When the step shapes are
 compiled and the socket listens it prints ``serving MODEL at http://HOST:PORT/v1``.
 """
 
@@ -41,6 +42,7 @@ async def _serve(server, sock: socket.socket, ready: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
   """The command line; returns the exit status (2: bad arguments, config, checkpoint or address)."""
+  import jax
   import uvicorn
 
   from k3jax import cli
@@ -64,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                                  tokenizer=args.tokenizer, seed=args.seed)
     s = cfg.serve
     name = s.model_name or cfg.model.name
-    engine = Engine(model, s)
+    # several devices: a mesh of them with training's sharding rules (the mesh.* keys)
+    engine = Engine(model, s, mesh=cfg.mesh if jax.device_count() > 1 else None)
     app = make_app(engine, tok, model_name=name)
   except load_errors() as e:
     print(f"error: {e}", file=sys.stderr)
