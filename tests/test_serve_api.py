@@ -392,6 +392,28 @@ def test_served_stream_cache_metrics_and_bad_input(served):
   assert r.usage.completion_tokens >= 1
 
 
+@pytest.mark.slow
+def test_served_disconnect_cancels(served):
+  """A streaming client that goes away after the first token: the engine request ends long
+  before its 200 tokens."""
+  _, url = served
+
+  def metric(http, name):
+    line = next(x for x in http.get("/metrics").text.splitlines() if x.startswith(name + " "))
+    return float(line.split()[1])
+  with httpx.Client(base_url=url, timeout=60) as http:
+    before = metric(http, "k3jax_generation_tokens_total")
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=url, timeout=60) as other:
+      with other.stream("POST", "/v1/completions", json=body) as r:
+        next(r.iter_lines())
+    deadline = time.monotonic() + 60
+    while metric(http, "k3jax_requests_running") or metric(http, "k3jax_requests_waiting"):
+      assert time.monotonic() < deadline
+      time.sleep(0.05)
+    assert metric(http, "k3jax_generation_tokens_total") - before < 200
+
+
 def test_command_line_errors_before_any_work(capsys):
   from k3jax.serve import cli
   assert cli.main(["--config", "nope"]) == 2

@@ -224,7 +224,6 @@ class _Server:
   async def respond(self, request: fastapi.Request, req, prompts: list[list[int]],
                     choices: list[_Choice], arrived: float, *, chat: bool, logprobs: bool):
     run = _Run(self, choices, arrived, logprobs)
-    run.submit()
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
             "model": self.model_name}
 
@@ -244,8 +243,9 @@ class _Server:
       kind = "chat.completion.chunk" if chat else "text_completion"
       usage = req.stream_options is not None and req.stream_options.include_usage
 
-      async def events():
+      async def events():  # submits when it starts: a client gone before costs nothing
         try:
+          run.submit()
           if chat:  # the role first, as OpenAI streams it
             for c in choices:
               yield json.dumps(head | {"object": kind, "choices": [
@@ -267,6 +267,7 @@ class _Server:
 
     async def collect() -> list[_Piece]:
       return [p async for p in run.pieces()]
+    run.submit()
     pieces = asyncio.ensure_future(collect())
     gone = asyncio.ensure_future(_disconnected(request))
     try:
