@@ -250,6 +250,9 @@ def test_bad_input_is_400_and_the_server_keeps_serving(fake, stream):
       assert r.status_code == 400, (body, r.text)
       err = r.json()["error"]
       assert err["type"] == "invalid_request_error" and err["message"] and err["param"] == param, (body, err)
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2,
+                                           "temperature": None, "stop": None, "user": "u"})
+    assert r.status_code == 200, r.text  # null is the default; unknown fields are ignored
   with pytest.raises(openai.BadRequestError, match="max_tokens"):
     fake.client.completions.create(model=MODEL, prompt="a", max_tokens=0)
   with pytest.raises(openai.NotFoundError, match="does not exist"):

@@ -33,6 +33,12 @@ class _Body(pydantic.BaseModel):
   # strict: "16" is not an integer and 1.5 not a count, as OpenAI's API answers
   model_config = pydantic.ConfigDict(strict=True, extra="allow")
 
+  @pydantic.model_validator(mode="before")
+  @classmethod
+  def _null_is_absent(cls, data: Any) -> Any:
+    """A field sent as null takes its default, as OpenAI reads it."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
 
 class StreamOptions(_Body):
   include_usage: bool = False
@@ -109,11 +115,15 @@ def _validation_error(e: pydantic.ValidationError) -> APIError:
   if not first["loc"]:
     return APIError(f"the body must be a JSON object, got {first['input']!r:.80}")
   param = str(first["loc"][0])
-  if first["type"] == "missing":
-    return APIError(f"'{param}' is required", param=param)
-  where = ".".join(str(x) for x in first["loc"] if not (isinstance(x, str) and "[" in x))
-  shared = sum(str(x["loc"][0]) == param for x in errors)  # one per member of a union
-  why = "has the wrong type" if shared > 1 else first["msg"]
+  # a union fails once per member, each loc going on with the member's name: keep what they share
+  locs = [e["loc"] for e in errors if e["loc"][:1] == first["loc"][:1]]
+  loc = locs[0]
+  for other in locs[1:]:
+    loc = loc[:next((i for i, (a, b) in enumerate(zip(loc, other)) if a != b), len(loc))]
+  where = ".".join(map(str, loc))
+  if first["type"] == "missing" and len(locs) == 1:
+    return APIError(f"'{where}' is required", param=param)
+  why = "has the wrong type" if len(locs) > 1 else first["msg"]
   return APIError(f"'{where}': {why} (got {first['input']!r:.80})", param=param)
 
 
