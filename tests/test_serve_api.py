@@ -425,3 +425,7 @@ def test_command_line_errors_before_any_work(capsys):
   assert "serve.port" in capsys.readouterr().err
   assert cli.main(["--checkpoint", "/nonexistent/run"]) == 2
   assert "/nonexistent/run" in capsys.readouterr().err
+  for argv in (["serve.max_batch=0", "--port", "0", "--config", "k3_tiny"],
+               ["--config", "k3_tiny", "--port", "0", "serve.max_batch=0"]):  # overrides anywhere
+    assert cli.main(argv) == 2
+    assert "serve.max_batch: must be positive, got 0" in capsys.readouterr().err
