@@ -18,8 +18,11 @@ the timed windows. Figures: benchmarks/RESULTS.md ("Serving").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
+import sys
 import time
 
 import jax
@@ -31,6 +34,10 @@ from k3jax import config as config_lib
 from k3jax.model import K3Model
 from k3jax.serve.engine import Engine
 from k3jax.serve.types import SamplingParams
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import timing  # noqa: E402
+from bench_train import report_kernels as timing_report  # noqa: E402
 
 
 def copy_bandwidth(gib: float = 4.0) -> float:
@@ -85,8 +92,10 @@ def ttft(engine: Engine, prompt: list[int]) -> float:
   return time.perf_counter() - t0
 
 
-def decode_rate(engine: Engine, batch: int, context: int, steps: int, rng) -> float:
-  """Seconds per decode step of ``batch`` requests once they all decode."""
+def decode_rate(engine: Engine, batch: int, context: int, steps: int, rng,
+                profile: str | None = None) -> float:
+  """Seconds per decode step of ``batch`` requests once they all decode (``profile``: a directory
+  for a trace of the timed steps, whose GPU time per step is printed)."""
   vocab = engine.cfg.vocab_size
   sp = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
   for _ in range(batch):
@@ -95,10 +104,20 @@ def decode_rate(engine: Engine, batch: int, context: int, steps: int, rng) -> fl
     engine.step()
   for _ in range(3):  # compile and warm the decode shape
     engine.step()
-  t0 = time.perf_counter()
-  for _ in range(steps):
-    engine.step()
-  secs = (time.perf_counter() - t0) / steps
+  trace = jax.profiler.trace(profile) if profile else contextlib.nullcontext()
+  with trace:
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      engine.step()
+    secs = (time.perf_counter() - t0) / steps
+  if profile:
+    busy, span = timing.gpu_span(profile)
+    events, gpu = timing._gpu_events(profile)
+    kernels = sum(1 for e in events if e.get("ph") == "X" and e.get("pid") in gpu)
+    print(f"  profile B{batch}: GPU busy {busy / steps / 1e3:.2f} ms of {span / steps / 1e3:.2f} ms "
+          f"per step, {kernels / steps:.0f} kernels per step", flush=True)
+    by_kind, by_name, by_device, _ = timing.kernel_times(profile)
+    timing_report(by_kind, by_name, by_device, steps)
   while engine.has_work():
     engine.step()
   return secs
@@ -136,6 +155,23 @@ def stream(engine: Engine, n: int, rate: float, rng, prompts=(128, 2048), output
           "mean_ttft_s": float(np.mean([first[r] - submitted[r] for r in submitted]))}
 
 
+def prefix_hit(engine: Engine, spec: str, rng, out: dict) -> None:
+  """TTFT of a prompt whose first ``cached`` tokens (``spec``: ``"cached,new"``) another request
+  left in the prefix cache, against the same length cold."""
+  vocab = engine.cfg.vocab_size
+  cached, new = (int(x) for x in spec.split(","))
+  shared = rng.integers(3, vocab, cached).tolist()
+  ttft(engine, shared + rng.integers(3, vocab, new).tolist())
+  hits = engine.stats.prefix_hit_tokens
+  warm = ttft(engine, shared + rng.integers(3, vocab, new).tolist())
+  cold = ttft(engine, rng.integers(3, vocab, cached + new).tolist())
+  out["prefix"] = {"cold_s": cold, "hit_s": warm, "speedup": cold / warm,
+                   "hit_tokens": engine.stats.prefix_hit_tokens - hits}
+  print(f"{cached + new}-token prompt, {cached} cached: {warm * 1e3:.1f} ms against {cold * 1e3:.1f} ms cold "
+        f"({cold / warm:.1f}x; {out['prefix']['hit_tokens']} tokens hit)", flush=True)
+
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--config", default="configs/k3_1b.yaml")
@@ -149,6 +185,8 @@ def main(argv=None):
                  help="prompt and output length ranges of the stream")
   p.add_argument("--prefix", default="7680,512", help="cached and new tokens of the prefix-hit run")
   p.add_argument("--json", default=None)
+  p.add_argument("--profile", default=None, help="trace the decode steps of each batch size here")
+  p.add_argument("--only-decode", action="store_true", help="stop after the decode runs")
   p.add_argument("overrides", nargs="*")
   a = p.parse_args(argv)
   batches = [int(b) for b in a.batches.split(",") if b]
@@ -175,7 +213,8 @@ def main(argv=None):
 
   out["decode"] = []
   for b in batches:
-    secs = decode_rate(engine, b, a.context, a.steps, rng)
+    secs = decode_rate(engine, b, a.context, a.steps, rng,
+                       f"{a.profile}/b{b}" if a.profile else None)
     floor = decode_floor(cfg, engine._params, b, a.context, bw)
     row = {"batch": b, "step_ms": secs * 1e3, "tokens_per_s": b / secs,
            "floor_ms": floor * 1e3, "over_floor": secs / floor}
@@ -183,6 +222,8 @@ def main(argv=None):
     print(f"decode B{b:<4} ctx {a.context}: {secs * 1e3:7.2f} ms/step, {b / secs:9.0f} tok/s, "
           f"floor {floor * 1e3:6.2f} ms ({secs / floor:.2f}x)", flush=True)
 
+  if a.only_decode:
+    lengths, a.stream, a.prefix = [], 0, None
   out["ttft"] = []
   for n in lengths:
     ttft(engine, rng.integers(3, vocab, n).tolist())  # compiles the chunk shapes
@@ -190,17 +231,8 @@ def main(argv=None):
     out["ttft"].append({"prompt": n, "ttft_s": s})
     print(f"TTFT {n:>6} tokens: {s * 1e3:8.1f} ms", flush=True)
 
-  cached, new = (int(x) for x in a.prefix.split(","))
-  shared = rng.integers(3, vocab, cached).tolist()
-  ttft(engine, shared + rng.integers(3, vocab, new).tolist())
-  hits = engine.stats.prefix_hit_tokens
-  warm = ttft(engine, shared + rng.integers(3, vocab, new).tolist())
-  cold = ttft(engine, rng.integers(3, vocab, cached + new).tolist())
-  out["prefix"] = {"cold_s": cold, "hit_s": warm, "speedup": cold / warm,
-                   "hit_tokens": engine.stats.prefix_hit_tokens - hits}
-  print(f"{cached + new}-token prompt, {cached} cached: {warm * 1e3:.1f} ms against {cold * 1e3:.1f} ms cold "
-        f"({cold / warm:.1f}x; {out['prefix']['hit_tokens']} tokens hit)", flush=True)
-
+  if a.prefix:
+    prefix_hit(engine, a.prefix, rng, out)
   if a.stream:
     lo, hi, olo, ohi = (int(x) for x in a.stream_lengths.split(","))
     out["stream"] = stream(engine, a.stream, a.rate, rng, (lo, hi), (olo, ohi))
