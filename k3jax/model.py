@@ -195,7 +195,9 @@ class K3Model(nnx.Module):
   def logits(self, h: jax.Array) -> jax.Array:
     """``[..., d]`` -> ``[..., V]`` float32 (for few tokens; training uses losses.cross_entropy)."""
     acc = jnp.promote_types(h.dtype, jnp.float32)
-    return jnp.dot(h.astype(acc), self.lm_head.kernel[...].astype(acc))
+    # bf16 x bf16 products accumulate in float32 without an f32 copy of the head (decode reads it
+    # every step)
+    return jnp.dot(h, self.lm_head.kernel[...], preferred_element_type=acc)
 
   def __call__(self, input_ids, *, segment_ids=None):
     """input_ids ``[B, T]`` int32 -> logits ``[B, T, V]`` float32."""

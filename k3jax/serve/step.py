@@ -56,10 +56,14 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temper
   """``[N, V]`` logits -> ``[N]`` int32 tokens: greedy where ``temperature <= 0``, else drawn with
   key ``fold_in(key(seeds[n]), counters[n])`` from :func:`filter_logits`."""
   greedy = temperature <= 0.0
-  keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
-  x = filter_logits(logits, jnp.where(greedy, 1.0, temperature), top_p, top_k)
-  drawn = jax.vmap(jax.random.categorical)(keys, x)
-  return jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+  best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  def draw():  # the vocabulary sort only when some row samples
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+    x = filter_logits(logits, jnp.where(greedy, 1.0, temperature), top_p, top_k)
+    return jnp.where(greedy, best, jax.vmap(jax.random.categorical)(keys, x)).astype(jnp.int32)
+
+  return jax.lax.cond(jnp.all(greedy), lambda: best, draw)
 
 
 def forward(model: K3Model, pools: list[dict], tokens, starts, nvalid, page_table, slots, *,
