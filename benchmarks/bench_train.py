@@ -44,7 +44,7 @@ import sharding  # noqa: E402
 from k3jax import config as config_lib, data as data_lib, flops  # noqa: E402
 from k3jax import train_step as step_lib  # noqa: E402
 from k3jax.train_state import abstract_train_state, init_train_state  # noqa: E402
-from timing import COLLECTIVES, kernel_times  # noqa: E402
+from timing import COLLECTIVES, kernel_times, report_kernels  # noqa: E402
 
 SCOPES = ("embed", "kda", "mla", "attn_res", "moe", "mlp", "router", "balance", "permute",
           "experts", "unpermute", "shared_experts", "lm_head_loss", "optimizer")
@@ -248,26 +248,6 @@ def device_memory_free() -> int | None:
   except (OSError, ValueError, subprocess.SubprocessError):
     return None
   return total - used
-
-
-def report_kernels(by_kind: dict, by_name: dict, by_device: dict, steps: int) -> None:
-  """Prints GPU kernel time per step by kind (all devices, then each device) and the top kernels."""
-  total = sum(by_kind.values())
-  if not total:
-    print("no GPU events found in the trace")
-    return
-  n_dev = max(len(by_device), 1)
-  print(f"GPU kernel time over {steps} steps: {total / steps / 1e3 / n_dev:.1f} ms per step per "
-        f"device ({n_dev} devices)")
-  for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
-    print(f"  {k:58s} {v / steps / 1e3 / n_dev:8.1f} ms  {v / total:6.1%}")
-  if n_dev > 1:
-    for d, kinds in by_device.items():
-      print(f"  {d}: " + ", ".join(f"{k.split(' ')[0]} {v / steps / 1e3:.1f}"
-                                   for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])) + " ms")
-  print("top kernels:")
-  for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:25]:
-    print(f"  {v / steps / 1e3 / n_dev:8.2f} ms  {k[:110]}")
 
 
 if __name__ == "__main__":

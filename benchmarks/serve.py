@@ -37,7 +37,6 @@ from k3jax.serve.types import SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import timing  # noqa: E402
-from bench_train import report_kernels as timing_report  # noqa: E402
 
 
 def copy_bandwidth(gib: float = 4.0) -> float:
@@ -117,7 +116,7 @@ def decode_rate(engine: Engine, batch: int, context: int, steps: int, rng,
     print(f"  profile B{batch}: GPU busy {busy / steps / 1e3:.2f} ms of {span / steps / 1e3:.2f} ms "
           f"per step, {kernels / steps:.0f} kernels per step", flush=True)
     by_kind, by_name, by_device, _ = timing.kernel_times(profile)
-    timing_report(by_kind, by_name, by_device, steps)
+    timing.report_kernels(by_kind, by_name, by_device, steps)
   while engine.has_work():
     engine.step()
   return secs
