@@ -2,9 +2,10 @@
 
 Each step directory holds three items: ``state`` (a pytree of arrays: parameters, optimizer state,
 router biases, rng key data, ...; saved asynchronously), ``data`` (the grain iterator state of
-every process) and ``meta`` (JSON: step, stage, counters). Orbax writes each checkpoint under a
-temporary name and renames it when complete, so a crash mid-save leaves a temporary directory,
-never a half-written step.
+every process) and ``meta`` (JSON: step, stage, counters). On a local path Orbax writes each
+checkpoint under a temporary name and renames it when complete; on ``gs://`` (no renames) it writes
+the step's objects in place and a ``commit_success.txt`` marker last, and only steps with the marker
+count. Either way a crash mid-save leaves an incomplete directory, never a half-written step.
 
 Every save records a fingerprint of each array of ``state`` in ``meta`` (``checksums``: two sums of
 the array's bits, computed on device, see :func:`fingerprints`) and refuses a state holding a
@@ -25,13 +26,14 @@ from __future__ import annotations
 
 import math
 import sys
-from pathlib import Path
 from typing import Any, Callable
 
 import grain
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+
+from k3jax import storage
 
 ITEMS = ("state", "data", "meta")
 
@@ -105,8 +107,8 @@ def _say(msg: str) -> None:
 class Checkpointer:
   """Saves and restores (state pytree, grain iterator, meta dict) by step."""
 
-  def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
-    self.directory = Path(directory).absolute()
+  def __init__(self, directory, *, keep: int = 3, async_save: bool = True):
+    self.directory = storage.checkpoint_path(directory)
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
@@ -141,8 +143,9 @@ class Checkpointer:
     if not self.directory.is_dir():
       return
     complete = {str(s) for s in self.manager.all_steps()}
-    for p in sorted(self.directory.iterdir()):
-      if p.is_dir() and p.name not in complete and ".orbax-checkpoint-tmp" in p.name:
+    for p in sorted(self.directory.iterdir()):  # a temporary name, or a step without its marker
+      if p.is_dir() and p.name not in complete and (".orbax-checkpoint-tmp" in p.name
+                                                    or p.name.isdigit()):
         _say(f"skipping incomplete checkpoint {p} (an interrupted save)")
 
   def _restore(self, step: int, **items) -> Any:
@@ -161,7 +164,7 @@ class Checkpointer:
       raise _Unreadable(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                         ) from e
 
-  def _set_aside(self, path: Path, why: str) -> None:
+  def _set_aside(self, path: storage.AnyPath, why: str) -> None:
     """Renames the checkpoint at ``path`` to ``<step>.corrupt`` (``.corrupt2``, ... when taken)."""
     target = path.with_name(f"{path.name}.corrupt")
     n = 1

@@ -401,10 +401,11 @@ def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> Config
 
 def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
   """Loads a YAML config, applies ``key=value`` overrides and validates the result."""
-  path = Path(path)
+  from k3jax import storage
+  given, path = path, storage.path(path)
   if not path.is_file():
-    raise ConfigError(f"config file {str(path)!r} does not exist")
-  with open(path) as f:
+    raise ConfigError(f"config file {str(given)!r} does not exist")
+  with path.open() as f:
     data = yaml.safe_load(f) or {}
   if not isinstance(data, dict):
     raise ConfigError(f"{path}: top level must be a mapping")

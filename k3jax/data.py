@@ -4,7 +4,8 @@ Sources (``data.source``): ``"stdlib"`` (the ``.py`` files of this Python's stan
 embedded default), or a file, directory or glob of ``.txt``/``.py``/``.md`` text (one document per
 file), ``.jsonl`` (one document per line, ``data.text_field``), ``.parquet`` (one document per row,
 ``data.text_field``) or ``.array_record`` (pre-tokenised: each record is one document's token ids
-as little-endian int32 bytes).
+as little-endian int32 bytes; ``python -m k3jax.pretokenize`` writes them). Paths may be local or
+object-store URLs (``gs://bucket/corpus/*.jsonl``, :mod:`k3jax.storage`).
 
 Tokenizers (``data.tokenizer``, :mod:`k3jax.tokenizer`): ``"byte"`` (UTF-8 bytes 0-255), a HF
 ``tokenizer.json`` path, or a tiktoken-format BPE file (Kimi's ``tiktoken.model``).
@@ -18,17 +19,21 @@ padding), ``positions`` (position inside the piece) and ``weights`` (float32, 1 
 padding).
 
 The held-out split is decided per document by a hash of its key (relative file path, or
-``path:line`` / ``path:row`` / record index), so it never changes with the shuffle seed. Each
-process reads its own slice of the documents (``jax.process_index()::jax.process_count()``).
+``file:line`` / ``file:row`` / ``file:record``), so it never changes with the shuffle seed.
+
+Several processes (one per host of a pod): text, JSONL and Parquet sources are indexed whole on
+every host, which then reads its own slice of the documents (``process_index::process_count``).
+ArrayRecord shards are split by file instead: host ``p`` of ``P`` opens only the files
+``p, p + P, ...`` of the sorted list (at least ``P`` files are needed), so start-up reads
+nothing of the others' shards; remote shards are copied to a local cache first
+(:func:`k3jax.storage.local_copy`: ArrayRecord reads local files).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import hashlib
 import json
-import os
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from k3jax import storage
 from k3jax.config import Config, ConfigError
 from k3jax.tokenizer import HFTokenizer, Tokenizer, make_tokenizer
 
@@ -127,7 +133,7 @@ class JsonlLines:
     for p in paths:
       offset = 0
       try:
-        with open(p, "rb") as f:
+        with p.open("rb") as f:
           for n, line in enumerate(f):
             if line.strip():
               self.sizes.append(len(self._text(line, f"{p}:{n + 1}")))
@@ -155,10 +161,16 @@ class JsonlLines:
 
   def __getitem__(self, i: int) -> str:
     path, offset = self.index[i]
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
       f.seek(offset)
       line = f.readline()
     return self._text(line, f"{path} at byte {offset}")
+
+
+def _parquet(path: storage.AnyPath):
+  """``pyarrow.parquet.ParquetFile`` of a local path or a URL (through an fsspec file)."""
+  import pyarrow.parquet as pq
+  return pq.ParquetFile(path.open("rb") if storage.is_remote(path) else path)
 
 
 class ParquetRows:
@@ -167,13 +179,12 @@ are not known up front: ``sizes`` is None)."""
   sizes, skipped = None, []
 
   def __init__(self, paths: list[Path], field: str):
-    import pyarrow.parquet as pq
     self.field = field
     self.index: list[tuple[Path, int, int]] = []
     self.keys = []
     for p in paths:
       try:
-        meta = pq.ParquetFile(p)
+        meta = _parquet(p)
       except Exception as e:  # OSError, or pyarrow's own errors for a file that is not Parquet
         raise DataError(f"{p}: cannot read as Parquet ({e})") from e
       if field not in meta.schema_arrow.names:
@@ -190,32 +201,37 @@ are not known up front: ``sizes`` is None)."""
     return len(self.index)
 
   def __getitem__(self, i: int) -> str:
-    import pyarrow.parquet as pq
     path, group, row = self.index[i]
     if self._cache is None or self._cache[0] != (path, group):
-      table = pq.ParquetFile(path).read_row_group(group, columns=[self.field])
+      table = _parquet(path).read_row_group(group, columns=[self.field])
       self._cache = ((path, group), table.column(self.field).to_pylist())
     return self._cache[1][row]
 
 
 class TokenRecords:
   """Pre-tokenised ArrayRecord files: each record is one document's int32 ids (document sizes are
-not known up front: ``sizes`` is None)."""
+not known up front: ``sizes`` is None); keys are ``file:record``. Only the files given are
+opened (a host's own shards, see :func:`open_source`)."""
   sizes, skipped = None, []
 
-  def __init__(self, paths: list[Path]):
-    try:
-      self._src = grain.sources.ArrayRecordDataSource([str(p) for p in paths])
-    except Exception as e:  # the library's errors name no file
-      raise DataError(f"data.source: cannot read the ArrayRecord files {[str(p) for p in paths]} "
-                      f"({e})") from e
-    self.keys = [str(i) for i in range(len(self._src))]
+  def __init__(self, paths: list[storage.AnyPath]):
+    self._files, self.keys = [], []
+    for p in paths:
+      try:
+        src = grain.sources.ArrayRecordDataSource([str(storage.local_copy(p))])
+      except Exception as e:  # the library's errors name no file
+        raise DataError(f"data.source: cannot read the ArrayRecord file {p} ({e})") from e
+      self._files.append(src)
+      self.keys += [f"{p.name}:{r}" for r in range(len(src))]
+    self._ends = np.cumsum([len(f) for f in self._files])
 
   def __len__(self) -> int:
-    return len(self._src)
+    return len(self.keys)
 
   def __getitem__(self, i: int) -> np.ndarray:
-    return np.frombuffer(self._src[i], dtype="<i4").astype(np.int32)
+    f = int(np.searchsorted(self._ends, i, side="right"))
+    record = self._files[f][i - (int(self._ends[f - 1]) if f else 0)]
+    return np.frombuffer(record, dtype="<i4").astype(np.int32)
 
 
 class Subset:
@@ -239,17 +255,24 @@ def stdlib_files() -> tuple[list[Path], Path]:
   return sorted(files, key=lambda p: str(p.relative_to(root))), root
 
 
-def _expand(source: str) -> tuple[list[Path], Path]:
-  p = Path(source)
+def _expand(source: str) -> tuple[list[storage.AnyPath], storage.AnyPath]:
+  """(the data files of ``source``: a directory, file or glob; the directory keys are relative to)."""
+  p = storage.path(source)
   if p.is_dir():
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES + RECORD_SUFFIXES)
+    return [f for f in storage.files_under(p) if f.suffix in TEXT_SUFFIXES + RECORD_SUFFIXES], p
+  files = storage.glob(source)
+  if not files:
     return files, p
-  files = sorted(Path(f) for f in glob.glob(source, recursive=True) if os.path.isfile(f))
-  return files, Path(os.path.commonpath([f.parent for f in files])) if files else p
+  root = files[0].parent
+  while not all(f.is_relative_to(root) for f in files):
+    root = root.parent
+  return files, root
 
 
-def open_source(source: str, text_field: str = "text"):
-  """The document source named by ``data.source`` (see the module docstring)."""
+def open_source(source: str, text_field: str = "text", *, process_index: int = 0,
+                process_count: int = 1):
+  """The document source named by ``data.source`` (see the module docstring); of ArrayRecord
+  files only those of process ``process_index`` of ``process_count``."""
   if source == "stdlib":
     files, root = stdlib_files()
     return TextFiles(files, root)
@@ -265,7 +288,11 @@ def open_source(source: str, text_field: str = "text"):
   if kind == ".parquet":
     return ParquetRows(files, text_field)
   if kind == ".array_record":
-    return TokenRecords(files)
+    if len(files) < process_count:
+      raise DataError(f"data.source: {source!r} holds {len(files)} ArrayRecord files for "
+                      f"{process_count} processes, which read whole files each; write at least "
+                      f"{process_count} shards (python -m k3jax.pretokenize SRC DST --shards N)")
+    return TokenRecords(files[process_index::process_count])
   bad = [f for f in files if f.suffix not in TEXT_SUFFIXES]
   if bad:
     raise DataError(f"data.source: unsupported file type {bad[0].suffix!r} ({bad[0]}); "
@@ -329,7 +356,8 @@ class Data:
       raise DataError(f"data.tokenizer: vocabulary of {self.tokenizer.vocab_size} ids does not fit "
                       f"model.vocab_size={m.vocab_size}")
     check_special_ids(cfg, self.tokenizer)
-    self.source = open_source(cfg.data.source, cfg.data.text_field)
+    self.source = open_source(cfg.data.source, cfg.data.text_field, process_index=process_index,
+                              process_count=process_count)
     if isinstance(self.source, TokenRecords) and cfg.data.tokenizer != "byte":
       raise DataError("data.tokenizer: ArrayRecord sources are pre-tokenised; leave data.tokenizer as 'byte'")
     if not len(self.source):
@@ -372,7 +400,8 @@ class Data:
     if not indices:
       raise DataError(f"no {split} documents (data.eval_fraction={self.cfg.data.eval_fraction})")
     ds = grain.MapDataset.source(Subset(self.source, indices))
-    ds = ds[self.process_index::self.process_count]
+    if not isinstance(self.source, TokenRecords):  # those hold this process's files only
+      ds = ds[self.process_index::self.process_count]
     if len(ds) == 0:
       raise DataError(f"{split} split has {len(indices)} documents, fewer than the "
                       f"{self.process_count} processes")

@@ -203,14 +203,14 @@ def load_model(config: str, overrides: list[str], *, checkpoint: str | None = No
   else the checkpoint's own, else the run's (or, without a checkpoint, the config's)
   ``data.tokenizer``. Returns ``(cfg, model, tokenizer)``: ``cfg`` is ``config`` with the
   overrides and the model's config."""
-  from k3jax import cli, pretrained, run_dir
+  from k3jax import cli, pretrained, run_dir, storage
   from k3jax import config as config_lib
   if checkpoint is None:
     cfg = cli.load(config, overrides)
     model = K3Model(cfg.model, rngs=nnx.Rngs(seed))
     spec = tokenizer or cfg.data.tokenizer
   else:
-    ckpt = Path(checkpoint)
+    ckpt = storage.path(checkpoint)
     mine = [o for o in overrides if o.startswith("model.")]
     model = pretrained.from_pretrained(ckpt, overrides=mine)
     cfg = dataclasses.replace(cli.load(config, [o for o in overrides if o not in mine]),

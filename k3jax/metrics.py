@@ -4,6 +4,9 @@
 Non-finite numbers are written as ``null`` so that every line is strict JSON. A run that starts at
 step ``s`` (a resume, or 0) first drops the records past ``s`` (those of steps it is about to run
 again, and a line cut short by a kill), so every step appears once.
+
+An object store cannot append: in a remote run directory (``gs://``) ``metrics.jsonl`` is
+uploaded whole, at most every :data:`UPLOAD_EVERY_S` seconds and when the run ends.
 """
 
 from __future__ import annotations
@@ -11,10 +14,14 @@ from __future__ import annotations
 import json
 import math
 import sys
-from pathlib import Path
+import time
 from typing import Any
 
 import numpy as np
+
+from k3jax import storage
+
+UPLOAD_EVERY_S = 30.0
 
 
 def _plain(v: Any) -> Any:
@@ -32,7 +39,7 @@ def _plain(v: Any) -> Any:
   return v
 
 
-def _tb_writer(log_dir: Path):
+def _tb_writer(log_dir: storage.AnyPath):
   """tensorboardX's writer when the ``[tensorboard]`` extra is installed, else None."""
   try:
     from tensorboardX import SummaryWriter
@@ -41,16 +48,15 @@ def _tb_writer(log_dir: Path):
   return SummaryWriter(str(log_dir))
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-  with open(path) as f:
+def read_jsonl(path) -> list[dict]:
+  with storage.path(path).open() as f:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def truncate(path: Path, step: int) -> None:
-  """Keeps the records of ``path`` up to ``step`` (and drops lines that are not JSON objects),
-  replacing the file in one rename."""
+def _kept(path: storage.AnyPath, step: int) -> list[str]:
+  """The lines of ``path`` holding records up to ``step`` (not those that are not JSON objects)."""
   kept = []
-  with open(path) as f:
+  with path.open() as f:
     for line in f:
       try:
         record = json.loads(line)
@@ -58,22 +64,32 @@ def truncate(path: Path, step: int) -> None:
         continue
       if isinstance(record, dict) and record.get("step", 0) <= step:
         kept.append(line if line.endswith("\n") else line + "\n")
-  tmp = path.with_name(f".{path.name}.tmp")
-  tmp.write_text("".join(kept))
-  tmp.replace(path)
+  return kept
+
+
+def truncate(path: storage.AnyPath, step: int) -> None:
+  """Keeps the records of ``path`` up to ``step`` (and drops lines that are not JSON objects),
+  replacing the file at once."""
+  storage.write_text(path, "".join(_kept(path, step)))
 
 
 class Metrics:
   """Writes metrics of a run (only on process 0 when ``enabled`` is False elsewhere)."""
 
-  def __init__(self, run_dir: str | Path, *, total_steps: int, start_step: int,
+  def __init__(self, run_dir, *, total_steps: int, start_step: int,
                enabled: bool = True, progress: bool = True):
     self.enabled = enabled
-    self.path = Path(run_dir) / "metrics.jsonl"
-    if enabled and self.path.exists():
-      truncate(self.path, start_step)
-    self._file = open(self.path, "a") if enabled else None
-    self._tb = _tb_writer(Path(run_dir) / "tensorboard") if enabled else None
+    run_dir = storage.path(run_dir)
+    self.path = run_dir / "metrics.jsonl"
+    self._file = self._lines = None
+    self._uploaded = time.monotonic()
+    if enabled and storage.is_remote(self.path):  # every line, uploaded whole
+      self._lines = _kept(self.path, start_step) if self.path.exists() else []
+    elif enabled:
+      if self.path.exists():
+        truncate(self.path, start_step)
+      self._file = open(self.path, "a")
+    self._tb = _tb_writer(run_dir / "tensorboard") if enabled else None
     self._bar = None
     if enabled and progress:
       from tqdm import tqdm
@@ -85,8 +101,13 @@ class Metrics:
     if not self.enabled:
       return
     record = _plain(record)
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
+    if self._lines is not None:
+      self._lines.append(json.dumps(record) + "\n")
+      if time.monotonic() - self._uploaded >= UPLOAD_EVERY_S:
+        self._upload()
+    else:
+      self._file.write(json.dumps(record) + "\n")
+      self._file.flush()
     if self._tb is not None:
       for k, v in record.items():
         if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -112,10 +133,16 @@ class Metrics:
       print(msg, flush=True)
     sys.stdout.flush()
 
+  def _upload(self) -> None:
+    storage.write_text(self.path, "".join(self._lines))
+    self._uploaded = time.monotonic()
+
   def close(self) -> None:
     if self._bar is not None:
       self._bar.close()
     if self._file is not None:
       self._file.close()
+    if self._lines is not None:
+      self._upload()
     if self._tb is not None:
       self._tb.close()

@@ -1,5 +1,6 @@
 """``from_pretrained``: a K3Model from an HF checkpoint directory, a converted Orbax directory, or
-a ``train.py`` run directory (its newest complete checkpoint, or ``RUN_DIR/checkpoints/<step>``).
+a ``train.py`` run directory (its newest complete checkpoint, or ``RUN_DIR/checkpoints/<step>``),
+each a local path (relative ones from the working directory) or a URL (``gs://``, :mod:`k3jax.storage`).
 
 :func:`read_weights` is the part ``train.init_from`` shares: the weights of any of these
 directories, checked name by name and shape by shape against a config's model.
@@ -16,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax import config as config_lib
-from k3jax import convert, run_dir
+from k3jax import convert, run_dir, storage
 from k3jax.config import ModelConfig
 from k3jax.model import K3Model
 from k3jax.train_state import abstract_model
@@ -30,7 +31,7 @@ def _is_orbax(path: Path) -> bool:
 def checkpoint_config(path: str | Path, config: str | Path | None = None) -> ModelConfig:
   """The model config stored with the weights in ``path`` (``config``: a k3jax YAML overriding
   it, for Orbax directories)."""
-  path = Path(path).absolute()  # Orbax reads absolute paths only
+  path = storage.path(path)  # absolute: Orbax reads absolute paths only
   if not path.is_dir():
     raise convert.ConversionError(f"{path} is not a directory")
   if _is_orbax(path):
@@ -53,7 +54,7 @@ def read_weights(path: str | Path, cfg: ModelConfig, *, shardings: dict | None =
   """{model path: array} of every variable of ``K3Model(cfg)`` read from ``path``; one
   ``ConversionError`` lists every missing parameter and every shape that differs from ``cfg``'s.
   ``shardings`` (model path -> sharding): Orbax directories are read shard by shard."""
-  path = Path(path).absolute()
+  path = storage.path(path)
   want = {key_of(p): v for p, v in jax.tree_util.tree_flatten_with_path(
       nnx.to_pure_dict(nnx.state(abstract_model(cfg))))[0]}
   if _is_orbax(path):
@@ -83,7 +84,7 @@ def from_pretrained(path: str | Path, *, dtype: str | None = None,
   overrides: ``model.*=value`` items applied to the config (e.g. ``model.kda.implementation=naive``).
   The model called on int32 ``input_ids [B, T]`` returns float32 logits ``[B, T, vocab]``.
   """
-  path = Path(path)
+  path = storage.path(path)
   cfg = checkpoint_config(path, config)
   if overrides:
     cfg = config_lib.from_dict({"model": config_lib.to_dict(cfg)}, overrides).model

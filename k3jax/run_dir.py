@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from k3jax import storage
+
 # The subtrees of a checkpoint's state that are the model's variables, by their model paths.
 WEIGHT_FIELDS = ("params", "biases")
 
@@ -21,12 +23,12 @@ class RunDirError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RunCheckpoint:
-  run_dir: Path
+  run_dir: storage.AnyPath
   step: int
-  state_dir: Path  # the Orbax tree of the checkpoint's ``state`` item
+  state_dir: storage.AnyPath  # the Orbax tree of the checkpoint's ``state`` item
 
   @property
-  def config_path(self) -> Path:
+  def config_path(self) -> storage.AnyPath:
     return self.run_dir / "config.yaml"
 
 
@@ -34,7 +36,7 @@ def find(path: str | Path) -> RunCheckpoint | None:
   """The checkpoint ``path`` names: a run directory (its newest complete checkpoint) or one of
   its ``checkpoints/<step>`` directories; None when ``path`` is neither."""
   from k3jax.checkpoint import Checkpointer
-  path = Path(path).absolute()  # Orbax reads absolute paths only
+  path = storage.path(path)  # absolute: Orbax reads absolute paths only
   if (path / "state").is_dir() and path.parent.name == "checkpoints" and path.name.isdigit():
     run = path.parent.parent
     if not (run / "config.yaml").is_file():

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Protocol
 
+from k3jax import storage
+
 # Kimi's pre-tokenisation pattern (tokenization_kimi.py of the K2/K3 releases).
 KIMI_PATTERN = "|".join([
     r"""[\p{Han}]+""",
@@ -112,7 +114,7 @@ def make_tokenizer(spec: str | Path, *, name: str = "data.tokenizer") -> Tokeniz
   (``tokenizer.json`` first, then ``tiktoken.model``). ``name`` is the setting that errors name."""
   if str(spec) == "byte":
     return ByteTokenizer()
-  path = Path(spec)
+  path = storage.path(spec)
   if path.is_dir():
     found = [path / f for f in ("tokenizer.json", "tiktoken.model") if (path / f).is_file()]
     if not found:
@@ -121,6 +123,7 @@ def make_tokenizer(spec: str | Path, *, name: str = "data.tokenizer") -> Tokeniz
     path = found[0]
   elif not path.is_file():
     raise TokenizerError(f"{name}: {str(spec)!r} is neither 'byte' nor an existing file or directory")
+  path = storage.local_copy(path)  # the tokenizer libraries open local files
   try:
     if path.suffix == ".json":
       return HFTokenizer(path)

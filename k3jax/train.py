@@ -27,7 +27,7 @@ import signal
 import sys
 import tempfile
 import time
-from pathlib import Path
+import uuid
 from typing import Callable
 
 import jax
@@ -40,6 +40,7 @@ from k3jax import config as config_lib
 from k3jax import data as data_lib
 from k3jax import flops as flops_lib
 from k3jax import metrics as metrics_lib
+from k3jax import storage
 from k3jax import tokenizer as tokenizer_lib
 from k3jax import train_step as step_lib
 from k3jax.data import stage_at, stages
@@ -60,7 +61,7 @@ class TrainError(RuntimeError):
 
 def parse_args(argv):
   p = cli.parser("train.py", "Pre-trains a K3 model.", config_default=DEFAULT_CONFIG)
-  p.add_argument("--run-dir", default=None, help="run directory (default runs/<model.name>)")
+  p.add_argument("--run-dir", default=None, help="run directory: a local path or gs://BUCKET/PATH (default runs/<model.name>)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   return cli.parse(p, argv)
 
@@ -70,7 +71,7 @@ def init_weights(cfg: config_lib.Config, state):
   cast to its dtype and placed as its sharding; every name and shape is checked against the
   config first (:func:`k3jax.pretrained.read_weights`)."""
   from k3jax import pretrained
-  src = Path(cfg.train.init_from)
+  src = storage.path(cfg.train.init_from)
   if not src.is_dir():
     raise TrainError(f"train.init_from: {src} is not a directory")
   leaves = [leaf for tree in (state.params, state.biases)
@@ -105,18 +106,24 @@ def check_layout(cfg: config_lib.Config, num_devices: int) -> None:
                                    f"{sizes['context']}")
 
 
-def _check_writable(path: Path) -> None:
+def _check_writable(path: storage.AnyPath) -> None:
   """Creates ``path`` if needed and a file of a unique name in it (removed at once): permissions
-  alone do not tell (root writes anyway, a read-only mount refuses anyway)."""
+  alone do not tell (root writes anyway, a read-only mount refuses anyway; a bucket's access
+  rights are only known by writing)."""
   try:
     path.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-"):
-      pass
+    if storage.is_remote(path):
+      probe = path / f".write-probe-{uuid.uuid4().hex}"
+      probe.write_text("")
+      probe.unlink()
+    else:
+      with tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-"):
+        pass
   except OSError as e:
     raise TrainError(f"cannot write to {path}: {e.strerror or e}; use a writable --run-dir") from e
 
 
-def check_run_dir(run_dir: Path, cfg: config_lib.Config) -> None:
+def check_run_dir(run_dir: storage.AnyPath, cfg: config_lib.Config) -> None:
   """Refuses a run directory (or its ``checkpoints``) that cannot be written, and on a resume a
   different model (keys the saved config lacks take their defaults)."""
   _check_writable(run_dir)
@@ -130,12 +137,10 @@ def check_run_dir(run_dir: Path, cfg: config_lib.Config) -> None:
                        "use another --run-dir")
 
 
-def record_config(run_dir: Path, cfg: config_lib.Config) -> None:
+def record_config(run_dir: storage.AnyPath, cfg: config_lib.Config) -> None:
   """Writes ``config.yaml``: the settings the run goes on with, once it has started from them."""
-  path = run_dir / "config.yaml"
-  tmp = path.with_name(".config.yaml.tmp")
-  tmp.write_text(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))
-  tmp.replace(path)
+  storage.write_text(run_dir / "config.yaml",
+                     yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))
 
 
 def keep_data_position(cfg: config_lib.Config) -> Callable[[dict], bool]:
@@ -189,14 +194,15 @@ def evaluate(eval_fn, params, biases, data: data_lib.Data, seq_len: int, batches
   return loss / max(weight, 1.0)
 
 
-def train(cfg: config_lib.Config, run_dir: Path, *, progress: bool = True) -> dict:
-  """Runs (or resumes) the training of ``cfg`` in ``run_dir``; returns the last metrics record."""
+def train(cfg: config_lib.Config, run_dir, *, progress: bool = True) -> dict:
+  """Runs (or resumes) the training of ``cfg`` in ``run_dir`` (a local path or ``gs://`` URL);
+  returns the last metrics record."""
   sharding.mesh.initialize_distributed()
   with sharding.layout(cfg.mesh):
-    return _train(cfg, run_dir, progress)
+    return _train(cfg, storage.checkpoint_path(run_dir), progress)
 
 
-def _train(cfg: config_lib.Config, run_dir: Path, progress: bool) -> dict:
+def _train(cfg: config_lib.Config, run_dir: storage.AnyPath, progress: bool) -> dict:
   check_layout(cfg, jax.device_count())
   check_run_dir(run_dir, cfg)
   # The mesh of cfg.mesh (one device: every axis 1). The state is built outside the mesh context
@@ -401,10 +407,10 @@ def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
   try:
     cfg = cli.load(args.config, args.overrides)
-    run_dir = Path(args.run_dir or f"runs/{cfg.model.name}")
-    train(cfg, run_dir, progress=not args.no_progress)
+    train(cfg, args.run_dir or f"runs/{cfg.model.name}", progress=not args.no_progress)
   except (config_lib.ConfigError, data_lib.DataError, tokenizer_lib.TokenizerError, TrainError,
-          checkpoint_lib.LayoutError, convert.ConversionError, run_dir_lib.RunDirError) as e:
+          checkpoint_lib.LayoutError, convert.ConversionError, run_dir_lib.RunDirError,
+          storage.StorageError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   return 0

@@ -15,9 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from k3jax import cli
+from k3jax import cli, storage
 from k3jax.config import ConfigError
 from k3jax.convert import ConversionError, hf_to_orbax, orbax_to_hf
 from k3jax.run_dir import RunDirError
@@ -68,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     args.cmd = argv[0]
   else:
     args = ap.parse_args(argv)
-  src, dst = Path(args.src).absolute(), Path(args.dst).absolute()  # Orbax takes absolute paths
   try:
+    src, dst = storage.path(args.src), storage.path(args.dst)  # absolute: as Orbax needs
     if args.cmd == "hf-to-orbax":
       stats = hf_to_orbax(src, dst, dtype=args.dtype, mesh=_mesh(args.mesh),
                           progress=not args.no_progress)
@@ -77,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
       config = cli.resolve_config(args.config) if args.config else None
       stats = orbax_to_hf(src, dst, config=config, experts=args.experts,
                           progress=not args.no_progress)
-  except (ConversionError, ConfigError, RunDirError) as e:
+  except (ConversionError, ConfigError, RunDirError, storage.StorageError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(json.dumps({"command": args.cmd, "src": args.src, "dst": args.dst, **stats}))

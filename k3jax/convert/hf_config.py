@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 from k3jax import config as config_lib
+from k3jax import storage
 from k3jax.config import ModelConfig
 from k3jax.convert.errors import ConversionError
 
@@ -225,7 +226,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 def read_hf_config(src: Path) -> dict:
   """The ``config.json`` of the HF directory ``src`` as a dict."""
-  path = Path(src) / "config.json"
+  path = storage.path(src) / "config.json"
   if not path.is_file():
     raise ConversionError(f"{src}: config.json not found")
   try:

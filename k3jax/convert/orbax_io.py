@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from k3jax import config as config_lib
-from k3jax import run_dir
+from k3jax import run_dir, storage
 from k3jax.config import ModelConfig
 from k3jax.convert.errors import ConversionError
 from k3jax.convert.hf_config import config_from_hf, read_hf_config
@@ -112,7 +112,7 @@ class OrbaxReader:
 
   def __init__(self, directory: str | Path, *, subtrees: tuple[str, ...] = ()):
     import orbax.checkpoint as ocp
-    self.dir = Path(directory)
+    self.dir = storage.checkpoint_path(directory)
     meta = ocp.PyTreeCheckpointer().metadata(self.dir)
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
@@ -134,7 +134,7 @@ class OrbaxReader:
     from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
     t = self._open.get(path)
     if t is None:
-      kv = ts_utils.build_kvstore_tspec(self.dir.as_posix(), name=self.stored[path],
+      kv = ts_utils.build_kvstore_tspec(str(self.dir), name=self.stored[path],
                                         use_ocdbt=(self.dir / "manifest.ocdbt").exists())
       ctx = ts_utils.get_ts_context(use_ocdbt=True)
       try:
@@ -181,7 +181,7 @@ def load_orbax_params(src: str | Path, *, config: str | Path | None = None,
   {our path: np.ndarray}); with ``shardings`` (our path -> ``jax.sharding.Sharding`` for every
   parameter) each device reads only its shard and the values are ``jax.Array``."""
   import orbax.checkpoint as ocp
-  src = Path(src)
+  src = storage.checkpoint_path(src)
   run = run_dir.find(src)  # once for config, tree and verify
   cfg = load_orbax_config(src, config, run)
   ckpt, subtrees = orbax_tree(src, run)

@@ -1,21 +1,26 @@
-"""What both directions share in writing their output: a staging directory renamed into place
+"""What both directions share in writing their output: a staging directory published in place
 only when complete (and removed on Ctrl-C or ``kill``), a progress bar over bytes, and the stats
-they return."""
+they return.
+
+Locally the staging directory is renamed to the destination. On an object store (``gs://``) it is a
+temporary prefix next to the destination whose objects are copied under the destination when
+complete, the files that make the directory valid last (``config.json`` of an HF directory;
+``params/_METADATA`` then ``config.json`` of an Orbax one): a copy cut short leaves a destination
+that no reader takes for a checkpoint (:func:`k3jax.storage.publish`)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import re
-import shutil
 import signal
 import socket
 import sys
 import threading
 import uuid
-from pathlib import Path
 from typing import Iterator
 
+from k3jax import storage
 from k3jax.convert.errors import ConversionError
 
 
@@ -84,14 +89,14 @@ _HOST = socket.gethostname()
 _TMP = re.compile(r"\.(?P<name>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}")
 
 
-def _stale_temporaries(dst: Path):
+def _stale_temporaries(dst: storage.AnyPath):
   """Removes the staging directories of earlier conversions into ``dst`` killed on this host;
   raises :class:`ConversionError` naming one whose process still runs or ran elsewhere."""
   for tmp in sorted(dst.parent.glob(f".{dst.name}.tmp-*")):
     m = _TMP.fullmatch(tmp.name)
     if m and m["name"] == dst.name and m["host"] == _HOST and not _alive(int(m["pid"])):
       print(f"removing {tmp}, left by an interrupted conversion", file=sys.stderr)
-      shutil.rmtree(tmp, ignore_errors=True)
+      storage.rmtree(tmp)
     else:
       raise ConversionError(f"{tmp} is another conversion into {dst} (still running, or on another "
                             "host); remove it if none is")
@@ -108,8 +113,9 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def staged_dir(dst: Path) -> Iterator[Path]:
-  """A new temporary directory next to ``dst``, renamed to ``dst`` when the block completes and
+def staged_dir(dst: storage.AnyPath, last: tuple[str, ...] = ()) -> Iterator[storage.AnyPath]:
+  """A new temporary directory next to ``dst``, published as ``dst`` when the block completes
+  (``last``: the files inside it that make it valid, see :func:`k3jax.storage.publish`) and
   removed when it raises or SIGINT / SIGTERM arrives (see :func:`check_interrupt`), so a failed
   or interrupted conversion leaves nothing behind. Temporaries of killed earlier runs are removed."""
   if dst.exists():
@@ -122,9 +128,9 @@ def staged_dir(dst: Path) -> Iterator[Path]:
     try:
       yield tmp
       check_interrupt()
-      os.replace(tmp, dst)
+      storage.publish(tmp, dst, last)
     except BaseException:
-      shutil.rmtree(tmp, ignore_errors=True)
+      storage.rmtree(tmp)
       raise
 
 

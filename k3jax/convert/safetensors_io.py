@@ -14,6 +14,7 @@ from typing import Sequence
 import ml_dtypes
 import numpy as np
 
+from k3jax import storage
 from k3jax.convert.errors import ConversionError
 
 
@@ -33,7 +34,7 @@ class TensorInfo:
   name: str
   dtype: str  # safetensors dtype name, e.g. "BF16"
   shape: tuple[int, ...]
-  file: Path
+  file: Path  # or an ``epath.Path`` URL (k3jax.storage)
   offset: int  # absolute byte offset of the data in the file
 
   @property
@@ -83,8 +84,8 @@ def _header_problems(raw: dict, data_len: int) -> list[str]:
 def read_header(path: Path) -> tuple[int, dict]:
   """(header length, header dict) of one safetensors file, checked against the file's size
   before it is read: raises :class:`ConversionError` listing every problem of the header."""
-  size = path.stat().st_size
-  with open(path, "rb") as f:
+  size = storage.size(path)
+  with path.open("rb") as f:
     head = f.read(8)
     if len(head) < 8:
       raise ConversionError(f"{path}: {size} bytes, too short for a safetensors header")
@@ -128,8 +129,8 @@ class SafetensorsReader:
   Every header is validated against its file (:func:`read_header`) and the index against the
   headers before any tensor data is read; :class:`ConversionError` lists every problem."""
 
-  def __init__(self, directory: str | Path):
-    self.dir = Path(directory)
+  def __init__(self, directory):
+    self.dir = storage.path(directory)
     files, weight_map = _shard_files(self.dir)
     if not files:
       raise ConversionError(f"{self.dir}: no *.safetensors files")
@@ -159,13 +160,24 @@ class SafetensorsReader:
       raise ConversionError(f"{self.dir}: the safetensors files are not consistent:\n  "
                             + "\n  ".join(problems))
     self._fds: dict[Path, int] = {}
+    self._remote: dict[object, object] = {}  # file objects of remote shards
 
   def close(self):
     for fd in self._fds.values():
       os.close(fd)
     self._fds.clear()
+    for f in self._remote.values():
+      f.close()
+    self._remote.clear()
 
   def _pread(self, info: TensorInfo, start: int, nbytes: int) -> bytearray:
+    if storage.is_remote(info.file):  # ranged reads of the object
+      f = self._remote.get(info.file) or self._remote.setdefault(info.file, info.file.open("rb"))
+      f.seek(info.offset + start)
+      buf = bytearray(f.read(nbytes))
+      if len(buf) < nbytes:
+        raise ConversionError(f"{info.file}: truncated while reading {info.name}")
+      return buf
     fd = self._fds.get(info.file)
     if fd is None:
       fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
@@ -237,7 +249,7 @@ class SafetensorsWriter:
       if self._fh:
         self._fh.close()
       blob = next(b for f, b, _ in self.files if f == fname)
-      self._fh = open(self.dir / fname, "wb")
+      self._fh = (self.dir / fname).open("wb")
       self._fh.write(struct.pack("<Q", len(blob)) + blob)
       self._fname = fname
     done = 0

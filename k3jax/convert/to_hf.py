@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-from k3jax import run_dir
+from k3jax import run_dir, storage
 from k3jax.convert.errors import ConversionError
 from k3jax.convert.hf_config import config_to_hf, read_hf_config
 from k3jax.convert.links import refuse_outside_links
@@ -66,14 +65,15 @@ def orbax_to_hf(src: str | Path, dst: str | Path, *, config: str | Path | None =
                 experts: str = "auto", progress: bool = True, max_shard_bytes: int = 5 << 30,
                 max_block_bytes: int = 256 << 20) -> dict:
   """Writes the Orbax directory ``src`` (from :func:`hf_to_orbax`, or any ``params/`` tree of
-  K3Model with a ``k3jax.yaml``) as an HF checkpoint in the new directory ``dst``.
+  K3Model with a ``k3jax.yaml``) as an HF checkpoint in the new directory ``dst`` (local or URL
+  paths, :mod:`k3jax.storage`).
 
   With the ``hf_manifest.json`` of a conversion, names, dtypes, shapes (padded ``A_log``) and the
   MXFP4 packing of the source come back exactly; otherwise the released layout is used, in the
   parameter dtype. experts: "auto" (as in the manifest), "mxfp4" or "bf16". max_block_bytes: the
   rows of a large tensor read and written at a time.
   """
-  src, dst = Path(src), Path(dst)
+  src, dst = storage.checkpoint_path(src), storage.path(dst)
   refuse_outside_links(src)
   if (src / "hf_extra").is_dir():
     refuse_outside_links(src / "hf_extra")
@@ -130,7 +130,7 @@ def orbax_to_hf(src: str | Path, dst: str | Path, *, config: str | Path | None =
     rank = {n: i for i, n in enumerate(manifest["order"])}
     items.sort(key=lambda it: rank.get(it[0], len(rank)))
 
-  with staged_dir(dst) as tmp:
+  with staged_dir(dst, last=("config.json",)) as tmp:
     writer = SafetensorsWriter(tmp, [(n, dt, s) for n, dt, s, _ in items], max_shard_bytes)
     bar = Progress(writer.total_bytes, f"orbax-to-hf {src.name}", progress)
     t0 = time.perf_counter()
@@ -156,7 +156,7 @@ def orbax_to_hf(src: str | Path, dst: str | Path, *, config: str | Path | None =
       (tmp / "config.json").write_text(json.dumps(hf, indent=2))
       if (src / "hf_extra").is_dir():
         for f in (src / "hf_extra").iterdir():
-          shutil.copy2(f, tmp / f.name)
+          storage.copy(f, tmp / f.name)
     finally:
       bar.close()
   return conversion_stats(writer.total_bytes, writer.total_bytes, time.perf_counter() - t0)

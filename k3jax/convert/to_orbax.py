@@ -12,7 +12,6 @@ import dataclasses
 import json
 import math
 import re
-import shutil
 import time
 from pathlib import Path
 from typing import Iterator
@@ -22,6 +21,7 @@ import numpy as np
 import yaml
 
 from k3jax import config as config_lib
+from k3jax import storage
 from k3jax.config import ModelConfig
 from k3jax.convert.errors import ConversionError
 from k3jax.convert.hf_config import checkpoint_floats, config_from_hf, read_hf_config
@@ -150,20 +150,20 @@ def _target_dtype(p: Param, reader: SafetensorsReader, dtype: str | None) -> np.
 _EXTRA_SUFFIXES = (".json", ".model", ".txt", ".jinja", ".py", ".tiktoken", ".md")
 
 
-def _copy_extras(src: Path, dst: Path, skip: set[str]):
+def _copy_extras(src: storage.AnyPath, dst: storage.AnyPath, skip: set[str]):
   """Copies the source's small non-weight files (tokenizer, generation config) into ``dst``."""
   for f in sorted(src.iterdir()):
     if (f.is_file() and f.suffix in _EXTRA_SUFFIXES and f.name not in skip
-        and f.stat().st_size < 64 << 20):
+        and storage.size(f) < 64 << 20):
       dst.mkdir(exist_ok=True)
-      shutil.copy2(f, dst / f.name)
+      storage.copy(f, dst / f.name)
 
 
 def load_hf_params(src: str | Path, cfg: ModelConfig | None = None,
                    dtype: str | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
   """Reads an HF directory fully into memory: (config, {our path: array}). For small models
   (tests, from_pretrained); large ones go through :func:`hf_to_orbax`."""
-  src = Path(src)
+  src = storage.path(src)
   refuse_outside_links(src)
   hf = read_hf_config(src)
   cfg = cfg or config_from_hf(hf, name=src.name)
@@ -185,7 +185,8 @@ def load_hf_params(src: str | Path, cfg: ModelConfig | None = None,
 def hf_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
                 mesh: dict[str, int] | None = None, progress: bool = True,
                 max_block_bytes: int = 256 << 20) -> dict:
-  """Converts the HF checkpoint in ``src`` into a new Orbax directory ``dst``.
+  """Converts the HF checkpoint in ``src`` into a new Orbax directory ``dst`` (local or URL paths,
+  :mod:`k3jax.storage`; ``dst`` local or ``gs://``).
 
   dtype: "bf16" or "fp32" for every floating tensor (default: keep each source dtype; MXFP4
   experts become bfloat16, exactly). mesh: axis sizes (e.g. ``{"fsdp": 8, "expert": 4}``): the
@@ -193,7 +194,7 @@ def hf_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
   (bytes, seconds, MB/s, peak RSS).
   """
   import orbax.checkpoint as ocp
-  src, dst = Path(src), Path(dst)
+  src, dst = storage.path(src), storage.checkpoint_path(dst)
   if dtype not in (None, "bf16", "fp32"):
     raise ConversionError(f"--dtype must be bf16 or fp32, got {dtype!r}")
   refuse_outside_links(src)
@@ -238,7 +239,7 @@ def hf_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     return LazyArray(p.shape, dt, block, blocks)
 
   try:
-    with staged_dir(dst) as tmp:
+    with staged_dir(dst, last=("params/_METADATA", "config.json")) as tmp:
       register_lazy_handler()
       tree = nest_paths({p.path: leaf(p) for p in params})
       ocp.PyTreeCheckpointer().save(tmp / "params", tree)
