@@ -178,13 +178,17 @@ def publish(tmp: AnyPath, dst: AnyPath, last: tuple[str, ...] = ()) -> None:
   rename. An object store has no renames: every object is copied under ``dst`` (a copy inside the
   store) and ``tmp`` removed; the files named in ``last`` (paths inside ``tmp``, the ones that
   make the directory valid to its readers) are copied after all the others, so ``dst`` is never
-  a valid but incomplete directory."""
+  a valid but incomplete directory; a copy that fails removes what it put under ``dst``."""
   if not is_remote(dst):
     os.replace(tmp, dst)
     return
   fs, head = _fs(tmp), str(tmp).rstrip("/") + "/"
   files = [str(f)[len(head):] for f in files_under(tmp)]
   order = [f for f in files if f not in last] + [f for f in last if f in files]
-  for rel in order:
-    fs.copy(head + rel, str(dst).rstrip("/") + "/" + rel)
+  try:
+    for rel in order:
+      fs.copy(head + rel, str(dst).rstrip("/") + "/" + rel)
+  except BaseException:
+    rmtree(dst)
+    raise
   rmtree(tmp)
