@@ -73,7 +73,7 @@ def init_weights(cfg: config_lib.Config, state):
   from k3jax import pretrained
   src = storage.path(cfg.train.init_from)
   if not src.is_dir():
-    raise TrainError(f"train.init_from: {src} is not a directory")
+    raise TrainError(f"train.init_from: {cfg.train.init_from} is not a directory")
   leaves = [leaf for tree in (state.params, state.biases)
             for leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
   values = pretrained.read_weights(src, cfg.model, shardings={

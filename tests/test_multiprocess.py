@@ -1,0 +1,65 @@
+"""The multi-process path of train.py (issue 41 item 5): two local CPU processes joined by
+``jax.distributed.initialize`` (driven by ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` /
+``JAX_PROCESS_ID``, as on a pod's hosts) train on pre-tokenised shards, each reading its own,
+checkpoint together and resume together."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from k3jax import metrics, pretokenize
+from test_data import random_texts
+from test_train import SMALL
+
+pytestmark = pytest.mark.slow
+PROCESSES = 2
+
+
+def launch(root, run_dir, steps: int, data_dir) -> list[str]:
+  """Runs train.py as PROCESSES processes of one job; returns each one's output."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  procs = []
+  for i in range(PROCESSES):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+           "JAX_NUM_PROCESSES": str(PROCESSES), "JAX_PROCESS_ID": str(i)}
+    procs.append(subprocess.Popen(
+        [sys.executable, str(root / "train.py"), "--no-progress", "--run-dir", str(run_dir),
+         f"train.steps={steps}", f"data.source={data_dir}", "data.eval_fraction=0", *SMALL],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root))
+  try:
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()  # no-op once it ended
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-3000:]
+  return outs
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+  d = tmp_path_factory.mktemp("corpus")
+  (d / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in random_texts(40)))
+  pretokenize.pretokenize(str(d / "c.jsonl"), d / "tok", shards=PROCESSES)
+  return d / "tok"
+
+
+def test_two_processes_train_checkpoint_and_resume(root, tmp_path, shards):
+  run = tmp_path / "run"
+  first = launch(root, run, 2, shards)
+  assert "step      2" in first[0] and "step      2" not in first[1]  # process 0 reports
+  data_states = sorted(p.name for p in (run / "checkpoints" / "2" / "data").iterdir()
+                       if p.suffix == ".json")
+  assert data_states == [f"process_{i}-of-{PROCESSES}.json" for i in range(PROCESSES)]
+  second = launch(root, run, 3, shards)
+  assert "resumed from step 2" in second[0]
+  records = [r for r in metrics.read_jsonl(run / "metrics.jsonl") if "loss" in r]
+  assert [r["step"] for r in records] == [1, 2, 3]
+  assert all(r["nonfinite"] == 0 for r in records)
+  assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "3"]
