@@ -59,13 +59,18 @@ def initialize_distributed() -> bool:
   """Calls ``jax.distributed.initialize()`` once when the environment describes several processes.
 
   Recognised: ``JAX_COORDINATOR_ADDRESS`` (with ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``),
-  SLURM (``SLURM_NTASKS`` > 1), Open MPI (``OMPI_COMM_WORLD_SIZE`` > 1) and Cloud TPU pods
-  (``TPU_WORKER_HOSTNAMES`` with several hosts), for which JAX auto-detects the rest. Returns
-  whether it initialised.
+  SLURM (``SLURM_NTASKS`` > 1), Open MPI (``OMPI_COMM_WORLD_SIZE`` > 1), TPU pods on GKE
+  (``TPU_WORKER_HOSTNAMES`` with several hosts), for which JAX auto-detects the rest, and
+  ``K3JAX_DISTRIBUTED=1``, which calls it with no arguments wherever JAX detects the cluster
+  itself (a Cloud TPU VM slice asks the VM's metadata server; ``scripts/launch_tpu_pod.sh`` sets
+  it). ``K3JAX_DISTRIBUTED=0`` never initialises. Returns whether it initialised.
   """
   env = os.environ
-  if jax.distributed.is_initialized():
+  if jax.distributed.is_initialized() or env.get("K3JAX_DISTRIBUTED") == "0":
     return False
+  if env.get("K3JAX_DISTRIBUTED") == "1":
+    jax.distributed.initialize()
+    return True
   kwargs: dict[str, Any] = {}
   if env.get("JAX_COORDINATOR_ADDRESS"):
     kwargs = {"coordinator_address": env["JAX_COORDINATOR_ADDRESS"]}

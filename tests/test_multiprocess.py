@@ -5,18 +5,39 @@ checkpoint together and resume together."""
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
 
+import jax
 import pytest
 
+import sharding
 from k3jax import metrics, pretokenize
 from test_data import random_texts
 from test_train import SMALL
 
-pytestmark = pytest.mark.slow
 PROCESSES = 2
+
+
+@pytest.mark.parametrize("env, calls", [
+    ({}, []),
+    ({"K3JAX_DISTRIBUTED": "1"}, [{}]),  # JAX detects the cluster (a Cloud TPU slice)
+    ({"K3JAX_DISTRIBUTED": "0", "SLURM_NTASKS": "4"}, []),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"},
+     [{"coordinator_address": "h:1", "num_processes": 2, "process_id": 1}]),
+])
+def test_the_environment_decides_whether_and_how_jax_distributed_starts(monkeypatch, env, calls):
+  for k in ("K3JAX_DISTRIBUTED", "JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS",
+            "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES"):
+    monkeypatch.delenv(k, raising=False)
+  for k, v in env.items():
+    monkeypatch.setenv(k, v)
+  seen = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.append(kw))
+  assert sharding.mesh.initialize_distributed() == bool(calls)
+  assert seen == calls
 
 
 def launch(root, run_dir, steps: int, data_dir) -> list[str]:
@@ -50,6 +71,7 @@ def shards(tmp_path_factory):
   return d / "tok"
 
 
+@pytest.mark.slow
 def test_two_processes_train_checkpoint_and_resume(root, tmp_path, shards):
   run = tmp_path / "run"
   first = launch(root, run, 2, shards)
@@ -63,3 +85,20 @@ def test_two_processes_train_checkpoint_and_resume(root, tmp_path, shards):
   assert [r["step"] for r in records] == [1, 2, 3]
   assert all(r["nonfinite"] == 0 for r in records)
   assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "3"]
+
+
+def test_the_pod_launcher_runs_one_command_on_every_host(root):
+  """scripts/launch_tpu_pod.sh --print: the gcloud command it would run, the remote line quoted."""
+  script = str(root / "scripts" / "launch_tpu_pod.sh")
+  out = subprocess.run(
+      [script, "--tpu", "k3-v5p", "--zone", "us-east5-a", "--project", "p", "--env", "A=x y",
+       "--print", "--", "python", "train.py", "--run-dir", "gs://b/run", "data.source=gs://b/tok"],
+      capture_output=True, text=True, check=True).stdout
+  argv = shlex.split(out)
+  assert argv[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "k3-v5p"]
+  assert "--worker=all" in argv and argv[argv.index("--project") + 1] == "p"
+  remote = shlex.split(argv[argv.index("--command") + 1])
+  assert remote == ["cd", "$HOME/k3jax", "&&", "env", "K3JAX_DISTRIBUTED=1", "A=x y", "python",
+                    "train.py", "--run-dir", "gs://b/run", "data.source=gs://b/tok"]
+  bad = subprocess.run([script, "--zone", "z", "--", "true"], capture_output=True, text=True)
+  assert bad.returncode == 2 and "--tpu is required" in bad.stderr
