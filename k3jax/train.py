@@ -85,9 +85,11 @@ def init_weights(cfg: config_lib.Config, state):
 
 
 def data_settings(cfg: config_lib.Config) -> dict:
-  """``{key: value}`` of :data:`DATA_KEYS` in ``cfg``, as JSON data (what a checkpoint records)."""
+  """``{key: value}`` of :data:`DATA_KEYS` in ``cfg`` and the number of processes (each keeps its
+  own iterator position), as JSON data (what a checkpoint records)."""
   tree = config_lib.to_dict(cfg)
-  return json.loads(json.dumps({k: tree[k.split(".")[0]][k.split(".")[1]] for k in DATA_KEYS}))
+  settings = {k: tree[k.split(".")[0]][k.split(".")[1]] for k in DATA_KEYS}
+  return json.loads(json.dumps({**settings, "processes": jax.process_count()}))
 
 
 def check_layout(cfg: config_lib.Config, num_devices: int) -> None:
@@ -151,7 +153,7 @@ def keep_data_position(cfg: config_lib.Config) -> Callable[[dict], bool]:
 
   def keep(meta: dict) -> bool:
     saved = meta.get("data")
-    changed = [k for k in DATA_KEYS if saved is not None and k in saved and saved[k] != now[k]]
+    changed = [k for k in now if saved is not None and k in saved and saved[k] != now[k]]
     if not changed:
       return True
     diff = "; ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed)

@@ -102,3 +102,16 @@ def test_the_pod_launcher_runs_one_command_on_every_host(root):
                     "train.py", "--run-dir", "gs://b/run", "data.source=gs://b/tok"]
   bad = subprocess.run([script, "--zone", "z", "--", "true"], capture_output=True, text=True)
   assert bad.returncode == 2 and "--tpu is required" in bad.stderr
+
+
+def test_a_resume_on_another_number_of_processes_keeps_no_data_position():
+  """Each process saves its own iterator position: on another number of processes they mean
+  nothing, so the resume is refused, or starts the data afresh with data.reset_iterator."""
+  from conftest import tiny_config
+  from k3jax import train
+  cfg = tiny_config()
+  meta = {"data": {**train.data_settings(cfg), "processes": 2}}
+  with pytest.raises(train.TrainError, match="processes: 2 -> 1"):
+    train.keep_data_position(cfg)(meta)
+  assert train.keep_data_position(tiny_config("data.reset_iterator=true"))(meta) is False
+  assert train.keep_data_position(cfg)({"data": train.data_settings(cfg)}) is True
