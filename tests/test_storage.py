@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from fake_gcs import fake_gcs
-from k3jax import config, data, from_pretrained, metrics, storage, train
+from k3jax import checkpoint, config, data, from_pretrained, metrics, storage, train
 from k3jax.convert import ConversionError, hf_to_orbax, orbax_to_hf
 from k3jax.convert import cli as convert_cli
 from k3jax.convert import output
@@ -122,20 +122,28 @@ def _golden_orbax(bucket) -> str:
   return dst
 
 
-def test_data_globs_on_the_bucket_read_what_the_local_files_hold(bucket, tmp_path):
+def test_data_on_the_bucket_reads_what_the_local_files_hold(bucket, tmp_path):
+  """JSONL (a recursive glob), Parquet and text directories read the same documents under the
+  same keys from the bucket as from local files."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
   rng = np.random.default_rng()
+  texts = ["".join(map(chr, rng.integers(97, 123, rng.integers(1, 40)))) for _ in range(10)]
   local = tmp_path / "corpus"
-  (local / "sub").mkdir(parents=True)
-  for name in ("a.jsonl", "sub/b.jsonl"):
-    lines = [json.dumps({"text": "".join(map(chr, rng.integers(97, 123, rng.integers(1, 40))))})
-             for _ in range(5)]
-    (local / name).write_text("\n".join(lines) + "\n")
+  for d in ("j/sub", "p", "t"):
+    (local / d).mkdir(parents=True)
+  (local / "j" / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:4]))
+  (local / "j" / "sub" / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                       for t in texts[4:]))
+  pq.write_table(pa.table({"text": texts}), local / "p" / "a.parquet", row_group_size=3)
+  for i, t in enumerate(texts):
+    (local / "t" / f"{i}.txt").write_text(t)
   shutil.copytree(local, bucket / "bkt" / "corpus")
-  for pattern in ("{}/**/*.jsonl", "{}"):
+  for pattern in ("{}/j/**/*.jsonl", "{}/p", "{}/t", "{}/t/*.txt"):
     here = data.open_source(pattern.format(local))
     there = data.open_source(pattern.format("gs://bkt/corpus"))
-    assert there.keys == here.keys and [there[i] for i in range(len(there))] == \
-        [here[i] for i in range(len(here))]
+    assert there.keys == here.keys and len(here) == len(texts)
+    assert [there[i] for i in range(len(there))] == [here[i] for i in range(len(here))]
 
 
 def test_unknown_schemes_and_non_gcs_checkpoints_are_one_clear_error(capsys):
@@ -158,3 +166,29 @@ def test_relative_paths_resolve_from_the_working_directory(tmp_path, monkeypatch
   for a, b in zip(*weights):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert storage.path("x/../y") == tmp_path / "y"
+
+
+def test_checkpoints_on_the_bucket_skip_a_cut_off_save_and_set_aside_a_corrupt_one(
+    bucket, capsys):
+  """A preempted save leaves a step without its commit marker (reported, skipped, and saved over
+  later); a bit-flipped one is renamed to ``<step>.corrupt`` in the bucket."""
+  from test_integrity import abstract, data_iter, random_state, xor_middle
+  ckpt = checkpoint.Checkpointer("gs://bkt/ck", async_save=False)
+  states = {1: random_state(1), 2: random_state(2)}
+  for step, state in states.items():
+    ckpt.save(step, state, data_iter(), {"step": step})
+  ckpt.close()
+  local = bucket / "bkt" / "ck"
+  shutil.copytree(local / "2", local / "3")
+  (local / "3" / "commit_success.txt").unlink()  # as if cut off before its marker
+  state_files = [p for p in (local / "2" / "state").rglob("*") if p.is_file()]
+  xor_middle(max(state_files, key=lambda p: p.stat().st_size))
+  ckpt = checkpoint.Checkpointer("gs://bkt/ck", async_save=False)
+  step, state, _, _ = ckpt.restore_latest(abstract(states[1]), lambda s: data_iter())
+  err = capsys.readouterr().err
+  assert step == 1 and "skipping incomplete checkpoint gs://bkt/ck/3" in err
+  assert "checkpoint gs://bkt/ck/2 does not match its checksums" in err
+  assert sorted(p.name for p in local.iterdir()) == ["1", "2.corrupt", "3"]
+  assert ckpt.save(3, states[2], data_iter(), {"step": 3}, wait=True)
+  ckpt.close()
+  assert (local / "3" / "commit_success.txt").is_file() and ckpt.steps() == [1, 3]
