@@ -46,6 +46,8 @@ from k3jax.config import Config, ConfigError
 from k3jax.tokenizer import HFTokenizer, Tokenizer, make_tokenizer
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".text")
+# what k3jax.pretokenize writes beside its shards: counts, source, tokenizer and its vocab_size
+PRETOKENIZED_MANIFEST = "pretokenize.json"
 RECORD_SUFFIXES = (".jsonl", ".parquet", ".array_record")
 
 
@@ -71,6 +73,19 @@ def check_special_ids(cfg: Config, tokenizer: Tokenizer) -> None:
       raise ConfigError(f"model.{name}={i}: the tokenizer {cfg.data.tokenizer!r} gives id {i} to "
                         f"text (its ids are 0-{tokenizer.vocab_size - 1}); use an id it leaves "
                         "free (at least its vocab_size) or one of its special tokens")
+
+
+def check_pretokenized_vocab(cfg: Config) -> None:
+  """Refuses a directory of shards whose manifest (:data:`PRETOKENIZED_MANIFEST`) names a
+  tokenizer with more ids than ``model.vocab_size``."""
+  manifest = storage.path(cfg.data.source) / PRETOKENIZED_MANIFEST
+  if not manifest.is_file():
+    return
+  written = json.loads(manifest.read_text())
+  if written["vocab_size"] > cfg.model.vocab_size:
+    raise DataError(f"data.source: {cfg.data.source!r} was tokenised by {written['tokenizer']!r}, "
+                    f"{written['vocab_size']} ids, more than model.vocab_size="
+                    f"{cfg.model.vocab_size}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,6 +375,8 @@ class Data:
                               process_count=process_count)
     if isinstance(self.source, TokenRecords) and cfg.data.tokenizer != "byte":
       raise DataError("data.tokenizer: ArrayRecord sources are pre-tokenised; leave data.tokenizer as 'byte'")
+    if isinstance(self.source, TokenRecords):
+      check_pretokenized_vocab(cfg)
     if not len(self.source):
       raise DataError(f"data.source: {cfg.data.source!r} holds no documents"
                       + (f" ({len(self.source.skipped)} binary or non-UTF-8 files skipped)"

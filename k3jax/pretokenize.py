@@ -35,7 +35,7 @@ from k3jax import tokenizer as tokenizer_lib
 from k3jax.convert.errors import ConversionError
 from k3jax.convert.output import check_interrupt, staged_dir
 
-MANIFEST = "pretokenize.json"
+MANIFEST = data_lib.PRETOKENIZED_MANIFEST
 
 
 def shard_name(k: int, n: int) -> str:

@@ -68,10 +68,15 @@ def test_each_process_opens_only_its_shards_and_together_they_cover_the_corpus_o
   assert sorted(docs) == sorted(ids(t) for t in TEXTS)
 
 
-def test_fewer_shards_than_processes_is_one_clear_error(jsonl, tmp_path):
+def test_fewer_shards_or_a_larger_vocabulary_than_the_model_is_one_clear_error(jsonl, tmp_path):
   pretokenize.pretokenize(str(jsonl), tmp_path / "tok", shards=2)
   with pytest.raises(data.DataError, match="2 ArrayRecord files for 3 processes.*--shards"):
     data.Data(cfg_for(tmp_path / "tok"), process_index=0, process_count=3)
+  manifest = tmp_path / "tok" / pretokenize.MANIFEST
+  manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "tokenizer": "big.json",
+                                  "vocab_size": 400}))
+  with pytest.raises(data.DataError, match="'big.json', 400 ids, more than model.vocab_size=320"):
+    data.Data(cfg_for(tmp_path / "tok"))
 
 
 def test_remote_shards_are_fetched_only_by_the_host_that_reads_them(jsonl, tmp_path, monkeypatch):
