@@ -46,9 +46,9 @@ from k3jax.config import Config, ConfigError
 from k3jax.tokenizer import HFTokenizer, Tokenizer, make_tokenizer
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".text")
+RECORD_SUFFIXES = (".jsonl", ".parquet", ".array_record")
 # what k3jax.pretokenize writes beside its shards: counts, source, tokenizer and its vocab_size
 PRETOKENIZED_MANIFEST = "pretokenize.json"
-RECORD_SUFFIXES = (".jsonl", ".parquet", ".array_record")
 
 
 class DataError(ValueError):
@@ -211,6 +211,7 @@ are not known up front: ``sizes`` is None)."""
           self.keys.append(f"{p.name}:{row}")
           row += 1
     self._cache: tuple[Any, list[str]] | None = None
+    self._file: tuple[Any, Any] | None = None  # (path, ParquetFile) of the last row group read
 
   def __len__(self) -> int:
     return len(self.index)
@@ -218,7 +219,9 @@ are not known up front: ``sizes`` is None)."""
   def __getitem__(self, i: int) -> str:
     path, group, row = self.index[i]
     if self._cache is None or self._cache[0] != (path, group):
-      table = _parquet(path).read_row_group(group, columns=[self.field])
+      if self._file is None or self._file[0] != path:
+        self._file = (path, _parquet(path))
+      table = self._file[1].read_row_group(group, columns=[self.field])
       self._cache = ((path, group), table.column(self.field).to_pylist())
     return self._cache[1][row]
 
