@@ -274,7 +274,8 @@ def stdlib_files() -> tuple[list[Path], Path]:
 
 
 def _expand(source: str) -> tuple[list[storage.AnyPath], storage.AnyPath]:
-  """(the data files of ``source``: a directory, file or glob; the directory keys are relative to)."""
+  """(the data files of ``source``, a directory, file or glob; the directory their keys are
+  relative to)."""
   p = storage.path(source)
   if p.is_dir():
     return [f for f in storage.files_under(p) if f.suffix in TEXT_SUFFIXES + RECORD_SUFFIXES], p

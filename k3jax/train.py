@@ -61,7 +61,8 @@ class TrainError(RuntimeError):
 
 def parse_args(argv):
   p = cli.parser("train.py", "Pre-trains a K3 model.", config_default=DEFAULT_CONFIG)
-  p.add_argument("--run-dir", default=None, help="run directory: a local path or gs://BUCKET/PATH (default runs/<model.name>)")
+  p.add_argument("--run-dir", default=None,
+                 help="run directory: a local path or gs://BUCKET/PATH (default runs/<model.name>)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   return cli.parse(p, argv)
 
