@@ -70,7 +70,7 @@ def _kept(path: storage.AnyPath, step: int) -> list[str]:
 def truncate(path: storage.AnyPath, step: int) -> None:
   """Keeps the records of ``path`` up to ``step`` (and drops lines that are not JSON objects),
   replacing the file at once."""
-  storage.write_text(path, "".join(_kept(path, step)))
+  storage.write(path, "".join(_kept(path, step)))
 
 
 class Metrics:
@@ -134,7 +134,7 @@ class Metrics:
     sys.stdout.flush()
 
   def _upload(self) -> None:
-    storage.write_text(self.path, "".join(self._lines))
+    storage.write(self.path, "".join(self._lines))
     self._uploaded = time.monotonic()
 
   def close(self) -> None:

@@ -83,7 +83,7 @@ def pretokenize(src: str, dst, *, shards: int, tokenizer: str = "byte",
                 "tokens": int(counts[:, 1].sum()),
                 "shards": [{"file": name, "documents": int(d), "tokens": int(t)}
                            for name, (d, t) in zip(names, counts)]}
-    storage.write_text(out / MANIFEST, json.dumps(manifest, indent=1))
+    storage.write(out / MANIFEST, json.dumps(manifest, indent=1))
   return {**manifest, "seconds": time.perf_counter() - t0}
 
 

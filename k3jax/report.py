@@ -9,6 +9,7 @@ without pyplot, so it neither needs a display nor changes a notebook's backend.
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from matplotlib.figure import Figure
 
 from k3jax import config as config_lib
 from k3jax import metrics as metrics_lib
+from k3jax import storage
 from k3jax.train_step import moe_layers
 
 
@@ -35,7 +37,7 @@ def series(records: list[dict]) -> dict[str, dict[int, object]]:
   return out
 
 
-def _layer_names(run_dir: Path, n: int) -> list[str]:
+def _layer_names(run_dir: storage.AnyPath, n: int) -> list[str]:
   """Labels of the ``n`` per-MoE-layer columns: their layer indices from the run's config."""
   path = run_dir / "config.yaml"
   if path.is_file():
@@ -53,7 +55,7 @@ def _line(ax, s: dict[int, object], label: str, **kw) -> None:
 
 def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
   """Writes the report of ``run_dir`` to ``out`` (default ``RUN_DIR/report.png``); returns it."""
-  run_dir = Path(run_dir)
+  run_dir = storage.path(run_dir)
   path = run_dir / "metrics.jsonl"
   if not path.is_file():
     raise ReportError(f"{path} does not exist: RUN_DIR must be a training run directory "
@@ -61,11 +63,11 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
   s = series(metrics_lib.read_jsonl(path))
   if "loss" not in s:
     raise ReportError(f"{path} holds no training step yet")
-  out = Path(out) if out is not None else run_dir / "report.png"
+  out = storage.path(out) if out is not None else run_dir / "report.png"
 
   fig = Figure(figsize=(11, 7.5), layout="constrained")
   (loss, lr), (tps, moe) = fig.subplots(2, 2, sharex=True)
-  fig.suptitle(f"{run_dir.resolve().name}: {max(s['loss'])} steps")
+  fig.suptitle(f"{run_dir.name}: {max(s['loss'])} steps")
   _line(loss, s["loss"], "train")
   if "eval_loss" in s:
     _line(loss, s["eval_loss"], "eval", marker="o")
@@ -88,9 +90,9 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
   for ax in (loss, lr, tps, moe):
     ax.grid(alpha=0.3)
   out.parent.mkdir(parents=True, exist_ok=True)
-  tmp = out.with_name(out.name + ".tmp")
-  fig.savefig(tmp, dpi=100, format="png")
-  tmp.replace(out)
+  png = io.BytesIO()
+  fig.savefig(png, dpi=100, format="png")
+  storage.write(out, png.getvalue())
   return out
 
 

@@ -8,7 +8,7 @@ take absolute paths only); ``file://`` is local too. A URL of :data:`SCHEMES` be
 extra). Both kinds offer the ``pathlib`` methods the callers use (``/``, ``name``, ``is_dir``,
 ``open``, ``read_text``, ``iterdir``, ...); what differs is here: sizes (:func:`size`), recursive
 listings (:func:`glob`), local copies for readers that only open local files
-(:func:`local_copy`) and single-object writes (:func:`write_text`).
+(:func:`local_copy`) and whole-file writes (:func:`write`).
 
 Orbax writes its arrays with tensorstore, whose remote driver is GCS's: run directories,
 checkpoints and Orbax conversions live on a local (or mounted) path or ``gs://``; data, tokenizers
@@ -112,15 +112,16 @@ def files_under(directory: AnyPath) -> list[AnyPath]:
   return glob(str(directory).rstrip("/") + "/**")
 
 
-def write_text(p: AnyPath, text: str) -> None:
-  """Writes the file ``p`` so that a reader sees the old or the new text, never a part: a
+def write(p: AnyPath, data: str | bytes) -> None:
+  """Writes the file ``p`` so that a reader sees the old or the new contents, never a part: a
   temporary file renamed over it locally; on an object store one object upload is already so."""
+  put = (lambda f: f.write_bytes(data)) if isinstance(data, bytes) else (lambda f: f.write_text(data))
   if is_remote(p):
-    p.write_text(text)
+    put(p)
     return
   tmp = p.with_name(f".{p.name}.tmp-{uuid.uuid4().hex[:8]}")
   try:
-    tmp.write_text(text)
+    put(tmp)
     tmp.replace(p)
   finally:
     tmp.unlink(missing_ok=True)

@@ -142,7 +142,7 @@ def check_run_dir(run_dir: storage.AnyPath, cfg: config_lib.Config) -> None:
 
 def record_config(run_dir: storage.AnyPath, cfg: config_lib.Config) -> None:
   """Writes ``config.yaml``: the settings the run goes on with, once it has started from them."""
-  storage.write_text(run_dir / "config.yaml",
+  storage.write(run_dir / "config.yaml",
                      yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))
 
 

@@ -35,7 +35,7 @@ def test_report_writes_a_png_of_the_run(tmp_path, root, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)
   assert report.main(["run"]) == 0
   out = tmp_path / "run" / "report.png"
-  assert capsys.readouterr().out.strip() == "run/report.png"
+  assert capsys.readouterr().out.strip() == str(out)  # made absolute, as every path
   img = matplotlib.image.imread(out)
   assert img.shape[:2] == (750, 1100) and img.std() > 0.05  # drawn, not blank
   assert report.main(["run", "--out", "plots/r.png"]) == 0

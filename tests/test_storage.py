@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from fake_gcs import fake_gcs
-from k3jax import checkpoint, config, data, from_pretrained, metrics, storage, train
+from k3jax import checkpoint, config, data, from_pretrained, metrics, report, storage, train
 from k3jax.convert import ConversionError, hf_to_orbax, orbax_to_hf
 from k3jax.convert import cli as convert_cli
 from k3jax.convert import output
@@ -54,6 +54,8 @@ def test_a_run_on_the_bucket_saves_resumes_and_loads(remote_run, bucket):
   steps = [r["step"] for r in metrics.read_jsonl(f"{remote_run}/metrics.jsonl") if "loss" in r]
   assert steps == [1, 2, 3]
   assert config.load(f"{remote_run}/config.yaml").train.steps == 3
+  assert str(report.plot(remote_run)) == f"{remote_run}/report.png"
+  assert (bucket / "bkt" / "run" / "report.png").read_bytes().startswith(b"\x89PNG")
   tokens = np.random.default_rng().integers(3, 256, (2, 9))
   latest, step2 = from_pretrained(remote_run), from_pretrained(f"{remote_run}/checkpoints/2")
   assert not np.allclose(logits(latest, tokens), logits(step2, tokens))
