@@ -115,7 +115,9 @@ def files_under(directory: AnyPath) -> list[AnyPath]:
 def write(p: AnyPath, data: str | bytes) -> None:
   """Writes the file ``p`` so that a reader sees the old or the new contents, never a part: a
   temporary file renamed over it locally; on an object store one object upload is already so."""
-  put = (lambda f: f.write_bytes(data)) if isinstance(data, bytes) else (lambda f: f.write_text(data))
+  def put(f):
+    return f.write_bytes(data) if isinstance(data, bytes) else f.write_text(data)
+
   if is_remote(p):
     put(p)
     return
