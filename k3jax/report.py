@@ -89,7 +89,7 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax.set_xlabel("step")
   for ax in (loss, lr, tps, moe):
     ax.grid(alpha=0.3)
-  out.parent.mkdir(parents=True, exist_ok=True)
+  storage.makedirs(out.parent)
   png = io.BytesIO()
   fig.savefig(png, dpi=100, format="png")
   storage.write(out, png.getvalue())

@@ -82,6 +82,14 @@ def checkpoint_path(p) -> AnyPath:
   return out
 
 
+def makedirs(p: AnyPath) -> None:
+  """Creates the local directory ``p`` and its parents. An object store has no directories (an
+  object's name holds its prefix): nothing to do there, and nothing is asked of it (gcsfs would
+  create a bucket that does not exist)."""
+  if not is_remote(p):
+    p.mkdir(parents=True, exist_ok=True)
+
+
 def size(p: AnyPath) -> int:
   """The length of the file ``p`` in bytes."""
   st = p.stat()

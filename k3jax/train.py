@@ -114,7 +114,7 @@ def _check_writable(path: storage.AnyPath) -> None:
   alone do not tell (root writes anyway, a read-only mount refuses anyway; a bucket's access
   rights are only known by writing)."""
   try:
-    path.mkdir(parents=True, exist_ok=True)
+    storage.makedirs(path)
     if storage.is_remote(path):
       probe = path / f".write-probe-{uuid.uuid4().hex}"
       probe.write_text("")
@@ -122,8 +122,9 @@ def _check_writable(path: storage.AnyPath) -> None:
     else:
       with tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-"):
         pass
-  except OSError as e:
-    raise TrainError(f"cannot write to {path}: {e.strerror or e}; use a writable --run-dir") from e
+  except Exception as e:  # OSError, or the object store client's own errors (a missing bucket)
+    raise TrainError(f"cannot write to {path}: {getattr(e, 'strerror', None) or e}; use a "
+                     "writable --run-dir") from e
 
 
 def check_run_dir(run_dir: storage.AnyPath, cfg: config_lib.Config) -> None:

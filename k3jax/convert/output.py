@@ -120,11 +120,11 @@ def staged_dir(dst: storage.AnyPath, last: tuple[str, ...] = ()) -> Iterator[sto
   or interrupted conversion leaves nothing behind. Temporaries of killed earlier runs are removed."""
   if dst.exists():
     raise ConversionError(f"destination {dst} already exists")
-  dst.parent.mkdir(parents=True, exist_ok=True)
+  storage.makedirs(dst.parent)
   _stale_temporaries(dst)
   tmp = dst.parent / f".{dst.name}.tmp-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
   with _deferred_stop_signals():
-    tmp.mkdir()
+    storage.makedirs(tmp)
     try:
       yield tmp
       check_interrupt()

@@ -155,7 +155,7 @@ def _copy_extras(src: storage.AnyPath, dst: storage.AnyPath, skip: set[str]):
   for f in sorted(src.iterdir()):
     if (f.is_file() and f.suffix in _EXTRA_SUFFIXES and f.name not in skip
         and storage.size(f) < 64 << 20):
-      dst.mkdir(exist_ok=True)
+      storage.makedirs(dst)
       storage.copy(f, dst / f.name)
 
 
