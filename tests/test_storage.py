@@ -4,6 +4,7 @@ converted to HF and back on the bucket; data globs on the bucket; atomic convers
 bucket; relative local paths through the Python API."""
 
 import contextlib
+import importlib.util
 import io
 import json
 import shutil
@@ -153,6 +154,9 @@ def test_unknown_schemes_and_non_gcs_checkpoints_are_one_clear_error(capsys):
     storage.path("ftp://host/x")
   with pytest.raises(storage.StorageError, match="through tensorstore"):
     storage.checkpoint_path("hf://org/model")
+  if importlib.util.find_spec("s3fs") is None:
+    with pytest.raises(storage.StorageError, match=r"s3:// needs the package s3fs"):
+      storage.path("s3://bucket/corpus")
   assert train.main(["--no-progress", "--run-dir", "ftp://host/run", *SMALL]) == 2
   assert "unknown scheme ftp://" in capsys.readouterr().err
 
