@@ -190,9 +190,9 @@ def add_model_arguments(p) -> None:
 def load_errors() -> tuple[type[Exception], ...]:
   """What :func:`load_model` raises for a bad config, checkpoint or tokenizer."""
   from k3jax import config as config_lib
-  from k3jax import convert, run_dir
+  from k3jax import convert, run_dir, storage
   return (config_lib.ConfigError, convert.ConversionError, tokenizer_lib.TokenizerError,
-          run_dir.RunDirError)
+          run_dir.RunDirError, storage.StorageError)
 
 
 def load_model(config: str, overrides: list[str], *, checkpoint: str | None = None,
