@@ -211,7 +211,6 @@ are not known up front: ``sizes`` is None)."""
           self.keys.append(f"{p.name}:{row}")
           row += 1
     self._cache: tuple[Any, list[str]] | None = None
-    self._file: tuple[Any, Any] | None = None  # (path, ParquetFile) of the last row group read
 
   def __len__(self) -> int:
     return len(self.index)
@@ -219,9 +218,9 @@ are not known up front: ``sizes`` is None)."""
   def __getitem__(self, i: int) -> str:
     path, group, row = self.index[i]
     if self._cache is None or self._cache[0] != (path, group):
-      if self._file is None or self._file[0] != path:
-        self._file = (path, _parquet(path))
-      table = self._file[1].read_row_group(group, columns=[self.field])
+      # a file opened per row group: grain's prefetch threads read at once, and a ParquetFile
+      # shared between threads is not safe
+      table = _parquet(path).read_row_group(group, columns=[self.field])
       self._cache = ((path, group), table.column(self.field).to_pylist())
     return self._cache[1][row]
 
