@@ -160,6 +160,11 @@ class KDA(nnx.Module):
     slots = None if cache is None else cache.get("slots")
     rows = (lambda a: a) if slots is None else (lambda a: a[slots])
     proj = {"q": self.q_proj(x), "k": self.k_proj(x), "v": self.v_proj(x)}
+    if cache is not None:
+      # Decoding a few tokens, XLA computes a projection as a reduction and fuses it into the
+      # concatenation with the conv tail, one kernel 100x slower than both apart (serving, H100):
+      # the barrier keeps them apart.
+      proj = jax.lax.optimization_barrier(proj)
     convs = {"q": self.q_conv1d, "k": self.k_conv1d, "v": self.v_conv1d}
     lengths = None if valid is None else valid.sum(1)
     out, tails = {}, {}
