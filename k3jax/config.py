@@ -417,6 +417,14 @@ def replace(cfg: Config, overrides: list[str]) -> Config:
   return from_dict(to_dict(cfg), overrides)
 
 
+def replace_model(model: ModelConfig, overrides: list[str] | tuple[str, ...]) -> ModelConfig:
+  """``model`` with ``model.*`` overrides applied and validated (ConfigError for other keys)."""
+  other = [o for o in overrides if not o.partition("=")[0].startswith("model.")]
+  if other:
+    raise ConfigError(f"{other[0]}: only model.* overrides apply here")
+  return replace(Config(model=model), list(overrides)).model if overrides else model
+
+
 # ---------------------------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ import chex
 import jax
 import ml_dtypes
 import numpy as np
+import yaml
 import pytest
 from flax import nnx
 from numerics import max_rel_err
@@ -285,13 +286,17 @@ def test_k3_loads_and_runs(k3_dir, tmp_path):
 
   # HF -> Orbax (laid out for a mesh) -> same model, and Orbax -> HF bit-identical
   orbax_dir, back = tmp_path / "k3_orbax", tmp_path / "k3_back"
-  assert convert.main(["hf-to-orbax", "--src", str(src), "--dst", str(orbax_dir), "--no-progress",
-                       "--mesh", "fsdp=2,expert=2"]) == 0
+  assert convert.main(["hf-to-orbax", "model.remat=full", "--src", str(src),
+                       "--dst", str(orbax_dir), "--no-progress", "--mesh", "fsdp=2,expert=2"]) == 0
+  assert yaml.safe_load((orbax_dir / "k3jax.yaml").read_text())["model"]["remat"] == "full"
   manifest = json.loads((orbax_dir / "hf_manifest.json").read_text())
   assert not any(n.startswith("vision_tower") for n in manifest["tensors"])
   model2 = from_pretrained(orbax_dir, dtype="float32")
   np.testing.assert_array_equal(np.asarray(forward(model2, ids)), logits)
-  assert convert.main(["orbax-to-hf", "--src", str(orbax_dir), "--dst", str(back), "--no-progress"]) == 0
+  assert convert.main(["orbax-to-hf", "--src", str(orbax_dir), "train.steps=3", "--dst",
+                       str(tmp_path / "no"), "--no-progress"]) == 2
+  assert convert.main(["orbax-to-hf", "--src", str(orbax_dir), "--dst", str(back), "--no-progress",
+                       "model.kda.implementation=naive"]) == 0
   want = {n: v for n, v in _read_all(src).items() if not n.startswith("vision_tower")}
   assert _read_all(back) == want
   assert json.loads((back / "config.json").read_text()) == json.loads((src / "config.json").read_text())

@@ -1,7 +1,7 @@
 """Checkpoint conversion between released HF safetensors (Kimi Linear, Kimi K3) and Orbax.
 
-    python convert.py hf-to-orbax --src HF_DIR --dst OUT_DIR [--dtype bf16|fp32] [--mesh fsdp=8,expert=4]
-    python convert.py orbax-to-hf --src OUT_DIR|RUN_DIR --dst HF_DIR [--config CONFIG] [--experts auto|mxfp4|bf16]
+    python convert.py hf-to-orbax --src HF_DIR --dst OUT_DIR [--dtype bf16|fp32] [--mesh fsdp=8,expert=4] [model.KEY=VALUE ...]
+    python convert.py orbax-to-hf --src OUT_DIR|RUN_DIR --dst HF_DIR [--config CONFIG] [--experts auto|mxfp4|bf16] [model.KEY=VALUE ...]
 
 The architecture comes from config.json (model_type kimi_linear or kimi_k3). ``orbax-to-hf``
 takes a converted directory, a ``train.py`` run directory (its newest complete checkpoint) or one
@@ -55,6 +55,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                  help="routed expert storage (auto: as in the source checkpoint)")
   for p in (a, b):
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("overrides", nargs="*", metavar="model.KEY=VALUE",
+                   help="config overrides (model.* only), before or after the options")
   return ap, {"hf-to-orbax": a, "orbax-to-hf": b}
 
 
@@ -71,11 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     src, dst = storage.path(args.src), storage.path(args.dst)  # absolute: as Orbax needs
     if args.cmd == "hf-to-orbax":
       stats = hf_to_orbax(src, dst, dtype=args.dtype, mesh=_mesh(args.mesh),
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, overrides=tuple(args.overrides))
     else:
       config = cli.resolve_config(args.config) if args.config else None
       stats = orbax_to_hf(src, dst, config=config, experts=args.experts,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, overrides=tuple(args.overrides))
   except (ConversionError, ConfigError, RunDirError, storage.StorageError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -11,7 +11,7 @@ from typing import Iterator
 
 import numpy as np
 
-from k3jax import run_dir, storage
+from k3jax import config as config_lib, run_dir, storage
 from k3jax.convert.errors import ConversionError
 from k3jax.convert.hf_config import config_to_hf, read_hf_config
 from k3jax.convert.links import refuse_outside_links
@@ -63,7 +63,7 @@ def _hf_row_blocks(p: Param, reader: OrbaxReader, hf_shape: tuple[int, ...], dty
 
 def orbax_to_hf(src: str | Path, dst: str | Path, *, config: str | Path | None = None,
                 experts: str = "auto", progress: bool = True, max_shard_bytes: int = 5 << 30,
-                max_block_bytes: int = 256 << 20) -> dict:
+                max_block_bytes: int = 256 << 20, overrides: tuple[str, ...] = ()) -> dict:
   """Writes the Orbax directory ``src`` (from :func:`hf_to_orbax`, or any ``params/`` tree of
   K3Model with a ``k3jax.yaml``) as an HF checkpoint in the new directory ``dst`` (local or URL
   paths, :mod:`k3jax.storage`).
@@ -71,14 +71,15 @@ def orbax_to_hf(src: str | Path, dst: str | Path, *, config: str | Path | None =
   With the ``hf_manifest.json`` of a conversion, names, dtypes, shapes (padded ``A_log``) and the
   MXFP4 packing of the source come back exactly; otherwise the released layout is used, in the
   parameter dtype. experts: "auto" (as in the manifest), "mxfp4" or "bf16". max_block_bytes: the
-  rows of a large tensor read and written at a time.
+  rows of a large tensor read and written at a time. overrides: ``model.*`` ``key=value`` items
+  applied to the source's config.
   """
   src, dst = storage.checkpoint_path(src), storage.path(dst)
   refuse_outside_links(src)
   if (src / "hf_extra").is_dir():
     refuse_outside_links(src / "hf_extra")
   run = run_dir.find(src)  # once for config and tree
-  cfg = load_orbax_config(src, config, run)
+  cfg = config_lib.replace_model(load_orbax_config(src, config, run), overrides)
   mpath = src / "hf_manifest.json"
   manifest = json.loads(mpath.read_text()) if mpath.is_file() else None
   if manifest:

@@ -184,7 +184,7 @@ def load_hf_params(src: str | Path, cfg: ModelConfig | None = None,
 
 def hf_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
                 mesh: dict[str, int] | None = None, progress: bool = True,
-                max_block_bytes: int = 256 << 20) -> dict:
+                max_block_bytes: int = 256 << 20, overrides: tuple[str, ...] = ()) -> dict:
   """Converts the HF checkpoint in ``src`` into a new Orbax directory ``dst`` (local or URL paths,
   :mod:`k3jax.storage`; ``dst`` local or ``gs://``).
 
@@ -199,7 +199,7 @@ def hf_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     raise ConversionError(f"--dtype must be bf16 or fp32, got {dtype!r}")
   refuse_outside_links(src)
   hf = read_hf_config(src)
-  cfg = config_from_hf(hf, name=src.name)
+  cfg = config_lib.replace_model(config_from_hf(hf, name=src.name), overrides)
   reader = SafetensorsReader(src)
   prefix = detect_prefix(reader.tensors)
   params = plan(cfg, prefix)
