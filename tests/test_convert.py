@@ -115,7 +115,7 @@ def test_mxfp4_rejects_nan_scale():
 # Config mapping
 
 
-@pytest.mark.parametrize("yaml_name", ["k3.yaml", "kimi_linear_48b.yaml"])
+@pytest.mark.parametrize("yaml_name", ["k3.yaml", "kimi_linear_48b.yaml", "k3_tiny.yaml"])
 def test_config_round_trip(yaml_name):
   cfg = config_lib.load(ROOT / "configs" / yaml_name).model
   hf = config_to_hf(cfg)

@@ -144,7 +144,8 @@ def config_from_hf(hf: dict, *, name: str = "hf", param_dtype: str | None = None
           gate="bounded" if lin.get("gate_lower_bound") is not None else "softplus",
           gate_lower_bound=float(_first(lin, "gate_lower_bound", default=-5.0)),
           output_gate="full" if lin.get("use_full_rank_gate") else "low_rank",
-          output_gate_rank=kda_dim),
+          # HF ties a low-rank gate's rank to head_dim; a full gate has none (the default stays)
+          **({} if lin.get("use_full_rank_gate") else {"output_gate_rank": kda_dim})),
       mla=dict(
           num_heads=heads, q_lora_rank=t.get("q_lora_rank") or 0,
           kv_lora_rank=t["kv_lora_rank"], qk_nope_head_dim=t["qk_nope_head_dim"],
