@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import chunk_ops, wu_mgpu
 from pallas_kernels.kda.chunk_ops import call, lower_inverse, tok
-from pallas_kernels.kda.config import BF16, KdaOptions, interpret, store_dtype
+from pallas_kernels.kda.config import BF16, SUB, KdaOptions, interpret, store_dtype
 from pallas_kernels.kda.reference import L2_EPS
 
 
@@ -106,23 +106,79 @@ class _Dense:
     return jnp.sum(jnp.where(self.rid == i, x, 0.0), axis=0)
 
   def blocks(self, G):
-    """e^{G - r} [C, BK] with each row's own block reference (G at the middle row of its block
-    of ``diag_rows`` rows), per block I a function returning (row mask [C, 1], column
-    factor e^{r_I - G} [C, BK] zeroed after block I), and the references r_I [BK]; the column
-    factors are formed one at a time, where they are used. No exponent of a row in or before
-    its block exceeds ``diag_rows / 2`` gates (G falls with the row; see ``diag_rows``), so
-    none overflows (those after it are zeroed)."""
-    n = self.cfg.diag_rows
-    refs = [self.row(G, i * n + n // 2 - 1) for i in range(self.cfg.chunk // n)]
+    """e^{G - r} [C, BK] with each row's own block reference, per block I a function returning
+    (row mask [C, 1], column factor e^{r_I - G} [C, BK] zeroed from the column where the block's
+    pairs stop being products), and the references r_I [BK].
+
+    Middle-row references (the bounded gate): r_I is G at the middle row of block I of
+    ``diag_rows`` rows and the products cover the block itself; no exponent of a row in or
+    before its block exceeds ``diag_rows / 2`` gates (G falls with the row; see ``diag_rows``),
+    so none overflows (those after it are zeroed). Sub-chunks (``sub_chunks``, any gate): r_I is
+    G just before block I and the products cover only the columns before it (the first block
+    has none), so every exponent is <= 0; the diagonal blocks are :func:`diag_pairs`'. The
+    column factors are formed one at a time, where they are used."""
+    n, sub = self.cfg.diag_rows, self.cfg.sub_chunks
+    at = (lambda i: i * n - 1) if sub else (lambda i: i * n + n // 2 - 1)  # row -1: r = 0
+    refs = [self.row(G, at(i)) for i in range(self.cfg.chunk // n)]
     ref_rows = jnp.broadcast_to(refs[0][None, :], G.shape)
     for i in range(1, len(refs)):
       ref_rows = jnp.where(self.rid >= i * n, refs[i][None, :], ref_rows)
 
     def block(i):
       rows = (self.rid >= i * n) & (self.rid < (i + 1) * n)
-      return rows, jnp.where(self.rid < (i + 1) * n, jnp.exp(refs[i][None, :] - G), 0.0)
+      end = i * n if sub else (i + 1) * n
+      return rows, jnp.where(self.rid < end, jnp.exp(refs[i][None, :] - G), 0.0)
 
-    return [functools.partial(block, i) for i in range(len(refs))], jnp.exp(G - ref_rows), refs
+    return ([functools.partial(block, i) for i in range(int(sub), len(refs))],
+            jnp.exp(G - ref_rows), refs)
+
+
+def _partner(x, j):
+  """[C, BK]: row i is row ``j`` of the 16-row sub-chunk of row i of ``x [C, BK]`` (a masked
+  reduction over each sub-chunk: Triton has no register gather)."""
+  c, bk = x.shape
+  x3 = x.reshape(c // SUB, SUB, bk)
+  r = jnp.arange(SUB)[None, :, None]
+  row = jnp.sum(jnp.where(r == j, x3, 0.0), axis=1, keepdims=True)
+  return jnp.broadcast_to(row, x3.shape).reshape(c, bk)
+
+
+def diag_pairs(lhs, k, G):
+  """For each a in ``lhs`` ([C, BK] tiles): the diagonal 16x16 sub-blocks of the pair products
+  ``a_i . k_j e^{G_i - G_j}`` as a [C, C] tile (zero off them; j > i unmasked), one column
+  offset j of every sub-block at a time, each exponent ``min(G_i - G_j, 0)`` formed per pair."""
+  c = k.shape[0]
+  rid, cid = jnp.arange(c)[:, None], jnp.arange(c)[None, :]
+  base = rid // SUB * SUB
+
+  def step(j, outs):
+    e = _partner(k, j) * jnp.exp(jnp.minimum(G - _partner(G, j), 0.0))
+    sel = cid == base + j
+    return tuple(jnp.where(sel, jnp.sum(a * e, axis=1, keepdims=True), o)
+                 for a, o in zip(lhs, outs))
+
+  zero = jnp.zeros((c, c), jnp.float32)
+  return jax.lax.fori_loop(0, SUB, step, tuple(zero for _ in lhs))
+
+
+def diag_pair_grads(a, k, G, dp):
+  """The gradients (d a, d k) [C, BK] of :func:`diag_pairs`' products given their cotangent
+  ``dp [C, C]`` (masked to the pairs that count)."""
+  c, bk = k.shape
+  rid, cid = jnp.arange(c)[:, None], jnp.arange(c)[None, :]
+  base = rid // SUB * SUB
+  r = jnp.arange(SUB)[None, :, None]
+
+  def step(j, carry):
+    da, dk = carry
+    dcol = jnp.sum(jnp.where(cid == base + j, dp, 0.0), axis=1, keepdims=True)  # dP[i, j]
+    e = dcol * jnp.exp(jnp.minimum(G - _partner(G, j), 0.0))
+    da = da + e * _partner(k, j)
+    part = jnp.sum((e * a).reshape(c // SUB, SUB, bk), axis=1, keepdims=True)
+    return da, dk + jnp.where(r == j, part, 0.0).reshape(c, bk)
+
+  zero = jnp.zeros((c, bk), jnp.float32)
+  return jax.lax.fori_loop(0, SUB, step, (zero, zero))
 
 
 def dot_cumsum(g):
@@ -173,6 +229,9 @@ def _dense_a_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
       kc = k * col
       akk = akk + mm(jnp.where(rws, lk, 0.0), kc, tb=True)
       aqk = aqk + mm(jnp.where(rws, lq, 0.0), kc, tb=True)
+    if cfg.sub_chunks:
+      dkk, dqk = diag_pairs((k, q), k, G)
+      akk, aqk = akk + dkk, aqk + dqk
     eg = jnp.exp(G)
     gl = ch.row(G, c - 1)
     qg_ref[b, rows, h, cols] = (cfg.scale * ch.cont[:, None] * q * eg).astype(dt)
@@ -297,12 +356,17 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
     mma, mmb = (functools.partial(chunk_ops.mm, precision=d) for d in dots)
     la = a_side * e_row
     da = db = jnp.zeros_like(k)
+    col = None
     for block in blocks:  # dP loaded / formed per block, not kept live across them (fewer spills)
       rws, col = block()
       p = jnp.where(rws, dp(), 0.0)
       da = da + mma(p, k * col)
       db = db + col * mmb(p, la, ta=True)
-    return da * e_row, db, col
+    da = da * e_row
+    if cfg.sub_chunks:
+      dad, dbd = diag_pair_grads(a_side, k, G, dp())
+      da, db = da + dad, db + dbd
+    return da, db, col
 
   # The products with the states (dO S^T, V' dS^T) take operands of the kernels' dtype, like
   # the forward's QG S: bf16 halves their registers, the errors unchanged.
@@ -332,7 +396,9 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
     # column factor (every row: none lies after the last block) times one factor per channel,
     # an exponential per element fewer (where e^{r - G} underflows, e^{G_C - G} <= e^{r - G}
     # does too). Faster here, not in kda_chunk_a (benchmarks/RESULTS.md, KDA runs 43-44).
-    decay = col * jnp.exp(gl - refs[-1])[None, :]
+    # Sub-chunks have no such factor for the last block's rows: e^{G_C - G} there.
+    decay = (jnp.exp(gl[None, :] - G) if cfg.sub_chunks
+             else col * jnp.exp(gl - refs[-1])[None, :])
     dkd = ch.last[:, None] * decay * mm(vn_ref[b, rows, h, :], dst, tb=True, dt=sdt)
     dk = dk + dky + dkd
     dG = dG + k * (dky - dkd)

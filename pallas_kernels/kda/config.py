@@ -80,6 +80,10 @@ class KdaGpuConfig:
   # range) instead of one float16 product (11 bits, for entries of order 1)
   wu_split: bool = False
   prep_vjp: prep_vjp.Config = prep_vjp.Config()  # tiling of the pre-processing VJP kernel
+  # Gates without the bounded gate's exponent bound (softplus, a precomputed g, a bounded gate
+  # below -MAX_EXP / 8): "subchunk" (the dense kernels with 16-token sub-chunk references,
+  # diagonal sub-blocks pair by pair: ``chunk_dense``) or "general" (``chunk_general``)
+  unbounded: str = "subchunk"
 
   def __post_init__(self):
     object.__setattr__(self, "warps", _frozen(self.warps, WARPS))
@@ -90,6 +94,9 @@ class KdaGpuConfig:
                        "'backward' or 'triton'")
     if self.chunk_wu not in ("mosaic", "triton"):
       raise ValueError(f"KdaGpuConfig: chunk_wu {self.chunk_wu!r} must be 'mosaic' or 'triton'")
+    if self.unbounded not in ("subchunk", "general"):
+      raise ValueError(f"KdaGpuConfig: unbounded {self.unbounded!r} must be 'subchunk' or "
+                       "'general'")
 
   def warps_of(self, name: str) -> int:
     return dict(self.warps)[name]
@@ -153,6 +160,9 @@ class KdaOptions:
   diag_rows: int  # rows per reference block of the dense path (0: the general path)
   dtype: str  # matrix-unit operand dtype of the kernels
   save_residuals: bool = True  # the backward reuses the forward's intermediates
+  # the dense path's references at the start of each block of ``diag_rows`` rows (every
+  # exponent <= 0, any gate), diagonal blocks pair by pair; else at the middle row
+  sub_chunks: bool = False
   tuning: KdaGpuConfig = KdaGpuConfig()
 
 
@@ -163,6 +173,17 @@ def diag_rows(gate: str | None, lower_bound: float, chunk: int) -> int:
   if gate != "bounded":
     return 0
   return next((n for n in (64, 32, SUB) if n <= chunk and n / 2 * -lower_bound <= MAX_EXP), 0)
+
+
+def chunk_path(gate: str | None, lower_bound: float, chunk: int,
+               tuning: KdaGpuConfig) -> tuple[int, bool]:
+  """(``diag_rows``, ``sub_chunks``) of :class:`KdaOptions`: the bounded gate's middle-row blocks
+  where :func:`diag_rows` finds some, else 16-row sub-chunks (or, with the tuning's ``unbounded``
+  "general", the general path)."""
+  rows = diag_rows(gate, lower_bound, chunk)
+  if rows or tuning.unbounded == "general":
+    return rows, False
+  return SUB, True
 
 
 def store_dtype(opts: KdaOptions, name: str):

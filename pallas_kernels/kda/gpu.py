@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kda import chunk_dense, chunk_general
-from pallas_kernels.kda.config import KdaGpuConfig, KdaOptions, default_config, diag_rows
+from pallas_kernels.kda.config import KdaGpuConfig, KdaOptions, chunk_path, default_config
 from pallas_kernels.kda.prep_vjp import preprocess_vjp
 from pallas_kernels.kda.recurrence import recurrence_bwd, recurrence_fwd
 from pallas_kernels.kda.reference import kda_gate, l2norm, pad_time, restart_mask
@@ -181,9 +181,10 @@ def kda(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None, use_qk
   if config is None:
     config = default_config(v.shape, use_qk_l2norm=bool(use_qk_l2norm),
                             beta_is_logit=bool(beta_is_logit))
+  rows, sub = chunk_path(gate, float(lower_bound), chunk_size, config)
   cfg = KdaOptions(scale=float(scale), chunk=chunk_size, use_qk_l2norm=bool(use_qk_l2norm),
                    gate=gate, lower_bound=float(lower_bound), beta_is_logit=bool(beta_is_logit),
-                   diag_rows=diag_rows(gate, float(lower_bound), chunk_size),
+                   diag_rows=rows, sub_chunks=sub,
                    dtype=jnp.dtype(dtype).name, save_residuals=bool(save_residuals),
                    tuning=config)
   tp = -(-t // chunk_size) * chunk_size
