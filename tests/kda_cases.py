@@ -82,6 +82,15 @@ CASES = [
     # T < 16, g and beta given directly (no gate, L2 norm or sigmoid in the op)
     Case("unfused_short_T5_no_state", 5, 1, 2, 64, 64, 16, None, False, tol=1e-4,
          initial_state=False),
+    # Kimi Linear's gate on the dense kernels' 16-token sub-chunks at the production chunk: four
+    # sub-chunks, two K slices, grouped values, restarts inside a chunk and at its edge, an odd
+    # T, and a quarter of the channels decaying by ~1e2 per token (no reference but the
+    # sub-chunks' keeps their exponents finite)
+    Case("softplus_subchunks_chunk64_K128_T77", 77, 1, 2, 128, 32, 64, "softplus", True,
+         (30, 64, 65), tol=1e-4, saturate=(30.0, 8.0), slow_decay=True),
+    # a precomputed g likewise, and a single token
+    Case("unfused_subchunks_chunk64_T83", 83, 1, 2, 64, 16, 64, None, False, (17, 40)),
+    Case("softplus_chunk64_T1", 1, 1, 2, 64, 16, 64, "softplus", True),
 ]
 
 

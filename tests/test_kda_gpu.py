@@ -59,15 +59,18 @@ def test_bad_head_dim_is_rejected():
     kda(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")), implementation="pallas_gpu")
 
 
-@pytest.mark.parametrize("shape, cumsum_dot", [((1, 100, 2, 128), True),
-                                               ((1, 16384, 32, 128), True),
-                                               ((1, 100, 2, 128), False)],
-                         ids=["T100", "benchmark_T16384_H32", "T100_cumsum_scan"])
-def test_dense_path_lowers_for_cuda(h200_lowering, shape, cumsum_dot):
-  """The bounded-gate kernels (forward and backward, bf16, K=128, two K slices)
-  lower through Pallas' Triton path for an H200 without a GPU (catches lowering errors on CPU),
-  also at the benchmark shape (inputs as shapes only) and with the scan's cumulative sum in
-  kda_chunk_dqkg (``KdaGpuConfig.dqkg_dot_cumsum``)."""
+@pytest.mark.parametrize("shape, cumsum_dot, gate", [((1, 100, 2, 128), True, "bounded"),
+                                                     ((1, 16384, 32, 128), True, "bounded"),
+                                                     ((1, 100, 2, 128), False, "bounded"),
+                                                     ((1, 100, 2, 128), True, "softplus"),
+                                                     ((1, 100, 2, 128), True, None)],
+                         ids=["T100", "benchmark_T16384_H32", "T100_cumsum_scan",
+                              "T100_softplus", "T100_precomputed_g"])
+def test_dense_path_lowers_for_cuda(h200_lowering, shape, cumsum_dot, gate):
+  """The dense path's kernels (forward and backward, bf16, K=128, two K slices) lower through
+  Pallas' Triton path for an H200 without a GPU (catches lowering errors on CPU), also at the
+  benchmark shape (inputs as shapes only), with the scan's cumulative sum in kda_chunk_dqkg
+  (``KdaGpuConfig.dqkg_dot_cumsum``) and for the unbounded gates' sub-chunks."""
   b, t, h, kd = shape
   tuning = dataclasses.replace(
       config.default_config((b, t, h, kd), use_qk_l2norm=True, beta_is_logit=True),
@@ -75,7 +78,7 @@ def test_dense_path_lowers_for_cuda(h200_lowering, shape, cumsum_dot):
 
   def loss(q, k, v, g, beta):
     o, _ = kda(q, k, v, g, beta, use_qk_l2norm=True, A_log=jnp.zeros(h), dt_bias=jnp.zeros(h * kd),
-               gate="bounded", beta_is_logit=True, implementation="pallas_gpu", config=tuning)
+               gate=gate, beta_is_logit=True, implementation="pallas_gpu", config=tuning)
     return jnp.sum(o.astype(jnp.float32))
 
   args = [jax.ShapeDtypeStruct((b, t, h, kd), jnp.bfloat16)] * 4 + [
@@ -87,6 +90,17 @@ def test_dense_path_lowers_for_cuda(h200_lowering, shape, cumsum_dot):
     assert f'name = "{name}"' in text, f"{name} is not a Triton call of the lowered module"
 
 
+GENERAL_CASES = [c for c in CASES if c.name in ("unfused_segments_T37",
+                                                 "softplus_large_decay_padded")]
+
+
+@pytest.mark.parametrize("case", GENERAL_CASES, ids=lambda c: c.name)
+def test_general_path_option(case):
+  """The unbounded gates on the general path's kernels (``KdaGpuConfig.unbounded="general"``,
+  the default being the dense kernels' sub-chunks) pass the same checks."""
+  check(case, "pallas_gpu", config=_tuning(case, unbounded="general"))
+
+
 def test_diag_rows():
   """Reference blocks of the dense path: the largest whose exponents stay within e^85."""
   diag_rows = config.diag_rows
@@ -96,17 +110,30 @@ def test_diag_rows():
   assert diag_rows("bounded", -8.0, 64) == 16
   assert diag_rows("bounded", -11.0, 64) == 0  # general path
   assert diag_rows("softplus", -5.0, 64) == 0
+  tuning = config.KdaGpuConfig()
+  assert config.chunk_path("bounded", -5.0, 64, tuning) == (32, False)
+  for gate, lb in (("softplus", -5.0), (None, -5.0), ("bounded", -11.0)):  # 16-row sub-chunks
+    assert config.chunk_path(gate, lb, 64, tuning) == (16, True)
+  general = config.KdaGpuConfig(unbounded="general")
+  assert config.chunk_path("softplus", -5.0, 64, general) == (0, False)
+  with pytest.raises(ValueError, match="unbounded"):
+    config.KdaGpuConfig(unbounded="clamp")
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=lambda c: c.name)
-def test_saved_residuals_give_the_same_gradients(case):
+@pytest.mark.parametrize("case, unbounded", [(CASES[1], "general"), (CASES[1], "subchunk"),
+                                             (CASES[3], "subchunk")],
+                         ids=["softplus_general", "softplus_subchunks", "bounded_dense"])
+def test_saved_residuals_give_the_same_gradients(case, unbounded):
   """``save_residuals`` (the backward reads the forward's chunk factors, states and V') gives
-  bit for bit the gradients of recomputing them (general and dense paths)."""
+  bit for bit the gradients of recomputing them (general path, dense path's sub-chunks and
+  middle-row blocks)."""
   x, seg, opts = inputs(case)
   wo = np.random.default_rng(1).standard_normal(x["v"].shape).astype(np.float32)
+  tuning = _tuning(case, unbounded=unbounded)
 
   def grads(save):
-    f = lambda y: jnp.sum(run("pallas_gpu", seg, opts, y, save_residuals=save)[0] * wo)
+    f = lambda y: jnp.sum(run("pallas_gpu", seg, opts, y, save_residuals=save,
+                              config=tuning)[0] * wo)
     return jax.jit(jax.value_and_grad(f))({n: jnp.asarray(x[n]) for n in case.names()})
 
   (l0, g0), (l1, g1) = grads(False), grads(True)
@@ -114,13 +141,15 @@ def test_saved_residuals_give_the_same_gradients(case):
   chex.assert_trees_all_equal(g0, g1)
 
 
-def test_bf16_dense_path_matches_the_float32_recurrence():
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_bf16_dense_path_matches_the_float32_recurrence(gate):
   """bf16 inputs on the dense path, as trained: the kernels' bf16 residuals (the chunk states,
   their gradients and dV', ``KdaGpuConfig.bf16_stores``) and kda_chunk_a's programs walking
   several chunks (``chunk_loop``: at least 4 per program, here all 4) keep outputs and every
   gradient within bf16 accuracy of the float32 recurrence on the same (bf16-rounded) inputs
-  (relative error of the whole array)."""
-  case = Case("bf16", 256, 1, 1, 64, 32, 64, "bounded", True, (90, 91))
+  (relative error of the whole array), for K3's bounded gate and Kimi Linear's softplus gate
+  (sub-chunks) alike."""
+  case = Case("bf16", 256, 1, 1, 64, 32, 64, gate, True, (90, 91))
   x, seg, opts = inputs(case)
   tuning = _tuning(case)
   assert tuning.chunk_loop_of("kda_chunk_a")[0] >= 4 and "h" in tuning.bf16_stores

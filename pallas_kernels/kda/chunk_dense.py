@@ -1,12 +1,15 @@
-"""The bounded gate's dense path: chunk-local kernels on full [C, C] / [C, BK] tiles, Pallas GPU.
+"""The dense path: chunk-local kernels on full [C, C] / [C, BK] tiles, Pallas GPU.
 
 The whole chunk is one tile of C rows; the K axis is walked in slices of ``slice_k`` channels
 (the decay is per channel, so every slice is independent until the [C, C] sums). Pair products
-use one reference point per block ``I`` of ``diag_rows`` rows (``r_I``: G at the block's middle
-row): rows of block I take ``a e^{G - r_I}``, columns up to block I take ``b e^{r_I - G}`` (<= 1
-before the block); inside the block both stay within e^{(diag_rows / 2) |lower_bound|}. So a
-[C, C] product is the sum of C / diag_rows full products whose left operand is masked to one row
-block.
+use one reference point per block ``I`` of ``diag_rows`` rows, rows of block I taking
+``a e^{G - r_I}`` and earlier columns ``b e^{r_I - G}`` (see ``_Dense.blocks``), so a [C, C]
+product is a sum of full products whose left operand is masked to one row block:
+  - the bounded gate: ``r_I`` G at the block's middle row; inside the block both factors stay
+    within e^{(diag_rows / 2) |lower_bound|}, so the products cover the diagonal blocks too;
+  - any gate (``sub_chunks``): 16-row blocks, ``r_I`` G just before the block; the products
+    cover only earlier blocks (factors <= 1), the diagonal 16x16 blocks are formed pair by pair
+    with per-pair exponents ``min(G_i - G_j, 0)`` (:func:`diag_pairs`, :func:`diag_pair_grads`).
 
 The work is split into short kernels with their intermediates in HBM, so that no program holds
 more than a few [C, C] / [C, BK] float32 tiles and many programs are in flight:

@@ -10,10 +10,11 @@ The work is split the way it parallelises (SPEC section 2, chunks of C tokens):
    cumulative decay ``G``, the gated pair products, ``(I + A_kk)^-1`` and the factors
    ``W, U, QG = scale q e^G, A_qk, KD = k e^{G_C - G}, gC = e^{G_C}``. Segment restarts are
    folded in as masks, so the sequential pass has no branches. Two versions with the same
-   results: the bounded gate's dense path (``chunk_dense.py``: the chunk as full [C, C] and
-   [C, K-slice] tiles, every product a full matrix-unit product, split into the short kernels
-   ``kda_chunk_a`` and ``kda_chunk_wu`` with intermediates in HBM) and the general path
-   (``chunk_general.py``, any gate: 16-row tiles, diagonal tiles pair by pair).
+   results: the dense path (``chunk_dense.py``: the chunk as full [C, C] and [C, K-slice]
+   tiles, the pair products as full matrix-unit products, split into the short kernels
+   ``kda_chunk_a`` and ``kda_chunk_wu`` with intermediates in HBM), every gate's by default,
+   and the general path (``chunk_general.py``, any gate: 16-row tiles, diagonal tiles pair by
+   pair, one program per chunk; ``KdaGpuConfig.unbounded="general"``).
 2. The sequential pass over chunks (``recurrence.py``: Triton, or the Mosaic GPU kernels of
    ``recurrence_mgpu.py`` on Hopper), per chunk ``V' = U - W S``, ``O = QG S + A_qk V'``,
    ``S = gC * S + KD^T V'``; the WY factors of ``kda_chunk_wu`` likewise from ``wu_mgpu.py``.
@@ -26,12 +27,23 @@ The work is split the way it parallelises (SPEC section 2, chunks of C tokens):
    (``prep_vjp.py``).
 
 Sub-tile gating: a pair product ``sum_d a_id b_jd exp(G_id - G_jd)`` (i >= j) is split at a
-reference ``r`` of the row block: ``(a e^{G - r}) (b e^{r - G})^T``. The general path takes
-``r`` at the start of each 16-row tile (off-diagonal tiles have both factors <= 1) and forms the
-diagonal tiles pair by pair. The bounded gate's dense path (``g > lower_bound``) takes ``r`` at
-the middle row of blocks of ``diag_rows`` rows: every factor inside a block stays within
-``e^{(diag_rows / 2) |lower_bound|} <= e^85`` (float32), so whole blocks are dense products
-(32-row blocks for K3's lower bound -5).
+reference ``r`` of the row block: ``(a e^{G - r}) (b e^{r - G})^T``.
+
+- Any gate (Kimi Linear's softplus, a precomputed g: no bound on the decay): secondary
+  chunking, as fla's ``chunk_kda``. The chunk is cut into 16-token sub-chunks and ``r`` taken
+  just before each (``KdaOptions.sub_chunks``): for a row in sub-chunk I and a column in an
+  earlier one, ``e^{G_i - r_I} <= 1`` and ``e^{r_I - G_j} <= 1`` since G falls with the token,
+  so those blocks are matrix-unit products that cannot overflow whatever the gate; the diagonal
+  16x16 sub-blocks are formed pair by pair, ``e^{min(G_i - G_j, 0)}`` per channel. The
+  inter-chunk factors (``e^G``, ``e^{G_C - G}``, ``e^{G_C}``) have exponents <= 0 anyway.
+- The bounded gate (``g > lower_bound``, K3): ``r`` at the middle row of blocks of ``diag_rows``
+  rows, every factor inside a block within ``e^{(diag_rows / 2) |lower_bound|} <= e^85``
+  (float32), so whole blocks, diagonal included, are dense products (32-row blocks for K3's
+  lower bound -5); a bound below -10.6 takes the sub-chunks.
+
+The gate is fused from the raw ``f`` (``A_log``, ``dt_bias``) in the chunk kernels for both gate
+kinds; the gradients of ``f``, ``A_log`` and ``dt_bias`` come from the gate's cotangent in
+``kda_prep_vjp``.
 
 Tuning (warps, tiles, which kernels) is a :class:`~pallas_kernels.kda.config.KdaGpuConfig`,
 by default :func:`~pallas_kernels.kda.config.default_config` of the shapes and device.
