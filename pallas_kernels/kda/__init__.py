@@ -41,7 +41,7 @@ def prepare_inputs(q, k, g, beta, *, use_qk_l2norm, A_log, dt_bias, gate, lower_
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
         segment_ids=None, use_qk_l2norm=False, A_log=None, dt_bias=None, gate=None,
         lower_bound=-5.0, beta_is_logit=False, chunk_size=64, save_residuals=True,
-        implementation=None, config=None):
+        implementation=None, config=None, output_states_every=None):
   """Kimi Delta Attention over a sequence.
 
   Args:
@@ -61,29 +61,41 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
       bf16; faster fwd+bwd); False recomputes them in the backward.
     config: ``pallas_gpu``'s tuning, a :class:`pallas_kernels.kda.config.KdaGpuConfig` (default
       ``default_config`` of the shapes and device); the other implementations take none.
+    output_states_every: M (a static int >= 1): also the states after every M chunks of
+      ``chunk_size`` tokens, the state after token ``(m + 1) M chunk_size`` for ``m < T // (M
+      chunk_size)``, from the same pass (serving's prefix cache). ``pallas_gpu``: forward only
+      (no gradient through such a call); ``pallas_tpu``: not supported.
   Returns:
-    ``(o [B, T, HV, V], final_state [B, HV, K, V] float32 or None)``; o has v's dtype.
+    ``(o [B, T, HV, V], final_state [B, HV, K, V] float32 or None)``; o has v's dtype. With
+    ``output_states_every`` a third element, the states ``[B, T // (M chunk_size), HV, K, V]``
+    float32.
   """
   impl = resolve(implementation)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
+  every = output_states_every
+  if every is not None and (not isinstance(every, int) or every < 1):
+    raise ValueError(f"kda: output_states_every {every!r} must be an int >= 1 (chunks)")
   if impl in ("pallas_gpu", "pallas_tpu"):
     from pallas_kernels.kda import pallas as _pallas  # imported lazily: Pallas is heavy
-    o, s = _pallas.kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                       segment_ids=segment_ids, use_qk_l2norm=use_qk_l2norm, A_log=A_log,
-                       dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
-                       beta_is_logit=beta_is_logit, chunk_size=chunk_size,
-                       save_residuals=save_residuals, config=config,
-                       backend=impl.removeprefix("pallas_"))
+    o, s, *states = _pallas.kda(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, segment_ids=segment_ids,
+        use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, gate=gate,
+        lower_bound=lower_bound, beta_is_logit=beta_is_logit, chunk_size=chunk_size,
+        save_residuals=save_residuals, config=config, states_every=every,
+        backend=impl.removeprefix("pallas_"))
   else:
     q, k, g, beta = prepare_inputs(q, k, g, beta, use_qk_l2norm=use_qk_l2norm, A_log=A_log,
                                    dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
                                    beta_is_logit=beta_is_logit)
-    fn = reference.kda_naive if impl == "naive" else reference.kda_chunked
-    kwargs = {} if impl == "naive" else {"chunk_size": chunk_size}
-    o, s = fn(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-              segment_ids=segment_ids, **kwargs)
+    if impl == "naive":  # the same boundaries, counted in tokens
+      fn, kwargs = reference.kda_naive, {"states_every": every and every * chunk_size}
+    else:
+      fn, kwargs = reference.kda_chunked, {"chunk_size": chunk_size, "states_every": every}
+    o, s, *states = fn(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                       segment_ids=segment_ids, **kwargs)
   state_dtype = jnp.promote_types(v.dtype, jnp.float32)
-  return o.astype(v.dtype), (s.astype(state_dtype) if output_final_state else None)
+  out = (o.astype(v.dtype), s.astype(state_dtype) if output_final_state else None)
+  return out + tuple(x.astype(state_dtype) for x in states)
 
 
 def kda_decode(q, k, v, g, beta, state, *, slots=None, scale=None, use_qk_l2norm=False,

@@ -116,14 +116,35 @@ def _kda_core(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg):
   return _forward(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg, save=False)[0]
 
 
-def _forward(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg, save):
-  """((o, final state), what the backward reuses: None, or with ``save`` the chunk factors,
-  the inverse's factors, the chunk states and V')."""
+def _forward(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg, save, every=0):
+  """((o, final state) and with ``every`` the states after every ``every`` chunks
+  ``[B, T // (every C), HV, K, V]``, what the backward reuses: None, or with ``save`` the chunk
+  factors, the inverse's factors, the chunk states and V')."""
   t = q.shape[1]
   padded = [pad_time(x, cfg.chunk) for x in (q, k, v, g, beta)]  # to seg's whole chunks
   factors, kept = prepare(cfg, *padded, A_log, dt_bias, seg, t, keep=save)
-  o, st, *states = recurrence_fwd(cfg, *factors, s0, v.dtype, store=save)
-  return (o[:, :t], st), ((factors, kept, *states) if save else None)
+  o, st, *states = recurrence_fwd(cfg, *factors, s0, v.dtype, store=save, every=every)
+  out = (o[:, :t], st) + ((states.pop()[:, :t // (every * cfg.chunk)],) if every else ())
+  return out, ((factors, kept, *states) if save else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _kda_states(cfg, every, q, k, v, g, beta, A_log, dt_bias, s0, seg):
+  """(o, final state, the states after every ``every`` chunks) in one forward pass, for
+  serving's prefix cache: no gradient."""
+  return _forward(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg, save=False, every=every)[0]
+
+
+def _kda_states_fwd(cfg, every, *args):
+  return _kda_states(cfg, every, *args), None
+
+
+def _kda_states_bwd(cfg, every, res, cts):
+  raise ValueError("kda(pallas_gpu): output_states_every is forward only (no gradient); "
+                   "differentiate a call without it")
+
+
+_kda_states.defvjp(_kda_states_fwd, _kda_states_bwd)
 
 
 def _kda_fwd(cfg, q, k, v, g, beta, A_log, dt_bias, s0, seg):
@@ -166,12 +187,15 @@ _kda_core.defvjp(_kda_fwd, _kda_bwd)
 
 def kda(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None, use_qk_l2norm=False,
         A_log=None, dt_bias=None, gate=None, lower_bound=-5.0, beta_is_logit=False,
-        chunk_size=64, save_residuals=True, config: KdaGpuConfig | None = None):
+        chunk_size=64, save_residuals=True, config: KdaGpuConfig | None = None,
+        states_every=None):
   """Chunked KDA on GPU (interpret mode elsewhere). See :func:`pallas_kernels.kda.kda`.
   ``config``: the kernels' tuning (default :func:`default_config` of these shapes and the first
-  device).
+  device). ``states_every = M``: also the states after every M chunks (forward only; the
+  Triton forward pass writes them).
 
-  Returns ``(o [B, T, HV, V] in v.dtype, final_state [B, HV, K, V] float32)``.
+  Returns ``(o [B, T, HV, V] in v.dtype, final_state [B, HV, K, V] float32)`` and with
+  ``states_every`` the states ``[B, T // (M chunk_size), HV, K, V]`` float32.
   """
   bsz, t, h, kd = q.shape
   hv, vd = v.shape[2], v.shape[3]
@@ -204,6 +228,8 @@ def kda(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None, use_qk
   seg = jnp.pad(seg, ((0, 0), (0, tp - t)), mode="edge")
   s0 = (jnp.zeros((bsz, hv, kd, vd), jnp.float32) if initial_state is None
         else initial_state.astype(jnp.float32))
-  o, st = _kda_core(cfg, q, k, v, g, beta, A_log.reshape(hv).astype(jnp.float32),
-                    dt_bias.reshape(hv, kd).astype(jnp.float32), s0, seg)
-  return o, st
+  args = (q, k, v, g, beta, A_log.reshape(hv).astype(jnp.float32),
+          dt_bias.reshape(hv, kd).astype(jnp.float32), s0, seg)
+  if states_every:
+    return _kda_states(cfg, int(states_every), *args)
+  return _kda_core(cfg, *args)

@@ -26,12 +26,13 @@ def _dot(a, b, trans_a=False):
 
 
 def _fwd_kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, *rest,
-                nc, hv, c, bv, store):
+                nc, hv, c, bv, store, every):
   """Grid (V/BV, B*HV): the V tiles of one head side by side (the first grid axis is launched
   fastest), so when the programs take several waves each chunk's factors, which all V tiles of
   the head read, still come from L2 after the first. o ``[B, Tp, HV, V]``, st
   ``[B, HV, K, V]``; with ``store`` also h ``[B, NC, HV, K, V]`` (state entering each chunk)
-  and vn ``[B, Tp, HV, V]`` (V' as the products take it, in the kernels' dtype)."""
+  and vn ``[B, Tp, HV, V]`` (V' as the products take it, in the kernels' dtype); with ``every``
+  last the states after every ``every`` chunks ``[B, max(NC // every, 1), HV, K, V]`` float32."""
   iv, bh = pl.program_id(0), pl.program_id(1)
   b, h = bh // hv, bh % hv
   vs = pl.ds(iv * bv, bv)
@@ -48,7 +49,14 @@ def _fwd_kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_r
                              + _dot(a_ref[b, rows, h, :], vnb)).astype(o_ref.dtype)
     if store:
       rest[1][b, rows, h, vs] = vnb
-    return gc_ref[b, ci, h, :][:, None] * s + _dot(kd_ref[b, rows, h, :], vnb, trans_a=True)
+    s = gc_ref[b, ci, h, :][:, None] * s + _dot(kd_ref[b, rows, h, :], vnb, trans_a=True)
+    if every:
+      m = jax.lax.div(ci + 1, jnp.int32(every))  # int32: the loop index's type
+
+      @pl.when(m * every == ci + 1)
+      def _():
+        rest[-1][b, m - 1, h, :, vs] = s
+    return s
 
   s = jax.lax.fori_loop(0, nc, body, s0_ref[b, h, :, vs].astype(jnp.float32))
   st_ref[b, h, :, vs] = s
@@ -95,13 +103,16 @@ def mosaic_tile(cfg: KdaOptions, w, tile, *stored, forward=False) -> int:
   return bv if ok else 0
 
 
-def recurrence_fwd(cfg: KdaOptions, w, u, qg, aqk, kd, gc, s0, out_dtype, store):
-  """(o ``[B, Tp, HV, V]``, final state ``[B, HV, K, V]`` float32) and with ``store`` the
-  states entering each chunk ``[B, NC, HV, K, V]`` and V' ``[B, Tp, HV, V]``."""
+def recurrence_fwd(cfg: KdaOptions, w, u, qg, aqk, kd, gc, s0, out_dtype, store, every=0):
+  """(o ``[B, Tp, HV, V]``, final state ``[B, HV, K, V]`` float32), with ``store`` the states
+  entering each chunk ``[B, NC, HV, K, V]`` and V' ``[B, Tp, HV, V]``, and with ``every`` last
+  the states after every ``every`` chunks ``[B, max(NC // every, 1), HV, K, V]`` float32 (the
+  Triton pass's)."""
   bsz, tp, hv, kdim = w.shape
   vd = u.shape[-1]
   c, nc = cfg.chunk, tp // cfg.chunk
-  bv = mosaic_tile(cfg, w, u, *([store_dtype(cfg, "h")] if store else []), forward=True)
+  bv = 0 if every else mosaic_tile(cfg, w, u, *([store_dtype(cfg, "h")] if store else []),
+                                   forward=True)
   if bv:
     return recurrence_mgpu.recurrence_fwd(w, u, qg, aqk, kd, gc, s0, out_dtype=out_dtype,
                                           store=store, block_v=bv,
@@ -115,7 +126,9 @@ def recurrence_fwd(cfg: KdaOptions, w, u, qg, aqk, kd, gc, s0, out_dtype, store)
     # same results); the general path's three-pass products see the value the forward used
     out_shape += [jax.ShapeDtypeStruct((bsz, nc, hv, kdim, vd), store_dtype(cfg, "h")),
                   jax.ShapeDtypeStruct((bsz, tp, hv, vd), w.dtype)]
-  kern = functools.partial(_fwd_kernel, nc=nc, hv=hv, c=c, bv=bv, store=store)
+  if every:
+    out_shape.append(jax.ShapeDtypeStruct((bsz, max(nc // every, 1), hv, kdim, vd), f32))
+  kern = functools.partial(_fwd_kernel, nc=nc, hv=hv, c=c, bv=bv, store=store, every=every)
   return pl.pallas_call(
       kern, out_shape=out_shape, grid=(vd // bv, bsz * hv),
       compiler_params=compiler_params(num_stages=recur_stages(cfg, c, kdim, bv, w, u)),

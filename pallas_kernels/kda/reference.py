@@ -57,8 +57,32 @@ def restart_mask(segment_ids: jax.Array | None, b: int, t: int) -> jax.Array:
   return jnp.concatenate([jnp.zeros((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
 
 
-def kda_naive(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None):
-  """Token-by-token recurrence. Returns (o ``[B, T, HV, V]``, final state ``[B, HV, K, V]``).
+def scan_states(step, s0, xs, every, fill):
+  """``lax.scan(step, s0, xs)`` over the leading axis (N steps) that also returns the carry after
+  every ``every`` steps: ``(carry, ys, states [N // every, ...])``. The steps are scanned in groups
+  of ``every`` (a scan of scans: only the group ends' carries are kept); the last group is padded
+  with steps whose inputs are ``fill`` (one scalar per ``xs`` leaf), which must leave the carry
+  unchanged, and their outputs are dropped."""
+  n = xs[0].shape[0]
+  groups = -(-n // every)
+  pad = groups * every - n
+  xs = tuple(jnp.concatenate([x, jnp.full((pad,) + x.shape[1:], f, x.dtype)]) if pad else x
+             for x, f in zip(xs, fill))
+  xs = tuple(x.reshape((groups, every) + x.shape[1:]) for x in xs)
+
+  def group(s, xg):
+    s, ys = jax.lax.scan(step, s, xg)
+    return s, (ys, s)
+
+  s, (ys, states) = jax.lax.scan(group, s0, xs)
+  return s, ys.reshape((groups * every,) + ys.shape[2:])[:n], states[:n // every]
+
+
+def kda_naive(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None,
+              states_every=None):
+  """Token-by-token recurrence. Returns (o ``[B, T, HV, V]``, final state ``[B, HV, K, V]``)
+  and with ``states_every = L`` (tokens) also the states after every L tokens
+  ``[B, T // L, HV, K, V]``.
 
   At a segment start the state is reset to zero before the token is processed.
   """
@@ -82,8 +106,12 @@ def kda_naive(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None):
     return s, o
 
   xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta, restart))
-  s, o = jax.lax.scan(step, s0, xs)
-  return jnp.moveaxis(o, 0, 1), s
+  if not states_every:
+    s, o = jax.lax.scan(step, s0, xs)
+    return jnp.moveaxis(o, 0, 1), s
+  # padding tokens (k = 0, g = 0, no restart) leave the state unchanged
+  s, o, states = scan_states(step, s0, xs, states_every, (0, 0, 0, 0, 0, False))
+  return jnp.moveaxis(o, 0, 1), s, jnp.moveaxis(states, 0, 1)
 
 
 def pad_time(x: jax.Array, multiple: int) -> jax.Array:
@@ -148,8 +176,11 @@ def decay_products(a: jax.Array, b: jax.Array, g: jax.Array, sub: int = SUB_TILE
   return rows.reshape(*lead, c, c)
 
 
-def kda_chunked(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None, chunk_size=64):
-  """Chunked KDA (SPEC section 2), same arguments and results as :func:`kda_naive`.
+def kda_chunked(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None, chunk_size=64,
+                states_every=None):
+  """Chunked KDA (SPEC section 2), same arguments and results as :func:`kda_naive`, except that
+  ``states_every = M`` counts chunks: the states after every M chunks, ``[B, T // (M C), HV, K,
+  V]``, from the same pass (the chunks scanned in groups of M).
 
   T is padded to a multiple of ``chunk_size`` with tokens of ``g = 0, beta = 0, k = q = v = 0``,
   which leave the state unchanged; their outputs are sliced off.
@@ -216,6 +247,11 @@ def kda_chunked(q, k, v, g, beta, *, scale, initial_state=None, segment_ids=None
 
   s0 = (jnp.zeros((b, hv, kd, vd), acc) if initial_state is None else initial_state.astype(acc))
   xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, qe, a_qk, kd_out, carry))
-  s, o = jax.lax.scan(step, s0, xs)  # o: [N, B, HV, C, V]
+  if states_every:  # padding chunks (no values, decay 1) leave the state unchanged
+    s, o, states = scan_states(step, s0, xs, states_every, (0, 0, 0, 0, 0, 1))
+  else:
+    s, o = jax.lax.scan(step, s0, xs)  # o: [N, B, HV, C, V]
   o = jnp.moveaxis(o, 0, 2).reshape(b, hv, n * c, vd)[:, :, :t]
-  return jnp.moveaxis(o, 1, 2), s
+  if not states_every:
+    return jnp.moveaxis(o, 1, 2), s
+  return jnp.moveaxis(o, 1, 2), s, jnp.moveaxis(states, 0, 1)[:, :t // (states_every * c)]
