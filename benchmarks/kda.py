@@ -23,6 +23,16 @@ when importable, in the same run, within a time budget (the H200 run takes about
                                            # whole run (repeatable)
   python3 benchmarks/kda.py --emulate      # CPU: the check with the GPU's matrix-unit roundings
                                            # emulated, for the default and GATE_DOTS (~2 min)
+  python3 benchmarks/kda.py --gates --budget 540
+                                           # issue 40's run: every gate kind (GATE_KINDS) at
+                                           # GATE_SHAPES beside jla (same decay), each checked,
+                                           # the kernels of the softplus gate one by one and
+                                           # profiled beside jla's, the decode pool kernel for
+                                           # both gates at GATE_DECODE_N, then fla per shape
+                                           # (its default gate, then its bounded one) while the
+                                           # budget lasts; --gate-kinds softplus,general picks
+  python3 benchmarks/kda.py --gates --ours-only --no-check --no-parts --no-decode \
+      --shapes 1x128x2x64 --budget 60      # CPU smoke run of the same (interpret mode)
 
 The decode kernel's tunings are swept by ``benchmarks/kda_decode.py``; this script times its
 default (rows in ``$OUT/kda_decode.json``).
@@ -51,7 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels.kda import kda, kda_decode  # noqa: E402
+from pallas_kernels.kda import kda, kda_decode, kda_gate  # noqa: E402
 from pallas_kernels.kda import chunk_dense, chunk_ops, config, prep_vjp, recurrence  # noqa: E402
 import kda_decode as kda_decode_bench  # noqa: E402
 from kda_decode import DECODE_TOL  # noqa: E402
@@ -59,6 +69,13 @@ from timing import (Rows, gpu_span, kernel_times, median_ms as jtime,  # noqa: E
                     rel_err as rel, replace_options)
 
 SHAPES = [(1, 16384, 32, 128), (4, 4096, 32, 128), (1, 65536, 16, 128)]
+# issue 40: the PERF.md shapes and Kimi Linear 48B's KDA layer (configs/kimi_linear_48b.yaml:
+# 32 heads, K = V = 128) at B1 T8192
+GATE_SHAPES = SHAPES + [(1, 8192, 32, 128)]
+# Kimi Linear's softplus gate fused from the raw f, a precomputed log decay g (gate=None; the
+# softplus gate's values), K3's bounded gate
+GATE_KINDS = ("softplus", "general", "bounded")
+GATE_DECODE_N = (64, 256, 1024)
 LB = -5.0
 _ROWS = Rows("kda_bench.json")
 ROWS = _ROWS.rows
@@ -81,6 +98,20 @@ def inputs(b, t, h, kd, seed=0, dtype=jnp.bfloat16):
   return q, k, v, f, beta, a_log, dt_bias
 
 
+def gate_inputs(shape, kind, seed=0):
+  """``inputs`` for the gate kind (``GATE_KINDS``): for "general" f replaced by the precomputed
+  log decay, the softplus gate's values (float32)."""
+  q, k, v, f, beta, a_log, dt_bias = inputs(*shape, seed=seed)
+  if kind == "general":
+    f = kda_gate(f, a_log, dt_bias, "softplus")
+  return q, k, v, f, beta, a_log, dt_bias
+
+
+def gate_of(kind):
+  """``kda``'s ``gate`` for a gate kind."""
+  return None if kind == "general" else kind
+
+
 SETS: list[str] = []  # --set NAME=VALUE over each shape's default tuning, for the whole run
 
 
@@ -96,26 +127,32 @@ def tuning(v_shape, **changes):
 
 
 def ours(q, k, v, f, beta, a_log, dt_bias, segment_ids=None, initial_state=None,
-         impl="pallas_gpu", save_residuals=True, changes=None):
+         impl="pallas_gpu", save_residuals=True, changes=None, kind="bounded"):
+  """The op with the gate ``kind`` (``GATE_KINDS``; "general": f is the log decay, A_log and
+  dt_bias unused)."""
   extra = ({"save_residuals": save_residuals, "config": tuning(v.shape, **(changes or {}))}
            if impl == "pallas_gpu" else {})
-  return kda(q, k, v, f, beta, use_qk_l2norm=True, A_log=a_log, dt_bias=dt_bias, gate="bounded",
-             lower_bound=LB, beta_is_logit=True, segment_ids=segment_ids,
-             initial_state=initial_state, output_final_state=True, implementation=impl, **extra)
+  gate = gate_of(kind)
+  return kda(q, k, v, f, beta, use_qk_l2norm=True, A_log=gate and a_log,
+             dt_bias=gate and dt_bias, gate=gate, lower_bound=LB, beta_is_logit=True,
+             segment_ids=segment_ids, initial_state=initial_state, output_final_state=True,
+             implementation=impl, **extra)
 
 
 CHECK_TOL = 3e-2  # relative error of the bf16 kernel vs the float32 recurrence
 CHECK_SHAPE = (2, 600, 4, 128)  # B, T (3 segments: 5/12, 1/6, 5/12 of T), H, K
 
 
-def check(decode=True, tag="pallas_gpu", similar=False, changes=None):
-  """bf16 kernel (its tuning with ``changes``) vs float32 naive recurrence: outputs, final
-  state, all gradients (and the decode kernel vs the XLA path if ``decode``). Returns the
-  relative errors. ``similar``: keys of cosine similarity about 0.94, gates near 0 and beta near
-  1, so that (I + diag(beta) A_kk) has entries near 1 across whole chunks (the inverse's hard
-  case)."""
+def check(decode=True, tag="pallas_gpu", similar=False, changes=None, kind="bounded"):
+  """bf16 kernel (its tuning with ``changes``, the gate ``kind``) vs float32 naive recurrence:
+  outputs, final state, all gradients (and the decode kernel vs the XLA path if ``decode``).
+  Returns the relative errors. ``similar``: keys of cosine similarity about 0.94, gates near 0
+  and beta near 1, so that (I + diag(beta) A_kk) has entries near 1 across whole chunks (the
+  inverse's hard case)."""
   b, t, h, kd = CHECK_SHAPE
-  q, k, v, f, beta, a_log, dt_bias = inputs(b, t, h, kd, seed=1)
+  q, k, v, f, beta, a_log, dt_bias = gate_inputs((b, t, h, kd), kind, seed=1)
+  if kind != "bounded":
+    tag += f" {kind}"
   if similar:
     common = jax.random.normal(jax.random.key(11), (1, 1, h, kd), jnp.float32)
     k = (0.97 * common + 0.24 * k.astype(jnp.float32)).astype(k.dtype)
@@ -128,22 +165,24 @@ def check(decode=True, tag="pallas_gpu", similar=False, changes=None):
 
   def run(impl, *a):
     *a, s = a
-    return ours(*a, segment_ids=seg, initial_state=s, impl=impl, changes=changes)
+    return ours(*a, segment_ids=seg, initial_state=s, impl=impl, changes=changes, kind=kind)
 
   def loss(impl, *a):
     o, s = run(impl, *a)
     return jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(kd))) + jnp.sum(s * 0.01)
 
-  if similar not in _REF:  # the float32 reference, once per run
+  if (similar, kind) not in _REF:  # the float32 reference, once per run
     up = tuple(x.astype(jnp.float32) for x in args)
-    _REF[similar] = (jax.jit(lambda *a: run("naive", *a))(*up),
-                     jax.jit(jax.grad(lambda *a: loss("naive", *a), argnums=tuple(range(8))))(*up))
-  (o2, s2), g2 = _REF[similar]
+    _REF[similar, kind] = (
+        jax.jit(lambda *a: run("naive", *a))(*up),
+        jax.jit(jax.grad(lambda *a: loss("naive", *a), argnums=tuple(range(8))))(*up))
+  (o2, s2), g2 = _REF[similar, kind]
   o1, s1 = jax.jit(lambda *a: run("pallas_gpu", *a))(*args)
   g1 = jax.jit(jax.grad(lambda *a: loss("pallas_gpu", *a), argnums=tuple(range(8))))(*args)
   errs = {"o": rel(o1, o2), "state": rel(s1, s2)}
   errs.update({f"d{n}": rel(x, y) for n, x, y in
-               zip("q k v f beta A_log dt_bias s0".split(), g1, g2)})
+               zip("q k v f beta A_log dt_bias s0".split(), g1, g2)
+               if kind != "general" or n not in ("A_log", "dt_bias")})  # (unused there)
   emit(name=f"check {tag} bf16 vs naive f32 (B{b} T{t} H{h} K{kd}, 3 segments)",
        **{k_: round(v_, 5) for k_, v_ in errs.items()})
   bad = {k_: v_ for k_, v_ in errs.items() if not v_ < CHECK_TOL}
@@ -183,13 +222,11 @@ def fwd_bwd(loss, n):
   return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(n))))
 
 
-def time_ours(shape, impl="pallas_gpu"):
-  b, t, h, kd = shape
-  q, k, v, f, beta, a_log, dt_bias = inputs(b, t, h, kd)
-  fwd = jax.jit(lambda *a: ours(*a, impl=impl)[0])
-  loss = lambda *a: jnp.sum(ours(*a, impl=impl)[0].astype(jnp.float32))
-  fb = fwd_bwd(loss, 7)
-  args = (q, k, v, f, beta, a_log, dt_bias)
+def time_ours(shape, impl="pallas_gpu", kind="bounded"):
+  args = gate_inputs(shape, kind)
+  fwd = jax.jit(lambda *a: ours(*a, impl=impl, kind=kind)[0])
+  loss = lambda *a: jnp.sum(ours(*a, impl=impl, kind=kind)[0].astype(jnp.float32))
+  fb = fwd_bwd(loss, 5 if kind == "general" else 7)  # (A_log, dt_bias unused for "general")
   return {"fwd": jtime(fwd, *args), "fwdbwd": jtime(fb, *args, reps=7)}
 
 
@@ -198,24 +235,26 @@ def time_chunked(shape):
   return time_ours(shape, impl="chunked")
 
 
-def options(shape, **changes):
-  """The op's static options at ``shape`` [B, T, H, K] (bf16, K3's gate) with ``tuning(...)``."""
+def options(shape, kind="bounded", **changes):
+  """The op's static options at ``shape`` [B, T, H, K] (bf16, the gate ``kind``) with
+  ``tuning(...)``."""
   kd = shape[-1]
-  return config.KdaOptions(scale=kd ** -0.5, chunk=64, use_qk_l2norm=True, gate="bounded",
-                           lower_bound=LB, beta_is_logit=True,
-                           diag_rows=config.diag_rows("bounded", LB, 64), dtype="bfloat16",
-                           tuning=tuning(shape, **changes))
+  tune = tuning(shape, **changes)
+  rows, sub = config.chunk_path(gate_of(kind), LB, 64, tune)
+  return config.KdaOptions(scale=kd ** -0.5, chunk=64, use_qk_l2norm=True, gate=gate_of(kind),
+                           lower_bound=LB, beta_is_logit=True, diag_rows=rows, sub_chunks=sub,
+                           dtype="bfloat16", tuning=tune)
 
 
 class Parts:
   """The intermediates of one forward + backward of ours at ``shape`` (zero segments, no initial
-  state), to time each pallas_call alone."""
+  state) with the gate ``kind``, to time each pallas_call alone."""
 
-  def __init__(self, shape):
+  def __init__(self, shape, kind="bounded"):
     b, t, h, kd = shape
-    self.shape = shape
-    self.cfg = cfg = options(shape)
-    q, k, v, f, beta, a_log, dt_bias = inputs(b, t, h, kd)
+    self.shape, self.kind = shape, kind
+    self.cfg = cfg = options(shape, kind)
+    q, k, v, f, beta, a_log, dt_bias = gate_inputs(shape, kind)
     self.seg = jnp.zeros((b, t), jnp.int32)
     self.t = t
     self.x = (q, k, v, f, beta, a_log, dt_bias.reshape(h, kd))
@@ -239,7 +278,7 @@ class Parts:
     """name -> (jitted function, args) for each kernel alone and the XLA pre-processing VJP, at
     the tuning with ``changes`` (the intermediates converted to its storage dtypes) and
     ``diag_rows`` reference blocks (default: the op's)."""
-    cfg, seg, t = options(self.shape, **(changes or {})), self.seg, self.t
+    cfg, seg, t = options(self.shape, self.kind, **(changes or {})), self.seg, self.t
     cfg = dataclasses.replace(cfg, diag_rows=diag_rows or cfg.diag_rows)
     q, k, v, f, beta, a_log, dtb = self.x
     pkk, _, _, _, kg, _, rq, rk = self.a
@@ -251,8 +290,8 @@ class Parts:
     j = jax.jit
     dq, dg = (dy.astype(config.store_dtype(cfg, n)) for n in ("dqk", "dg"))
     dy = dy.astype(config.store_dtype(cfg, "dy"))
-    op = lambda save: lambda *a: jnp.sum(ours(*a, save_residuals=save, changes=changes)[0]
-                                         .astype(jnp.float32))
+    op = lambda save: lambda *a: jnp.sum(ours(*a, save_residuals=save, changes=changes,
+                                              kind=self.kind)[0].astype(jnp.float32))
     whole = (q, k, v, f, beta, a_log, dtb.reshape(-1))
     return {
         "fwdbwd": (fwd_bwd(op(True), 7), whole),
@@ -278,11 +317,11 @@ class Parts:
     }
 
 
-def time_parts(shape):
-  """Per-kernel breakdown: each pallas_call alone, with the forward (chunk_a + chunk_wu +
-  recur_fwd) and backward (chunk_a + chunk_wu_keep + recur_fwd_store + recur_bwd + chunk_dwy +
-  chunk_dqkg + prep_vjp) sums."""
-  parts = Parts(shape)
+def time_parts(shape, kind="bounded"):
+  """Per-kernel breakdown (the gate ``kind``): each pallas_call alone, with the forward (chunk_a
+  + chunk_wu + recur_fwd) and backward (chunk_a + chunk_wu_keep + recur_fwd_store + recur_bwd +
+  chunk_dwy + chunk_dqkg + prep_vjp) sums."""
+  parts = Parts(shape, kind)
   res = {name: jtime(fn, *args) for name, (fn, args) in parts.fns().items()}
   res["sum_fwd"] = res["chunk_a"] + res["chunk_wu"] + res["recur_fwd"]
   res["sum_bwd"] = sum(res[n] for n in ("chunk_a", "chunk_wu_keep", "recur_fwd_store",
@@ -429,31 +468,35 @@ def _time(parts, name, changes=None, diag_rows=None):
   return jtime(fn, *args)
 
 
-def jla_op(shape):
+def jla_op(shape, kind="bounded"):
   """jla's KDA output as a function of its inputs, and those inputs at ``shape``: ours'
-  (``inputs``) with the gate and beta pre-computed (its API), L2 norm in its kernel."""
+  (``inputs``) with the gate and beta pre-computed (its API), L2 norm in its kernel. The decay
+  of the gate ``kind``: the bounded gate's ``LB sigmoid(f)`` or the softplus gate's values (also
+  the precomputed g of "general")."""
   from jla.ops.mosaic_gpu.kda import kda as jla_kda
-  q, k, v, f, beta, _, _ = inputs(*shape)
-  g = LB * jax.nn.sigmoid(f.astype(jnp.float32))
+  q, k, v, f, beta, a_log, dt_bias = inputs(*shape)
+  g = (LB * jax.nn.sigmoid(f.astype(jnp.float32)) if kind == "bounded"
+       else kda_gate(f, a_log, dt_bias, "softplus"))
   bb = jax.nn.sigmoid(beta.astype(jnp.float32)).astype(jnp.bfloat16)
   return (lambda *a: jla_kda(*a, use_qk_l2norm=True)[0]), (q, k, v, g, bb)
 
 
-def time_jla(shape):
-  op, args = jla_op(shape)
+def time_jla(shape, kind="bounded"):
+  op, args = jla_op(shape, kind)
   fb = fwd_bwd(lambda *a: jnp.sum(op(*a).astype(jnp.float32)), len(args))
   return {"fwd": jtime(jax.jit(op), *args), "fwdbwd": jtime(fb, *args, reps=7)}
 
 
-def profile_kernels(shape, peers=True, reps=5):
-  """GPU time per call of each kernel of ours and (``peers``) of jla at ``shape``, forward and
-  forward+backward (the profiler's trace, ``reps`` calls after a warm-up): where the two differ."""
+def profile_kernels(shape, peers=True, reps=5, kind="bounded"):
+  """GPU time per call of each kernel of ours (the gate ``kind``) and (``peers``) of jla at
+  ``shape``, forward and forward+backward (the profiler's trace, ``reps`` calls after a
+  warm-up): where the two differ."""
   import tempfile
   b, t, h, kd = shape
   total = lambda fn: lambda *a: jnp.sum(fn(*a).astype(jnp.float32))
-  runs = {"ours": (lambda *a: ours(*a)[0], inputs(b, t, h, kd))}
+  runs = {f"ours {kind}": (lambda *a: ours(*a, kind=kind)[0], gate_inputs(shape, kind))}
   if peers:
-    runs["jla"] = jla_op(shape)
+    runs["jla"] = jla_op(shape, kind)
   for name, (fn, args) in runs.items():
     for mode, jf in (("fwd", jax.jit(fn)), ("fwdbwd", fwd_bwd(total(fn), len(args)))):
       jax.block_until_ready(jf(*args))
@@ -470,7 +513,9 @@ def profile_kernels(shape, peers=True, reps=5):
               for n, us in sorted(by_name.items(), key=lambda x: -x[1]) if us / reps > 1})
 
 
-def time_fla(shape):
+def time_fla(shape, kind="bounded"):
+  """fla's ``chunk_kda`` with its gate fused: the bounded one (``safe_gate``) for "bounded",
+  its default (Kimi Linear's softplus gate) otherwise."""
   import torch
   from fla.ops.kda import chunk_kda
   from triton.testing import do_bench
@@ -479,9 +524,10 @@ def time_fla(shape):
   mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, requires_grad=True)
   q, k, v, g = (mk(b, t, h, kd) for _ in range(4))
   beta = mk(b, t, h)
+  gate = dict(safe_gate=True, lower_bound=LB) if kind == "bounded" else {}
   kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
             use_beta_sigmoid_in_kernel=True, A_log=torch.zeros(h, device="cuda"),
-            dt_bias=torch.zeros(h * kd, device="cuda"), safe_gate=True, lower_bound=LB)
+            dt_bias=torch.zeros(h * kd, device="cuda"), **gate)
   f = lambda: chunk_kda(q, k, v, g, beta, **kw)[0]
   r = {"fwd": do_bench(f, warmup=25, rep=100, return_mode="median")}
   do = torch.randn_like(f())
@@ -505,6 +551,99 @@ def emulate():
     check(decode=False, tag="emulated", similar=True)
 
 
+def _try(label, fn):
+  """``fn()``, or its error printed under ``label`` (the run goes on)."""
+  try:
+    return fn()
+  except Exception as e:  # noqa: BLE001
+    print(f"{label} FAILED", repr(e)[:1500], flush=True)
+    return None
+
+
+def gates(shapes, kinds, peers, left):
+  """Issue 40's run (``--gates``): each gate kind checked against the float32 recurrence, then
+  at each shape ours per kind and jla (the softplus gate's decay precomputed; its time does not
+  depend on the decay's values), forward and forward+backward; the first kind's kernels one by
+  one and its profile beside jla's at the first shape; the decode pool kernel for both gates at
+  ``GATE_DECODE_N``; fla's ``chunk_kda`` (its default gate, then its bounded one) per shape while
+  ``left()`` allows (its autotuning takes minutes per shape). Steps are skipped, and said so,
+  when the budget runs out."""
+  argv = sys.argv
+  if "--no-check" not in argv:
+    for kind in kinds:
+      _try(f"check {kind}", lambda: check(decode=False, kind=kind))
+  for shape in shapes:
+    tag = "B{} T{} H{} K{}".format(*shape)
+    for kind in kinds + (("jla",) if peers else ()):
+      if left() < 30:
+        print(f"{kind} {tag}: time budget spent", flush=True)
+        continue
+      fn = (lambda: time_jla(shape, "softplus")) if kind == "jla" else (
+          lambda: time_ours(shape, kind=kind))
+      res = _try(f"{kind} {tag}", fn)
+      if res:
+        name = "jla" if kind == "jla" else f"ours {kind}"
+        emit(name=f"{name} {tag}", **{k: round(v, 4) for k, v in res.items()})
+  tag = "B{} T{} H{} K{}".format(*shapes[0])
+  if "--no-parts" not in argv and left() > 60:
+    res = _try(f"parts {kinds[0]}", lambda: time_parts(shapes[0], kinds[0])[0])
+    if res:
+      emit(name=f"ours parts {kinds[0]} {tag}", **{k: round(v, 4) for k, v in res.items()})
+  if "--no-profile" not in argv and left() > 60:
+    _try("profile", lambda: profile_kernels(shapes[0], peers, kind=kinds[0]))
+  if "--no-decode" not in argv and left() > 30:
+    kda_decode_bench.decode(GATE_DECODE_N, ("softplus", "bounded"))
+  gates_table(shapes, kinds)
+  for fla_kind in ("softplus", "bounded") if peers else ():
+    for shape in shapes:
+      tag = "B{} T{} H{} K{}".format(*shape)
+      if left() < 60:
+        print(f"fla {fla_kind} {tag}: time budget spent", flush=True)
+        continue
+      res = _try(f"fla {fla_kind} {tag}", lambda: time_fla(shape, fla_kind))
+      if res:
+        emit(name=f"fla {fla_kind} {tag}", **{k: round(v, 4) for k, v in res.items()})
+  if peers:
+    gates_table(shapes, kinds)
+
+
+def gates_table(shapes, kinds):
+  """The ``--gates`` rows as one table: ours per gate kind beside jla (same decay) and fla (its
+  bounded gate for "bounded", its default softplus gate for the others); ratios > 1: ours
+  faster."""
+  by = {r["name"]: r for r in ROWS}
+  if _ROWS.failed:
+    print(f"\nCHECK FAILED ({', '.join(_ROWS.failed)}): the times below are not results")
+  print("\n| shape | gate | pass | ours ms | jla ms | fla ms | jla/ours | fla/ours |\n"
+        "|---|---|---|---|---|---|---|---|")
+  for shape in shapes:
+    tag = "B{} T{} H{} K{}".format(*shape)
+    for kind in kinds:
+      o = by.get(f"ours {kind} {tag}")
+      if not o:
+        continue
+      fla = by.get(f"fla {'bounded' if kind == 'bounded' else 'softplus'} {tag}", {})
+      for p in ("fwd", "fwdbwd"):
+        peer = [by.get(f"jla {tag}", {}).get(p), fla.get(p)]
+        cells = " | ".join(f"{x:.3f}" if x else "-" for x in peer)
+        ratios = " | ".join(f"{x / o[p]:.2f}x" if x else "-" for x in peer)
+        print(f"| {tag} | {kind} | {p} | {o[p]:.3f} | {cells} | {ratios} |", flush=True)
+  for kind in ("softplus", "bounded"):
+    for n in GATE_DECODE_N:
+      r = by.get(f"ours decode {kind} N{n} H32 K128")
+      if r:
+        print(f"decode {kind} N{n}: {r['ms']:.4f} ms, {r['tbps']:.2f} TB/s (state read + write)",
+              flush=True)
+
+
+def _shapes_arg(default):
+  """``--shapes`` (B x T x H x K, comma separated) or ``default``."""
+  if "--shapes" not in sys.argv:
+    return default
+  return [tuple(int(x) for x in s.split("x"))
+          for s in sys.argv[sys.argv.index("--shapes") + 1].split(",")]
+
+
 def main():
   if "--emulate" in sys.argv:
     return emulate()
@@ -517,14 +656,20 @@ def main():
       replace_options(config.KdaGpuConfig(), SETS)  # a bad name fails here, not mid-run
       print("KdaGpuConfig", sys.argv[i + 1], flush=True)
   quick = "--quick" in sys.argv
-  shapes = ([(1, 2048, 8, 128)] if quick else SHAPES if "--all-shapes" in sys.argv
-            else SHAPES[:1])
-  if "--shapes" in sys.argv:  # B x T x H x K, comma separated
-    shapes = [tuple(int(x) for x in s.split("x"))
-              for s in sys.argv[sys.argv.index("--shapes") + 1].split(",")]
+  shapes = _shapes_arg([(1, 2048, 8, 128)] if quick else SHAPES if "--all-shapes" in sys.argv
+                       else SHAPES[:1])
   peers = "--ours-only" not in sys.argv
   print("jax", jax.__version__, jax.devices(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "warps", dict(tuning(shapes[0]).warps), flush=True)
+  if "--gates" in sys.argv:
+    kinds = (tuple(sys.argv[sys.argv.index("--gate-kinds") + 1].split(","))
+             if "--gate-kinds" in sys.argv else GATE_KINDS)
+    unknown = set(kinds) - set(GATE_KINDS)
+    if unknown:
+      raise SystemExit(f"--gate-kinds: unknown {sorted(unknown)} (of {GATE_KINDS})")
+    gates(_shapes_arg(GATE_SHAPES), kinds, peers, left)
+    print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
+    return
   try:
     check()
     check(decode=False, similar=True)

@@ -42,22 +42,26 @@ def emit(**r):
   _ROWS.emit(r)
 
 
-def decode_inputs(n, h=32, kd=128):
-  """One token for N requests (bf16 q, k, v; float32 log decay in (-1, 0), beta in (0, 1)) and a
-  float32 pool of N states."""
+def decode_inputs(n, h=32, kd=128, gate=None):
+  """One token for N requests (bf16 q, k, v; float32 log decay in (-1, 0), or with ``gate`` the
+  raw gate input f (bf16); beta in (0, 1)) and a float32 pool of N states."""
   ks = jax.random.split(jax.random.key(0), 4)
   q, k, v = (jax.random.normal(key, (n, 1, h, kd), jnp.bfloat16) for key in ks[:3])
   beta = jax.random.normal(ks[3], (n, 1, h), jnp.bfloat16)
-  g = -jax.random.uniform(jax.random.key(5), (n, 1, h, kd), jnp.float32)
+  g = (-jax.random.uniform(jax.random.key(5), (n, 1, h, kd), jnp.float32) if gate is None
+       else jax.random.normal(jax.random.key(5), (n, 1, h, kd), jnp.bfloat16))
   pool = jax.random.normal(jax.random.key(6), (n, h, kd, kd), jnp.float32)
   return (q, k, v, g, jax.nn.sigmoid(beta)), pool
 
 
-def kda_gpu_decode(q, k, v, g, b, s, slots, cfg=dec.DecodeConfig()):
-  """The decode kernel with L2 norm fused, precomputed decay and beta; ``cfg``: its tuning."""
+def kda_gpu_decode(q, k, v, g, b, s, slots, cfg=dec.DecodeConfig(), gate=None):
+  """The decode kernel with L2 norm fused, beta precomputed and the decay precomputed (or with
+  ``gate`` computed in the kernel from the raw f, A_log 0 and dt_bias 0); ``cfg``: its tuning."""
+  h, kd = g.shape[-2:]
+  zeros = lambda *shape: jnp.zeros(shape, jnp.float32) if gate else None
   return dec.decode_gpu(q, k, v, g, b, s, slots, scale=q.shape[-1] ** -0.5, use_qk_l2norm=True,
-                        A_log=None, dt_bias=None, gate=None, lower_bound=LB, beta_is_logit=False,
-                        config=cfg)
+                        A_log=zeros(h), dt_bias=zeros(h * kd), gate=gate, lower_bound=LB,
+                        beta_is_logit=False, config=cfg)
 
 
 def time_donated(fn, args, pool, reps=15, inner=20):
@@ -81,22 +85,25 @@ def state_tbps(pool_shape, ms):
   return 2 * 4 * math.prod(pool_shape) / ms / 1e9
 
 
-def time_decode(n, cfg=dec.DecodeConfig()):
-  args, pool = decode_inputs(n)
+def time_decode(n, cfg=dec.DecodeConfig(), gate=None):
+  args, pool = decode_inputs(n, gate=gate)
   slots = jnp.arange(n, dtype=jnp.int32)
-  step = jax.jit(lambda *a: kda_gpu_decode(*a, slots, cfg), donate_argnums=(5,))
+  step = jax.jit(lambda *a: kda_gpu_decode(*a, slots, cfg, gate=gate), donate_argnums=(5,))
   ms, _ = time_donated(step, args, pool)
   return ms, state_tbps(pool.shape, ms)
 
 
-def decode():
-  """The default decode kernel at each N (:func:`decode_sweep` times the other tunings)."""
-  for n in DECODE_N:
-    try:
-      ms, tbps = time_decode(n)
-      emit(name=f"ours decode N{n} H32 K128", ms=round(ms, 4), tbps=round(tbps, 2))
-    except Exception as e:  # noqa: BLE001
-      print(f"decode N{n} FAILED", repr(e)[:1500], flush=True)
+def decode(ns=DECODE_N, gates=(None,)):
+  """The default decode kernel at each N and gate (None: the decay precomputed; "bounded",
+  "softplus": computed in the kernel) (:func:`decode_sweep` times the other tunings)."""
+  for gate in gates:
+    for n in ns:
+      label = f" {gate}" if gate else ""
+      try:
+        ms, tbps = time_decode(n, gate=gate)
+        emit(name=f"ours decode{label} N{n} H32 K128", ms=round(ms, 4), tbps=round(tbps, 2))
+      except Exception as e:  # noqa: BLE001
+        print(f"decode{label} N{n} FAILED", repr(e)[:1500], flush=True)
 
 
 def _copy_kernel(s_ref, so_ref, *, bv, nvt):
