@@ -30,7 +30,8 @@ when importable, in the same run, within a time budget (the H200 run takes about
                                            # profiled beside jla's, the decode pool kernel for
                                            # both gates at GATE_DECODE_N, then fla per shape
                                            # (its default gate, then its bounded one) while the
-                                           # budget lasts; --gate-kinds softplus,general picks
+                                           # budget lasts; --gate-kinds softplus,general picks;
+                                           # --fla-only: fla alone (a second call)
   python3 benchmarks/kda.py --gates --ours-only --no-check --no-parts --no-decode \
       --shapes 1x128x2x64 --budget 60      # CPU smoke run of the same (interpret mode)
 
@@ -569,6 +570,8 @@ def gates(shapes, kinds, peers, left):
   ``left()`` allows (its autotuning takes minutes per shape). Steps are skipped, and said so,
   when the budget runs out."""
   argv = sys.argv
+  if "--fla-only" in argv:  # a second call for fla where its autotuning outlasted the first
+    return gates_fla(shapes, kinds, left)
   if "--no-check" not in argv:
     for kind in kinds:
       _try(f"check {kind}", lambda: check(decode=False, kind=kind))
@@ -594,7 +597,14 @@ def gates(shapes, kinds, peers, left):
   if "--no-decode" not in argv and left() > 30:
     kda_decode_bench.decode(GATE_DECODE_N, ("softplus", "bounded"))
   gates_table(shapes, kinds)
-  for fla_kind in ("softplus", "bounded") if peers else ():
+  if peers:
+    gates_fla(shapes, kinds, left)
+
+
+def gates_fla(shapes, kinds, left):
+  """fla's ``chunk_kda`` at each shape, its default (softplus) gate, then its bounded one where
+  ``kinds`` has it, while ``left()`` allows; then the table."""
+  for fla_kind in ("softplus",) + (("bounded",) if "bounded" in kinds else ()):
     for shape in shapes:
       tag = "B{} T{} H{} K{}".format(*shape)
       if left() < 60:
@@ -603,8 +613,7 @@ def gates(shapes, kinds, peers, left):
       res = _try(f"fla {fla_kind} {tag}", lambda: time_fla(shape, fla_kind))
       if res:
         emit(name=f"fla {fla_kind} {tag}", **{k: round(v, 4) for k, v in res.items()})
-  if peers:
-    gates_table(shapes, kinds)
+  gates_table(shapes, kinds)
 
 
 def gates_table(shapes, kinds):
