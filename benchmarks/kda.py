@@ -22,7 +22,8 @@ when importable, in the same run, within a time budget (the H200 run takes about
                                            # literal) over each shape's default_config for the
                                            # whole run (repeatable)
   python3 benchmarks/kda.py --emulate      # CPU: the check with the GPU's matrix-unit roundings
-                                           # emulated, for the default and GATE_DOTS (~2 min)
+                                           # emulated, for the default and GATE_DOTS (~2 min);
+                                           # with --gate-kinds K1,K2 the default for those kinds
   python3 benchmarks/kda.py --gates --budget 540
                                            # issue 40's run: every gate kind (GATE_KINDS) at
                                            # GATE_SHAPES beside jla (same decay), each checked,
@@ -128,16 +129,16 @@ def tuning(v_shape, **changes):
 
 
 def ours(q, k, v, f, beta, a_log, dt_bias, segment_ids=None, initial_state=None,
-         impl="pallas_gpu", save_residuals=True, changes=None, kind="bounded"):
+         impl="pallas_gpu", save_residuals=True, changes=None, kind="bounded", every=None):
   """The op with the gate ``kind`` (``GATE_KINDS``; "general": f is the log decay, A_log and
-  dt_bias unused)."""
+  dt_bias unused), with ``every`` also the states every that many chunks."""
   extra = ({"save_residuals": save_residuals, "config": tuning(v.shape, **(changes or {}))}
            if impl == "pallas_gpu" else {})
   gate = gate_of(kind)
   return kda(q, k, v, f, beta, use_qk_l2norm=True, A_log=gate and a_log,
              dt_bias=gate and dt_bias, gate=gate, lower_bound=LB, beta_is_logit=True,
              segment_ids=segment_ids, initial_state=initial_state, output_final_state=True,
-             implementation=impl, **extra)
+             implementation=impl, output_states_every=every, **extra)
 
 
 CHECK_TOL = 3e-2  # relative error of the bf16 kernel vs the float32 recurrence
@@ -229,6 +230,12 @@ def time_ours(shape, impl="pallas_gpu", kind="bounded"):
   loss = lambda *a: jnp.sum(ours(*a, impl=impl, kind=kind)[0].astype(jnp.float32))
   fb = fwd_bwd(loss, 5 if kind == "general" else 7)  # (A_log, dt_bias unused for "general")
   return {"fwd": jtime(fwd, *args), "fwdbwd": jtime(fb, *args, reps=7)}
+
+
+def time_states(shape, kind, every):
+  """The forward (ms) that also returns the states every ``every`` chunks."""
+  fwd = jax.jit(lambda *a: ours(*a, kind=kind, every=every)[::2])  # (o, the states)
+  return jtime(fwd, *gate_inputs(shape, kind))
 
 
 def time_chunked(shape):
@@ -540,13 +547,18 @@ def time_fla(shape, kind="bounded"):
   return r
 
 
-def emulate():
+def emulate(kinds=None):
   """On the CPU (interpret mode) the kernels' products are exact float32; this runs the check
   with the GPU's roundings emulated (``chunk_ops.gpu_rounding``) at B1 T256 H2 K128 for the
-  default gate-gradient algorithms and each of ``GATE_DOTS``, then with similar keys."""
+  default gate-gradient algorithms and each of ``GATE_DOTS``, then with similar keys; with
+  ``kinds`` (gate kinds) the default's check for each of them instead."""
   global CHECK_SHAPE
   CHECK_SHAPE = (1, 256, 2, 128)
   with chunk_ops.gpu_rounding():
+    if kinds:
+      for kind in kinds:
+        check(decode=False, tag="emulated", kind=kind)
+      return
     for name, dot in [("default", None)] + list(GATE_DOTS.items()):
       check(decode=False, tag=f"emulated gate_dot={name}", changes=dot and {"gate_dot": dot})
     check(decode=False, tag="emulated", similar=True)
@@ -592,6 +604,10 @@ def gates(shapes, kinds, peers, left):
     res = _try(f"parts {kinds[0]}", lambda: time_parts(shapes[0], kinds[0])[0])
     if res:
       emit(name=f"ours parts {kinds[0]} {tag}", **{k: round(v, 4) for k, v in res.items()})
+  if left() > 60:  # the prefix cache's states every 4 chunks from the same forward
+    res = _try("states", lambda: time_states(shapes[0], kinds[0], 4))
+    if res:
+      emit(name=f"ours {kinds[0]} output_states_every=4 {tag}", fwd=round(res, 4))
   if "--no-profile" not in argv and left() > 60:
     _try("profile", lambda: profile_kernels(shapes[0], peers, kind=kinds[0]))
   if "--no-decode" not in argv and left() > 30:
@@ -655,7 +671,8 @@ def _shapes_arg(default):
 
 def main():
   if "--emulate" in sys.argv:
-    return emulate()
+    return emulate(sys.argv[sys.argv.index("--gate-kinds") + 1].split(",")
+                   if "--gate-kinds" in sys.argv else None)
   t0 = time.perf_counter()
   budget = float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.argv else 135.0
   left = lambda: budget - (time.perf_counter() - t0)

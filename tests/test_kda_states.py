@@ -83,7 +83,7 @@ def test_chunked_states_are_differentiable():
     def loss(v):
       return jnp.sum(kda(x["q"], x["k"], v, x["g"], x["beta"], segment_ids=seg,
                          implementation=impl, output_states_every=1, **opts)[2] * w)
-    return jax.grad(loss)(jnp.asarray(x["v"]))
+    return jax.jit(jax.grad(loss))(jnp.asarray(x["v"]))
 
   np.testing.assert_allclose(grad("chunked"), grad("naive"), rtol=1e-4, atol=1e-5)
 
