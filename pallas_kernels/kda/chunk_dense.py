@@ -146,35 +146,53 @@ def _partner(x, j):
   return jnp.broadcast_to(row, x3.shape).reshape(c, bk)
 
 
+def _blocks_of(x):
+  """[C, C] -> [C, SUB]: row i's entries in the columns of its own sub-chunk, ``x[i, base_i + j]``
+  (base_i the sub-chunk's first row)."""
+  c = x.shape[0]
+  n = c // SUB
+  blk = jnp.arange(n)
+  same = blk[:, None, None, None] == blk[None, None, :, None]
+  return jnp.sum(jnp.where(same, x.reshape(n, SUB, n, SUB), 0.0), axis=2).reshape(c, SUB)
+
+
+def _blocks_to(d):
+  """The inverse of :func:`_blocks_of`, zero off the diagonal sub-blocks: [C, SUB] -> [C, C]."""
+  c = d.shape[0]
+  n = c // SUB
+  blk = jnp.arange(n)
+  same = blk[:, None, None, None] == blk[None, None, :, None]
+  d4 = jnp.broadcast_to(d.reshape(n, SUB, 1, SUB), (n, SUB, n, SUB))
+  return jnp.where(same, d4, 0.0).reshape(c, c)
+
+
 def diag_pairs(lhs, k, G):
   """For each a in ``lhs`` ([C, BK] tiles): the diagonal 16x16 sub-blocks of the pair products
   ``a_i . k_j e^{G_i - G_j}`` as a [C, C] tile (zero off them; j > i unmasked), one column
-  offset j of every sub-block at a time, each exponent ``min(G_i - G_j, 0)`` formed per pair."""
+  offset j of every sub-block at a time (unrolled: a loop inside the chunk loop of ``call``
+  would keep Triton from pipelining that one), each exponent ``min(G_i - G_j, 0)`` formed per
+  pair."""
   c = k.shape[0]
-  rid, cid = jnp.arange(c)[:, None], jnp.arange(c)[None, :]
-  base = rid // SUB * SUB
-
-  def step(j, outs):
+  cols = jnp.arange(SUB)[None, :]
+  outs = [jnp.zeros((c, SUB), jnp.float32) for _ in lhs]
+  for j in range(SUB):
     e = _partner(k, j) * jnp.exp(jnp.minimum(G - _partner(G, j), 0.0))
-    sel = cid == base + j
-    return tuple(jnp.where(sel, jnp.sum(a * e, axis=1, keepdims=True), o)
-                 for a, o in zip(lhs, outs))
-
-  zero = jnp.zeros((c, c), jnp.float32)
-  return jax.lax.fori_loop(0, SUB, step, tuple(zero for _ in lhs))
+    outs = [jnp.where(cols == j, jnp.sum(a * e, axis=1, keepdims=True), o)
+            for a, o in zip(lhs, outs)]
+  return [_blocks_to(o) for o in outs]
 
 
 def diag_pair_grads(a, k, G, dp):
   """The gradients (d a, d k) [C, BK] of :func:`diag_pairs`' products given their cotangent
   ``dp [C, C]`` (masked to the pairs that count)."""
   c, bk = k.shape
-  rid, cid = jnp.arange(c)[:, None], jnp.arange(c)[None, :]
-  base = rid // SUB * SUB
+  cols = jnp.arange(SUB)[None, :]
   r = jnp.arange(SUB)[None, :, None]
+  dpd = _blocks_of(dp)  # [C, SUB]: fewer registers than dp across the loop
 
   def step(j, carry):
     da, dk = carry
-    dcol = jnp.sum(jnp.where(cid == base + j, dp, 0.0), axis=1, keepdims=True)  # dP[i, j]
+    dcol = jnp.sum(jnp.where(cols == j, dpd, 0.0), axis=1, keepdims=True)  # dP[i, base_i + j]
     e = dcol * jnp.exp(jnp.minimum(G - _partner(G, j), 0.0))
     da = da + e * _partner(k, j)
     part = jnp.sum((e * a).reshape(c // SUB, SUB, bk), axis=1, keepdims=True)
@@ -479,7 +497,7 @@ def chunk_dqkg(cfg: KdaOptions, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, v
   """``kda_chunk_dqkg``: (dq, dk, dg), see :func:`_dense_dqkg_kernel`."""
   bsz, tp, h, kd = q.shape
   hv = v.shape[2]
-  bk = min(kd, cfg.tuning.dqkg_slice_k)
+  bk = min(kd, cfg.tuning.dqkg_slice_k_sub if cfg.sub_chunks else cfg.tuning.dqkg_slice_k)
   kern = functools.partial(_dense_dqkg_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
                            gate_dot=cfg.tuning.gate_dot, slice_k=bk,
                            dot_cumsum=cfg.tuning.dqkg_dot_cumsum)
