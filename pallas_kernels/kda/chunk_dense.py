@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import chunk_ops, wu_mgpu
 from pallas_kernels.kda.chunk_ops import call, lower_inverse, tok
-from pallas_kernels.kda.config import BF16, SUB, KdaOptions, interpret, store_dtype
+from pallas_kernels.kda.config import BF16, MAX_EXP, SUB, KdaOptions, interpret, store_dtype
 from pallas_kernels.kda.reference import L2_EPS
 
 
@@ -104,11 +104,18 @@ class _Dense:
       g = jnp.where(self.valid[:, None], g, 0.0)
     return q, k, dot_cumsum(g) if self.dot_cumsum else jnp.cumsum(g, axis=0)
 
+  def middle_fits(self, G):
+    """Scalar bool: whether this slice's gates let the middle-row references of 16-row blocks
+    keep every exponent within ``MAX_EXP`` (sub-chunks: the faster dense products then serve;
+    else the sub-chunks' safe ones)."""
+    _, _, _, ref_rows = self.blocks(G, sub=False)
+    return jnp.max(jnp.abs(G - ref_rows)) <= MAX_EXP
+
   def row(self, x, i):
     """Row i of a [C, BK] tile as [BK] (masked reduction)."""
     return jnp.sum(jnp.where(self.rid == i, x, 0.0), axis=0)
 
-  def blocks(self, G):
+  def blocks(self, G, sub=None):
     """e^{G - r} [C, BK] with each row's own block reference, per block I a function returning
     (row mask [C, 1], column factor e^{r_I - G} [C, BK] zeroed from the column where the block's
     pairs stop being products), and the references r_I [BK].
@@ -118,22 +125,28 @@ class _Dense:
     before its block exceeds ``diag_rows / 2`` gates (G falls with the row; see ``diag_rows``),
     so none overflows (those after it are zeroed). Sub-chunks (``sub_chunks``, any gate): r_I is
     G just before block I and the products cover only the columns before it (the first block
-    has none), so every exponent is <= 0; the diagonal blocks are :func:`diag_pairs`'. The
-    column factors are formed one at a time, where they are used."""
-    n, sub = self.cfg.diag_rows, self.cfg.sub_chunks
+    has none), so every exponent is <= 0; the diagonal blocks are :func:`diag_pairs`'. ``sub``
+    (default ``sub_chunks``) picks. The column factors are formed one at a time, where they are
+    used."""
+    n = self.cfg.diag_rows
+    sub = self.cfg.sub_chunks if sub is None else sub
     at = (lambda i: i * n - 1) if sub else (lambda i: i * n + n // 2 - 1)  # row -1: r = 0
     refs = [self.row(G, at(i)) for i in range(self.cfg.chunk // n)]
     ref_rows = jnp.broadcast_to(refs[0][None, :], G.shape)
     for i in range(1, len(refs)):
       ref_rows = jnp.where(self.rid >= i * n, refs[i][None, :], ref_rows)
+    # middle rows for a gate without a bound: exponents clamped (no inf; where the clamp bites,
+    # ``middle_fits`` is False and the sub-chunks' products replace these)
+    exp = ((lambda x: jnp.exp(jnp.minimum(x, MAX_EXP))) if self.cfg.sub_chunks and not sub
+           else jnp.exp)
 
     def block(i):
       rows = (self.rid >= i * n) & (self.rid < (i + 1) * n)
       end = i * n if sub else (i + 1) * n
-      return rows, jnp.where(self.rid < end, jnp.exp(refs[i][None, :] - G), 0.0)
+      return rows, jnp.where(self.rid < end, exp(refs[i][None, :] - G), 0.0)
 
     return ([functools.partial(block, i) for i in range(int(sub), len(refs))],
-            jnp.exp(G - ref_rows), refs)
+            exp(G - ref_rows), refs, ref_rows)
 
 
 def _partner(x, j):
@@ -223,15 +236,43 @@ def _ids(hv, pid, axis=0):
   return ci, bh // hv, bh % hv
 
 
+def _slice_products(ch, mm, q, k, G, sub):
+  """One K slice's parts of the pair products (P_kk, P_qk) [C, C] (unmasked) from its q, k, G
+  [C, BK]: ``sub`` on sub-chunks, else on the reference blocks of ``diag_rows`` rows."""
+  c = ch.cfg.chunk
+  blocks, e_row, _, _ = ch.blocks(G, sub)
+  lk, lq = k * e_row, q * e_row
+  pkk = pqk = jnp.zeros((c, c), jnp.float32)
+  for block in blocks:
+    rws, col = block()
+    kc = k * col
+    pkk = pkk + mm(jnp.where(rws, lk, 0.0), kc, tb=True)
+    pqk = pqk + mm(jnp.where(rws, lq, 0.0), kc, tb=True)
+  if sub:
+    dkk, dqk = diag_pairs((k, q), k, G)
+    pkk, pqk = pkk + dkk, pqk + dqk
+  return pkk, pqk
+
+
+def _store_pairs(ch, akk, aqk, pkk_ref, a_ref):
+  """P_kk (strict, same segment, float32) and A_qk (``scale``, inclusive) of one chunk."""
+  cfg, b, h, rows = ch.cfg, ch.b, ch.h, ch.rows
+  pkk_ref[b, rows, h, :] = jnp.where(ch.strict, akk, 0.0)
+  a_ref[b, rows, h, :] = jnp.where(ch.incl, cfg.scale * aqk, 0.0).astype(a_ref.dtype)
+
+
 def _dense_a_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
-                    pkk_ref, a_ref, qg_ref, kd_ref, kg_ref, gc_ref, rq_ref, rk_ref, *, cfg, hv,
-                    group, t, pid):
+                    pkk_ref, a_ref, qg_ref, kd_ref, kg_ref, gc_ref, rq_ref, rk_ref, *redo_ref, cfg,
+                    hv, group, t, pid):
   """Grid (NC, B*HV): writes pkk ``[B, Tp, HV, C]`` float32 (strict, same segment, no beta),
   A_qk ``[B, Tp, HV, C]``, QG, KD, KG ``[B, Tp, HV, K]`` (``cfg.dtype``), gC
   ``[B, NC, HV, K]`` float32 and the rows' inverse L2 norms of q and k ``[B, Tp, HV]`` (1 if
   not fused), which ``kda_chunk_dqkg`` reads instead of computing them again. Both pair
   products in one program share the gate, its cumulative sum and the column factors (faster
-  than one program per product: benchmarks/RESULTS.md, KDA run 13)."""
+  than one program per product: benchmarks/RESULTS.md, KDA run 13). On sub-chunks the pair
+  products take the 16-row middle-row references all the same and ``redo_ref``
+  ``[B, Tp, HV]`` flags (1 on its rows) a chunk whose gates do not let them
+  (``middle_fits``), for ``kda_chunk_a_sub``."""
   ci, b, h = _ids(hv, pid)
   c = cfg.chunk
   dt = jnp.dtype(cfg.dtype)
@@ -240,30 +281,46 @@ def _dense_a_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
   mm = functools.partial(chunk_ops.mm, dt=dt)
   rows = ch.rows
   akk = aqk = jnp.zeros((c, c), jnp.float32)
+  fits = True
   for s in range(ch.ns):
     cols = ch.cols(s)
     q, k, G = ch.slice(s)
-    blocks, e_row, _ = ch.blocks(G)
-    lk, lq = k * e_row, q * e_row
-    for block in blocks:
-      rws, col = block()
-      kc = k * col
-      akk = akk + mm(jnp.where(rws, lk, 0.0), kc, tb=True)
-      aqk = aqk + mm(jnp.where(rws, lq, 0.0), kc, tb=True)
+    pkk, pqk = _slice_products(ch, mm, q, k, G, False)
+    akk, aqk = akk + pkk, aqk + pqk
     if cfg.sub_chunks:
-      dkk, dqk = diag_pairs((k, q), k, G)
-      akk, aqk = akk + dkk, aqk + dqk
+      fits = fits & ch.middle_fits(G)
     eg = jnp.exp(G)
     gl = ch.row(G, c - 1)
     qg_ref[b, rows, h, cols] = (cfg.scale * ch.cont[:, None] * q * eg).astype(dt)
     kd_ref[b, rows, h, cols] = (ch.last[:, None] * k * jnp.exp(gl[None, :] - G)).astype(dt)
     kg_ref[b, rows, h, cols] = (eg * k).astype(dt)
     gc_ref[b, ci, h, cols] = ch.cont_last * jnp.exp(gl)
-  pkk_ref[b, rows, h, :] = jnp.where(ch.strict, akk, 0.0)
-  a_ref[b, rows, h, :] = jnp.where(ch.incl, cfg.scale * aqk, 0.0).astype(dt)
+  _store_pairs(ch, akk, aqk, pkk_ref, a_ref)
   one = jnp.ones((cfg.chunk, 1), jnp.float32)
   for ref, norm in ((rq_ref, ch.rq), (rk_ref, ch.rk)):
     ref[b, rows, h] = (one if norm is None else norm)[:, 0]
+  if redo_ref:
+    redo_ref[0][b, rows, h] = jnp.where(fits, 0.0, one[:, 0])
+
+
+def _dense_a_sub_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref, redo_ref,
+                        _pkk_in, _a_in, pkk_ref, a_ref, *, cfg, hv, group, t, pid):
+  """Grid (NC, B*HV): P_kk and A_qk of the chunks ``kda_chunk_a`` flagged (``redo_ref``) again,
+  on sub-chunks; pkk_ref and a_ref alias their inputs, so the other chunks keep
+  ``kda_chunk_a``'s. Most programs read the flag and stop."""
+  ci, b, h = _ids(hv, pid)
+  c = cfg.chunk
+
+  @pl.when(redo_ref[b, ci * c, h] > 0)
+  def _():
+    ch = _Dense(cfg, (q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref), b, h,
+                h // group, ci * c, t, q_ref.shape[-1])
+    mm = functools.partial(chunk_ops.mm, dt=jnp.dtype(cfg.dtype))
+    akk = aqk = jnp.zeros((c, c), jnp.float32)
+    for s in range(ch.ns):
+      pkk, pqk = _slice_products(ch, mm, *ch.slice(s), True)
+      akk, aqk = akk + pkk, aqk + pqk
+    _store_pairs(ch, akk, aqk, pkk_ref, a_ref)
 
 
 def _dense_wu_kernel(pkk_ref, kg_ref, v_ref, beta_ref, seg_ref, w_ref, u_ref, *x_ref, cfg, hv,
@@ -368,12 +425,22 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
   ld = lambda ref: ref[b, rows, h, :].astype(f32)
   q, k, G = ch.slice(s)
   state = lambda ref: ref[b, ci, h, cols, :]  # [BK, V], loaded where used
-  blocks, e_row, refs = ch.blocks(G)
+  blocks, e_row, refs, _ = ch.blocks(G)
+  # sub-chunks: the middle-row blocks' dense products where the gates allow (``middle_fits``)
+  fits = ch.middle_fits(G) if cfg.sub_chunks else None
 
   def pairs(a_side, dp, dots):
     """Gradients of the pair product P_ij = sum_d a_id k_jd e^{G_id - G_jd} (i >= j) given
     dP (``dp()``: [C, C] float32), products by the algorithms ``dots`` (for d a, for d k):
-    (d a, d k) [C, BK] and the last block's column factor."""
+    (d a, d k) [C, BK] and the last block's column factor (None on sub-chunks)."""
+    if fits is None:
+      return pair_grads(a_side, dp, dots, blocks, e_row, False)
+    da, db = jax.lax.cond(
+        fits, lambda: pair_grads(a_side, dp, dots, *ch.blocks(G, False)[:2], False)[:2],
+        lambda: pair_grads(a_side, dp, dots, blocks, e_row, True)[:2])
+    return da, db, None
+
+  def pair_grads(a_side, dp, dots, blocks, e_row, sub):
     mma, mmb = (functools.partial(chunk_ops.mm, precision=d) for d in dots)
     la = a_side * e_row
     da = db = jnp.zeros_like(k)
@@ -384,7 +451,7 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
       da = da + mma(p, k * col)
       db = db + col * mmb(p, la, ta=True)
     da = da * e_row
-    if cfg.sub_chunks:
+    if sub:
       dad, dbd = diag_pair_grads(a_side, k, G, dp())
       da, db = da + dad, db + dbd
     return da, db, col
@@ -418,7 +485,7 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
     # an exponential per element fewer (where e^{r - G} underflows, e^{G_C - G} <= e^{r - G}
     # does too). Faster here, not in kda_chunk_a (benchmarks/RESULTS.md, KDA runs 43-44).
     # Sub-chunks have no such factor for the last block's rows: e^{G_C - G} there.
-    decay = (jnp.exp(gl[None, :] - G) if cfg.sub_chunks
+    decay = (jnp.exp(gl[None, :] - G) if col is None
              else col * jnp.exp(gl - refs[-1])[None, :])
     dkd = ch.last[:, None] * decay * mm(vn_ref[b, rows, h, :], dst, tb=True, dt=sdt)
     dk = dk + dky + dkd
@@ -442,16 +509,26 @@ def _cont(seg, c):
 
 
 def chunk_a(cfg: KdaOptions, q, k, v, g, beta, A_log, dt_bias, seg, t):
-  """``kda_chunk_a``: (pkk, aqk, qg, kd, kg, gc, rq, rk), see :func:`_dense_a_kernel`."""
+  """``kda_chunk_a``: (pkk, aqk, qg, kd, kg, gc, rq, rk), see :func:`_dense_a_kernel`; on
+  sub-chunks then ``kda_chunk_a_sub`` for the chunks it flags (:func:`_dense_a_sub_kernel`)."""
   bsz, tp, h, kd = q.shape
   hv, c = v.shape[2], cfg.chunk
   dt, f32 = jnp.dtype(cfg.dtype), jnp.float32
+  rows = jax.ShapeDtypeStruct((bsz, tp, hv), f32)
   kern = functools.partial(_dense_a_kernel, cfg=cfg, hv=hv, group=hv // h, t=t)
-  return call(cfg, kern, "kda_chunk_a", (tp // c, bsz * hv),
-              [tok(v, c, f32), tok(v, c, dt), tok(v, kd, dt), tok(v, kd, dt), tok(v, kd, dt),
-               jax.ShapeDtypeStruct((bsz, tp // c, hv, kd), f32)]
-              + [jax.ShapeDtypeStruct((bsz, tp, hv), f32)] * 2,
-              q, k, g, beta, A_log, dt_bias, seg, chunk_axis=0)
+  ins = (q, k, g, beta, A_log, dt_bias, seg)
+  out = call(cfg, kern, "kda_chunk_a", (tp // c, bsz * hv),
+             [tok(v, c, f32), tok(v, c, dt), tok(v, kd, dt), tok(v, kd, dt), tok(v, kd, dt),
+              jax.ShapeDtypeStruct((bsz, tp // c, hv, kd), f32)]
+             + [rows] * (3 if cfg.sub_chunks else 2), *ins, chunk_axis=0)
+  if not cfg.sub_chunks:
+    return out
+  *out, redo = out
+  kern = functools.partial(_dense_a_sub_kernel, cfg=cfg, hv=hv, group=hv // h, t=t)
+  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in out[:2]]
+  out[:2] = call(cfg, kern, "kda_chunk_a_sub", (tp // c, bsz * hv), shapes, *ins, redo,
+                 *out[:2], chunk_axis=0, aliases={len(ins) + 1: 0, len(ins) + 2: 1})
+  return tuple(out)
 
 
 def chunk_wu(cfg: KdaOptions, pkk, kg, v, beta, seg, t, keep):

@@ -84,11 +84,12 @@ def lower_inverse(a, c, precision=None):
   return x
 
 
-def call(opts: KdaOptions, kern, name, grid, out_shape, *args, chunk_axis=None):
+def call(opts: KdaOptions, kern, name, grid, out_shape, *args, chunk_axis=None, aliases=None):
   """One chunk kernel, at ``opts.tuning``'s warps for ``name``. With ``chunk_axis`` (the grid
   axis of the chunks) the kernel takes ``pid``, its grid indices with the chunk's at
   ``chunk_axis``, and walks the tuning's ``chunk_loop`` chunks per program (the program ids are
-  read outside the loop, as interpret mode needs)."""
+  read outside the loop, as interpret mode needs). ``aliases``: inputs (by index) that are
+  outputs (by index), updated in place."""
   per, want = opts.tuning.chunk_loop_of(name)
   if chunk_axis is not None:
     nc = grid[chunk_axis]
@@ -114,7 +115,7 @@ def call(opts: KdaOptions, kern, name, grid, out_shape, *args, chunk_axis=None):
 
   return pl.pallas_call(kern, grid=grid, out_shape=out_shape, interpret=interpret(),
                         compiler_params=compiler_params(opts.tuning.warps_of(name), want),
-                        name=name)(*args)
+                        input_output_aliases=aliases or {}, name=name)(*args)
 
 
 def tok(x, d, dtype):

@@ -28,8 +28,8 @@ BF16 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
 
 # Warps per chunk-local kernel (by pallas_call name); benchmarks/RESULTS.md, KDA runs 35-36 and
 # 43-44 (``benchmarks/kda.py --sweep`` times others).
-WARPS = {"kda_chunk_prep": 4, "kda_chunk_prep_bwd": 4, "kda_chunk_a": 8, "kda_chunk_wu": 4,
-         "kda_chunk_dwy": 4, "kda_chunk_dqkg": 4}
+WARPS = {"kda_chunk_prep": 4, "kda_chunk_prep_bwd": 4, "kda_chunk_a": 8, "kda_chunk_a_sub": 8,
+         "kda_chunk_wu": 4, "kda_chunk_dwy": 4, "kda_chunk_dqkg": 4}
 # (chunks per program, pipeline stages) of the dense chunk kernels that walk several chunks per
 # program (the rest: (1, 1)); benchmarks/RESULTS.md, KDA runs 43-44.
 CHUNK_LOOP = {"kda_chunk_a": (8, 3)}
