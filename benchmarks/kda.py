@@ -636,7 +636,7 @@ def gates_table(shapes, kinds):
   """The ``--gates`` rows as one table: ours per gate kind beside jla (same decay) and fla (its
   bounded gate for "bounded", its default softplus gate for the others); ratios > 1: ours
   faster."""
-  by = {r["name"]: r for r in ROWS}
+  by = {r["name"]: r for r in ROWS + kda_decode_bench._ROWS.rows}
   if _ROWS.failed:
     print(f"\nCHECK FAILED ({', '.join(_ROWS.failed)}): the times below are not results")
   print("\n| shape | gate | pass | ours ms | jla ms | fla ms | jla/ours | fla/ours |\n"

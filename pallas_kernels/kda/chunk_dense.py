@@ -10,11 +10,16 @@ product is a sum of full products whose left operand is masked to one row block:
   - any gate (``sub_chunks``): 16-row blocks, ``r_I`` G just before the block; the products
     cover only earlier blocks (factors <= 1), the diagonal 16x16 blocks are formed pair by pair
     with per-pair exponents ``min(G_i - G_j, 0)`` (:func:`diag_pairs`, :func:`diag_pair_grads`).
+    Where a chunk's gates let the middle-row references of 16-row blocks keep every exponent
+    within ``MAX_EXP`` (``_Dense.middle_fits``, at run time) its dense products serve instead:
+    ``kda_chunk_a`` forms them (exponents clamped) and flags the chunks they do not fit, which
+    ``kda_chunk_a_sub`` redoes on sub-chunks in place; ``kda_chunk_dqkg`` picks with a branch.
 
 The work is split into short kernels with their intermediates in HBM, so that no program holds
 more than a few [C, C] / [C, BK] float32 tiles and many programs are in flight:
   forward  ``kda_chunk_a``    gate, cumsum, P_kk [C, C] (strict, float32), A_qk, KD,
                               KG = k e^G, QG, gC;
+           ``kda_chunk_a_sub`` (sub-chunks) P_kk, A_qk again where kda_chunk_a flagged;
            ``kda_chunk_wu``   X = (I + diag(beta) P_kk)^-1 (float32, kept for the backward),
                               W = X diag(beta) KG, U = X diag(beta) v (or ``wu_mgpu``);
   backward ``kda_chunk_dwy``  the WY part: dP_kk [C, C], dY = X^T dW [C, K], dv, dbeta;

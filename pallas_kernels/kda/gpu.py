@@ -35,7 +35,12 @@ reference ``r`` of the row block: ``(a e^{G - r}) (b e^{r - G})^T``.
   earlier one, ``e^{G_i - r_I} <= 1`` and ``e^{r_I - G_j} <= 1`` since G falls with the token,
   so those blocks are matrix-unit products that cannot overflow whatever the gate; the diagonal
   16x16 sub-blocks are formed pair by pair, ``e^{min(G_i - G_j, 0)}`` per channel. The
-  inter-chunk factors (``e^G``, ``e^{G_C - G}``, ``e^{G_C}``) have exponents <= 0 anyway.
+  inter-chunk factors (``e^G``, ``e^{G_C - G}``, ``e^{G_C}``) have exponents <= 0 anyway. Since
+  the pair-by-pair blocks cost several times the products, each chunk (and K slice) whose gates
+  keep the middle-row references of 16-row blocks (below) within ``e^85`` takes those dense
+  products instead, checked at run time: ``kda_chunk_a`` forms them with clamped exponents and
+  flags the chunks that do not fit, ``kda_chunk_a_sub`` forms those again on sub-chunks in place,
+  ``kda_chunk_dqkg`` chooses per program.
 - The bounded gate (``g > lower_bound``, K3): ``r`` at the middle row of blocks of ``diag_rows``
   rows, every factor inside a block within ``e^{(diag_rows / 2) |lower_bound|} <= e^85``
   (float32), so whole blocks, diagonal included, are dense products (32-row blocks for K3's
