@@ -576,18 +576,17 @@ def _try(label, fn):
 def gates(shapes, kinds, peers, left):
   """Issue 40's run (``--gates``): each gate kind checked against the float32 recurrence, then
   at each shape ours per kind and jla (the softplus gate's decay precomputed; its time does not
-  depend on the decay's values), forward and forward+backward; the first kind's kernels one by
-  one and its profile beside jla's at the first shape; the decode pool kernel for both gates at
-  ``GATE_DECODE_N``; fla's ``chunk_kda`` (its default gate, then its bounded one) per shape while
-  ``left()`` allows (its autotuning takes minutes per shape). Steps are skipped, and said so,
-  when the budget runs out."""
+  depend on the decay's values), forward and forward+backward, after the first shape
+  :func:`gates_first` (the kernels one by one, the states' forward, decode); the first kind's
+  profile beside jla's; fla's ``chunk_kda`` per shape while ``left()`` allows (its autotuning
+  takes minutes per shape). Steps are skipped, and said so, when the budget runs out."""
   argv = sys.argv
   if "--fla-only" in argv:  # a second call for fla where its autotuning outlasted the first
     return gates_fla(shapes, kinds, left)
   if "--no-check" not in argv:
     for kind in kinds:
       _try(f"check {kind}", lambda: check(decode=False, kind=kind))
-  for shape in shapes:
+  for i, shape in enumerate(shapes):
     tag = "B{} T{} H{} K{}".format(*shape)
     for kind in kinds + (("jla",) if peers else ()):
       if left() < 30:
@@ -599,22 +598,29 @@ def gates(shapes, kinds, peers, left):
       if res:
         name = "jla" if kind == "jla" else f"ours {kind}"
         emit(name=f"{name} {tag}", **{k: round(v, 4) for k, v in res.items()})
-  tag = "B{} T{} H{} K{}".format(*shapes[0])
-  if "--no-parts" not in argv and left() > 60:
-    res = _try(f"parts {kinds[0]}", lambda: time_parts(shapes[0], kinds[0])[0])
-    if res:
-      emit(name=f"ours parts {kinds[0]} {tag}", **{k: round(v, 4) for k, v in res.items()})
-  if left() > 60:  # the prefix cache's states every 4 chunks from the same forward
-    res = _try("states", lambda: time_states(shapes[0], kinds[0], 4))
-    if res:
-      emit(name=f"ours {kinds[0]} output_states_every=4 {tag}", fwd=round(res, 4))
+    if i == 0:  # the breakdown and decode before the other shapes (the budget may end first)
+      gates_first(shape, tag, kinds, left)
   if "--no-profile" not in argv and left() > 60:
     _try("profile", lambda: profile_kernels(shapes[0], peers, kind=kinds[0]))
-  if "--no-decode" not in argv and left() > 30:
-    kda_decode_bench.decode(GATE_DECODE_N, ("softplus", "bounded"))
   gates_table(shapes, kinds)
   if peers:
     gates_fla(shapes, kinds, left)
+
+
+def gates_first(shape, tag, kinds, left):
+  """At the first shape: the first kind's kernels one by one, its forward with the states every
+  4 chunks, and the decode pool kernel for both gates."""
+  argv = sys.argv
+  if "--no-parts" not in argv and left() > 60:
+    res = _try(f"parts {kinds[0]}", lambda: time_parts(shape, kinds[0])[0])
+    if res:
+      emit(name=f"ours parts {kinds[0]} {tag}", **{k: round(v, 4) for k, v in res.items()})
+  if left() > 60:  # the prefix cache's states every 4 chunks from the same forward
+    res = _try("states", lambda: time_states(shape, kinds[0], 4))
+    if res:
+      emit(name=f"ours {kinds[0]} output_states_every=4 {tag}", fwd=round(res, 4))
+  if "--no-decode" not in argv and left() > 30:
+    kda_decode_bench.decode(GATE_DECODE_N, ("softplus", "bounded"))
 
 
 def gates_fla(shapes, kinds, left):
