@@ -8,6 +8,7 @@ two environments:
 
   # 1. the project's venv: lower the op for CUDA and write each kernel's Triton IR
   python tools/triton_report.py dump OUT [--op kda|glu|logsumexp|conv] [--set NAME=VALUE]
+      [--gate bounded|softplus|none]  # KDA's gate kind (none: a precomputed log decay)
   # 2. a venv with Triton's wheel (it brings ptxas and cuobjdump): compile and report
   python -m venv /tmp/tvenv && /tmp/tvenv/bin/pip install triton==3.6.0
   /tmp/tvenv/bin/python tools/triton_report.py report OUT [OTHER_OUT ...]
@@ -59,9 +60,10 @@ def _configs(name):
   return None
 
 
-def _ops(name, config):
+def _ops(name, config, gate="bounded"):
   """(function, abstract arguments) whose lowering holds the op's kernels, forward and
-  backward, built with the kernel ``config``."""
+  backward, built with the kernel ``config`` (KDA: with the gate kind ``gate``, "none" for a
+  precomputed log decay)."""
   import jax
   import jax.numpy as jnp
   sds, bf16, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
@@ -70,9 +72,12 @@ def _ops(name, config):
     from pallas_kernels.kda import kda
     b, t, h, kd = shape
 
+    fused = gate != "none"
+
     def loss(q, k, v, g, beta, a_log, dt_bias):
-      o, _ = kda(q, k, v, g, beta, use_qk_l2norm=True, A_log=a_log, dt_bias=dt_bias,
-                 gate="bounded", beta_is_logit=True, implementation="pallas_gpu", config=config)
+      o, _ = kda(q, k, v, g, beta, use_qk_l2norm=True, A_log=a_log if fused else None,
+                 dt_bias=dt_bias if fused else None, gate=gate if fused else None,
+                 beta_is_logit=True, implementation="pallas_gpu", config=config)
       return jnp.sum(o.astype(f32))
 
     args = [sds((b, t, h, kd), bf16)] * 4 + [sds((b, t, h), bf16), sds((h,), f32),
@@ -94,7 +99,7 @@ def _ops(name, config):
   raise SystemExit(f"triton_report: unknown op {name!r}; one of {sorted(SHAPES)}")
 
 
-def dump(out, op, sets):
+def dump(out, op, sets, gate="bounded"):
   """Lowers ``op`` for an H200 on the CPU and writes each Triton kernel's IR (``NAME.ttir``) and
   its launch options (``kernels.json``) to ``out``."""
   sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
@@ -113,7 +118,7 @@ def dump(out, op, sets):
     config = replace_options(config, sets) if sets else config
   except ValueError as e:
     raise SystemExit(f"triton_report: {e}") from None
-  fn, args = _ops(op, config)
+  fn, args = _ops(op, config, gate)
   os.makedirs(out, exist_ok=True)
   last, kernels = {}, {}
   lower_module = lowering.lower_jaxpr_to_triton_module
@@ -145,7 +150,8 @@ def dump(out, op, sets):
     lowering.lower_jaxpr_to_triton_module = lower_module
     mlir.custom_call = custom_call
   with open(os.path.join(out, "kernels.json"), "w") as f:
-    json.dump({"op": op, "shape": SHAPES[op], "sets": sets, "kernels": kernels}, f, indent=1)
+    json.dump({"op": op, "shape": SHAPES[op], "sets": sets, "gate": gate, "kernels": kernels}, f,
+              indent=1)
   print(f"{len(kernels)} kernels of {op} in {out}: {', '.join(kernels)}")
 
 
@@ -250,13 +256,15 @@ def main():
   d = sub.add_parser("dump", help="lower an op for CUDA and write its kernels' Triton IR")
   d.add_argument("out")
   d.add_argument("--op", default="kda", choices=sorted(SHAPES))
+  d.add_argument("--gate", default="bounded", choices=("bounded", "softplus", "none"),
+                 help="KDA's gate kind (none: a precomputed log decay)")
   d.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                  help="a field of the op's kernel config (a Python literal)")
   r = sub.add_parser("report", help="compile dumped kernels for sm_90a and report")
   r.add_argument("folders", nargs="+")
   a = p.parse_args()
   if a.cmd == "dump":
-    dump(a.out, a.op, a.set)
+    dump(a.out, a.op, a.set, a.gate)
   else:
     report(a.folders)
 

@@ -241,13 +241,12 @@ def _ids(hv, pid, axis=0):
   return ci, bh // hv, bh % hv
 
 
-def _slice_products(ch, mm, q, k, G, sub):
-  """One K slice's parts of the pair products (P_kk, P_qk) [C, C] (unmasked) from its q, k, G
-  [C, BK]: ``sub`` on sub-chunks, else on the reference blocks of ``diag_rows`` rows."""
-  c = ch.cfg.chunk
+def _slice_products(ch, mm, pkk, pqk, q, k, G, sub):
+  """The pair products (P_kk, P_qk) [C, C] (unmasked) ``pkk, pqk`` with one K slice's parts
+  added, from its q, k, G [C, BK]: ``sub`` on sub-chunks, else on the reference blocks of
+  ``diag_rows`` rows."""
   blocks, e_row, _, _ = ch.blocks(G, sub)
   lk, lq = k * e_row, q * e_row
-  pkk = pqk = jnp.zeros((c, c), jnp.float32)
   for block in blocks:
     rws, col = block()
     kc = k * col
@@ -290,8 +289,7 @@ def _dense_a_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref,
   for s in range(ch.ns):
     cols = ch.cols(s)
     q, k, G = ch.slice(s)
-    pkk, pqk = _slice_products(ch, mm, q, k, G, False)
-    akk, aqk = akk + pkk, aqk + pqk
+    akk, aqk = _slice_products(ch, mm, akk, aqk, q, k, G, False)
     if cfg.sub_chunks:
       fits = fits & ch.middle_fits(G)
     eg = jnp.exp(G)
@@ -323,8 +321,7 @@ def _dense_a_sub_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_re
     mm = functools.partial(chunk_ops.mm, dt=jnp.dtype(cfg.dtype))
     akk = aqk = jnp.zeros((c, c), jnp.float32)
     for s in range(ch.ns):
-      pkk, pqk = _slice_products(ch, mm, *ch.slice(s), True)
-      akk, aqk = akk + pkk, aqk + pqk
+      akk, aqk = _slice_products(ch, mm, akk, aqk, *ch.slice(s), True)
     _store_pairs(ch, akk, aqk, pkk_ref, a_ref)
 
 
