@@ -198,6 +198,9 @@ def test_serving_steps_compile_for_tpu():
   graphdef, params = nnx.split(model)
   pools = jax.eval_shape(lambda: step_lib.init_pools(model, num_pages=33, page_size=64,
                                                      num_slots=9))
+  # the KDA states stay float32 in a bf16 model's cache, the MLA latents are bf16
+  assert {p["state"].dtype for p in pools if "state" in p} == {jnp.dtype(jnp.float32)}
+  assert {p["pages"].dtype for p in pools if "pages" in p} == {jnp.dtype(jnp.bfloat16)}
   one = jax.sharding.SingleDeviceSharding(dev)
   place = lambda tree: jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), tree)
