@@ -19,11 +19,13 @@ the same steps synchronously, for tests and in-process use.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
 import logging
 import math
+import os
 import secrets
 import threading
 import time
@@ -264,13 +266,15 @@ class Engine:
     with jax.set_mesh(self.mesh), sharding.layout(self.mesh_cfg):
       yield
 
+  def _lower(self, decode: bool, n: int, t: int):
+    with self._scope():
+      return step_lib.lower(self._graphdef, self._params, self._pools, decode=decode, rows=n,
+                            tokens=t, table_width=self.table_width, row_sharding=self._rows)
+
   def _compiled(self, decode: bool, n: int, t: int):
     key = (decode, n, t)
     if key not in self._steps:
-      with self._scope():
-        self._steps[key] = step_lib.lower(self._graphdef, self._params, self._pools, decode=decode,
-                                          rows=n, tokens=t, table_width=self.table_width,
-                                          row_sharding=self._rows).compile()
+      self._steps[key] = self._lower(*key).compile()
     return self._steps[key]
 
   def step_shapes(self) -> list[tuple[bool, int, int]]:
@@ -278,13 +282,18 @@ class Engine:
     return ([(True, n, 1) for n in self.decode_sizes]
             + [(False, n, t) for n in self.prefill_sizes for t in self.chunk_sizes])
 
-  def compile(self) -> float:
-    """Compiles every step shape; returns (and logs) the seconds it took."""
+  def compile(self, workers: int | None = None) -> float:
+    """Compiles every step shape, ``workers`` at a time (default: half the host's cores, XLA's
+    compiles run side by side); returns (and logs) the seconds it took."""
     t0 = time.perf_counter()
-    for shape in self.step_shapes():
-      self._compiled(*shape)
+    todo = [s for s in self.step_shapes() if s not in self._steps]
+    lowered = [self._lower(*s) for s in todo]
+    workers = workers or max(1, min(len(todo), (os.cpu_count() or 2) // 2))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+      for s, c in zip(todo, pool.map(lambda low: low.compile(), lowered)):
+        self._steps[s] = c
     secs = time.perf_counter() - t0
-    log.info("compiled %d step shapes in %.1f s", len(self._steps), secs)
+    log.info("compiled %d step shapes in %.1f s (%d at a time)", len(todo), secs, workers)
     return secs
 
   # ------------------------------------------------------------------------------ the step
