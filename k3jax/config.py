@@ -236,6 +236,32 @@ class TrainConfig:
   # Start from the weights of this directory (an HF checkpoint, a converted Orbax directory or a
   # train.py run): parameters and router biases only, a fresh optimizer, step 0. "": random init.
   init_from: str = ""
+  # "pretrain" (next-token loss on data.source), "sft" (chat JSONL, loss on assistant tokens),
+  # "rl" (GRPO on posttrain.tasks) or "opd" (on-policy distillation from posttrain.teachers):
+  # docs/posttraining.md.
+  mode: str = "pretrain"
+
+
+@dataclasses.dataclass(frozen=True)
+class PostTrainConfig:
+  """``train.mode`` sft, rl and opd (k3jax.posttrain, docs/posttraining.md)."""
+  tasks: tuple[str, ...] = ("copy",)  # built-in verifiable tasks (k3jax.posttrain.tasks.TASKS)
+  prompts_per_step: int = 8  # problems whose groups an iteration trains on
+  group_size: int = 8  # samples per problem (GRPO normalises rewards within a group)
+  token_budget: int = 4  # generated tokens a problem may use (eos included); over it: reward -1
+  temperature: float = 1.0
+  # Partial rollout: an iteration trains once this fraction of its groups has finished; the rest
+  # are paused with their cache and resumed first in the next iteration (1.0: wait for all).
+  partial_fraction: float = 1.0
+  clip_eps: float = 0.2  # PPO clip of the importance ratio against the behaviour policy
+  kl_coef: float = 0.0  # per-token KL(current || behaviour) penalty (k3 estimator)
+  stale_kl_coef: float = 0.1  # added to kl_coef on tokens sampled by an older policy
+  # OPD: teacher weight directories (HF, Orbax or run directories of this model) and the task each
+  # one scores (same length; a task not listed goes to the first teacher).
+  teachers: tuple[str, ...] = ()
+  teacher_tasks: tuple[str, ...] = ()
+  eval_prompts: int = 16  # fixed problems on which OPD measures the student's KL to its teachers
+  seed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,6 +313,7 @@ class Config:
   checkpoint: CheckpointConfig = CheckpointConfig()
   mesh: MeshConfig = MeshConfig()
   serve: ServeConfig = ServeConfig()
+  posttrain: PostTrainConfig = PostTrainConfig()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -512,6 +539,7 @@ def validate(cfg: Config) -> None:
   _check(t.max_nonfinite > 0, "train.max_nonfinite", "must be positive")
   _check(t.batch_size % t.grad_accum == 0, "train.grad_accum",
          f"must divide train.batch_size={t.batch_size}")
+  _one_of(t.mode, ("pretrain", "sft", "rl", "opd"), "train.mode")
   for i, s in enumerate(t.stages):
     _check(s.seq_len > 0 and s.steps > 0, f"train.stages[{i}]", "seq_len and steps must be positive")
   o = cfg.optimizer
@@ -549,6 +577,26 @@ def validate(cfg: Config) -> None:
          "(0: sized from max_batch and max_model_len)")
   _check(s.token_budget >= s.block_size, "serve.token_budget",
          f"must be at least serve.block_size={s.block_size}, got {s.token_budget}")
+  _validate_posttrain(cfg)
+
+
+def _validate_posttrain(cfg: Config) -> None:
+  from k3jax.posttrain.tasks import TASKS
+  p = cfg.posttrain
+  _check(len(p.tasks) > 0, "posttrain.tasks", "must name at least one task")
+  for t in p.tasks + p.teacher_tasks:
+    _one_of(t, tuple(TASKS), "posttrain.tasks" if t in p.tasks else "posttrain.teacher_tasks")
+  for name in ("prompts_per_step", "group_size", "token_budget", "eval_prompts"):
+    _check(getattr(p, name) > 0, f"posttrain.{name}", f"must be positive, got {getattr(p, name)}")
+  _check(p.temperature > 0, "posttrain.temperature", "must be positive (rollouts sample)")
+  _check(0 < p.partial_fraction <= 1, "posttrain.partial_fraction",
+         f"must be in (0, 1], got {p.partial_fraction}")
+  for name in ("clip_eps", "kl_coef", "stale_kl_coef"):
+    _check(getattr(p, name) >= 0, f"posttrain.{name}", "must be >= 0")
+  _check(not p.teacher_tasks or len(p.teacher_tasks) == len(p.teachers), "posttrain.teacher_tasks",
+         f"must name one task per teacher ({len(p.teachers)} teachers)")
+  _check(cfg.train.mode != "opd" or p.teachers, "posttrain.teachers",
+         "train.mode=opd needs at least one teacher directory")
 
 
 def dtype(name: str):

@@ -354,12 +354,13 @@ class _ToBatch:
   def __call__(self, f: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     seg = f["input_ids_segment_ids"].astype(np.int32)
     real = seg > 0
+    weights = real & (f["loss_mask"] > 0) if "loss_mask" in f else real  # SFT: assistant tokens
     return {
         "input_ids": np.where(real, f["input_ids"], self.pad).astype(np.int32),
         "targets": np.where(real, f["targets"], self.pad).astype(np.int32),
         "segment_ids": seg,
         "positions": f["input_ids_positions"].astype(np.int32),
-        "weights": real.astype(np.float32),
+        "weights": weights.astype(np.float32),
     }
 
 
@@ -374,8 +375,18 @@ class Data:
       raise DataError(f"data.tokenizer: vocabulary of {self.tokenizer.vocab_size} ids does not fit "
                       f"model.vocab_size={m.vocab_size}")
     check_special_ids(cfg, self.tokenizer)
-    self.source = open_source(cfg.data.source, cfg.data.text_field, process_index=process_index,
-                              process_count=process_count)
+    self.sft = cfg.train.mode == "sft"
+    if self.sft:  # conversations, trained on their assistant tokens (k3jax.posttrain.sft)
+      from k3jax.posttrain import sft
+      try:
+        self.source = sft.Chats(cfg.data.source, [] if cfg.data.source == "builtin" else
+                                _expand(cfg.data.source)[0], tasks=cfg.posttrain.tasks,
+                                seed=cfg.data.seed)
+      except sft.ChatError as e:
+        raise DataError(str(e)) from e
+    else:
+      self.source = open_source(cfg.data.source, cfg.data.text_field, process_index=process_index,
+                                process_count=process_count)
     if isinstance(self.source, TokenRecords) and cfg.data.tokenizer != "byte":
       raise DataError("data.tokenizer: ArrayRecord sources are pre-tokenised; leave data.tokenizer as 'byte'")
     if isinstance(self.source, TokenRecords):
@@ -401,7 +412,11 @@ class Data:
       raise DataError(f"train.batch_size={cfg.train.batch_size} must be a multiple of the "
                       f"process count {process_count}")
     self.local_batch = cfg.train.batch_size // process_count
-    self._encode = _Encode(self.tokenizer, m.bos_token_id, m.eos_token_id)
+    if self.sft:
+      from k3jax.posttrain.sft import ChatEncode
+      self._encode = ChatEncode(self.tokenizer, m.bos_token_id, m.eos_token_id)
+    else:
+      self._encode = _Encode(self.tokenizer, m.bos_token_id, m.eos_token_id)
     self._to_batch = _ToBatch(m.pad_token_id)
 
   def _text_in(self, indices: list[int]) -> bool:
@@ -429,7 +444,8 @@ class Data:
       ds = ds.shuffle(seed=seed)
     ds = ds.repeat(None).map(self._encode).to_iter_dataset()
     ds = grain.experimental.ConcatThenSplitIterDataset(
-        ds, length_struct={"input_ids": seq_len, "targets": seq_len})
+        ds, length_struct={k: seq_len for k in ("input_ids", "targets")
+                           + (("loss_mask",) if self.sft else ())})
     ds = ds.map(self._to_batch).batch(self.local_batch, drop_remainder=True)
     if self.cfg.data.prefetch:  # a background thread; the saved state stays that of the consumer
       ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=self.cfg.data.prefetch)

@@ -200,7 +200,11 @@ def evaluate(eval_fn, params, biases, data: data_lib.Data, seq_len: int, batches
 
 def train(cfg: config_lib.Config, run_dir, *, progress: bool = True) -> dict:
   """Runs (or resumes) the training of ``cfg`` in ``run_dir`` (a local path or ``gs://`` URL);
-  returns the last metrics record."""
+  returns the last metrics record. ``train.mode`` rl and opd run :mod:`k3jax.posttrain.loop` (a
+  local run directory; sft is this loop on chat data)."""
+  if cfg.train.mode in ("rl", "opd"):
+    from k3jax.posttrain import loop
+    return loop.run(cfg, Path(run_dir), progress=progress)[-1]
   sharding.mesh.initialize_distributed()
   with sharding.layout(cfg.mesh):
     return _train(cfg, storage.checkpoint_path(run_dir), progress)

@@ -13,7 +13,9 @@ graphdef. One step:
    (Quantile Balancing through ``router.next_bias`` over the micro-batches' statistics).
 
 Metrics: ``loss``, ``grad_norm``, ``lr``, ``nonfinite``, ``tokens`` (tokens with a target),
-``moe_load_max_mean`` ``[n_moe_layers]`` (max over mean expert load per MoE layer, in layer order).
+``moe_load_max_mean`` ``[n_moe_layers]`` (max over mean expert load per MoE layer, in layer order),
+and the token means of any sums a custom loss reports (post-training's objectives,
+:mod:`k3jax.posttrain.objective`).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ def moe_layers(cfg: Config) -> list[int]:
 
 
 def _loss(graphdef, params, biases, batch: Batch, train: TrainConfig = TrainConfig()):
-  """(summed token loss, (summed weights, per-layer router stats)) of one micro-batch; the head's
-  logits are formed ``train.loss_chunk`` tokens at a time (stored in bf16 when
+  """(summed token loss, (summed weights, per-layer router stats, {})) of one micro-batch; the
+  head's logits are formed ``train.loss_chunk`` tokens at a time (stored in bf16 when
   ``train.bf16_logits``)."""
   model = nnx.merge(graphdef, params, biases)
   h, aux = model.hidden(batch["input_ids"], segment_ids=batch["segment_ids"])
@@ -49,7 +51,7 @@ def _loss(graphdef, params, biases, batch: Batch, train: TrainConfig = TrainConf
                                                 batch["weights"], chunk_size=train.loss_chunk,
                                                 logits_dtype=jnp.bfloat16 if train.bf16_logits
                                                 else None)
-  return loss_sum, (weight_sum, aux["moe"])
+  return loss_sum, (weight_sum, aux["moe"], {})
 
 
 def _set_biases(biases, new: dict[int, jax.Array]):
@@ -65,30 +67,34 @@ def _bias_of(biases, i: int) -> jax.Array:
 
 
 def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule) -> Callable:
+                    schedule: optax.Schedule, loss: Callable | None = None) -> Callable:
   """The (unjitted) step ``(params, opt_state, biases, step, rng, batch) -> (params, opt_state,
-  biases, metrics)``."""
+  biases, metrics)``. ``loss``: ``(graphdef, params, biases, micro-batch) -> (summed token loss,
+  (summed weights, per-layer router stats, {name: summed per-token metric}))``; None: next-token
+  cross-entropy."""
   accum = cfg.train.grad_accum
-  grad_fn = jax.value_and_grad(functools.partial(_loss, train=cfg.train), argnums=1,
+  grad_fn = jax.value_and_grad(loss or functools.partial(_loss, train=cfg.train), argnums=1,
                                has_aux=True)
   layers = moe_layers(cfg)
 
   def train_step(params, opt_state, biases, step, rng, batch: Batch):
     del rng  # the model has no stochastic parts; kept in the signature for ones that do
     if accum == 1:
-      (loss_sum, (weight_sum, stats)), grads = grad_fn(graphdef, params, biases, batch)
+      (loss_sum, (weight_sum, stats, extra)), grads = grad_fn(graphdef, params, biases, batch)
       stats_list = [stats]
     else:
       micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
 
       def body(carry, mb):
         g_acc, l_acc, w_acc = carry
-        (l, (w, st)), g = grad_fn(graphdef, params, biases, mb)
-        return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, w_acc + w), st
+        (l, (w, st, ex)), g = grad_fn(graphdef, params, biases, mb)
+        return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, w_acc + w), (st, ex)
 
       zeros = jax.tree.map(jnp.zeros_like, params)
       zero = jnp.zeros((), jnp.float32)
-      (grads, loss_sum, weight_sum), stacked = jax.lax.scan(body, (zeros, zero, zero), micro)
+      (grads, loss_sum, weight_sum), (stacked, extras) = jax.lax.scan(body, (zeros, zero, zero),
+                                                                      micro)
+      extra = jax.tree.map(lambda x: jnp.sum(x, 0), extras)
       stats_list = [jax.tree.map(lambda x, a=a: x[a], stacked) for a in range(accum)]
 
     denom = jnp.maximum(weight_sum, 1.0)
@@ -117,6 +123,7 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation,
         "tokens": weight_sum,
         "moe_load_max_mean": (jnp.stack([jnp.max(l) / jnp.maximum(jnp.mean(l), 1e-9) for l in loads])
                               if loads else jnp.zeros((0,), jnp.float32)),
+        **{k: v / denom for k, v in extra.items()},
     }
     return params, opt_state, biases, metrics
 
@@ -127,7 +134,7 @@ def make_eval_step(graphdef, train: TrainConfig = TrainConfig()) -> Callable:
   """``(params, biases, batch) -> (summed token loss, summed weights)``, the loss as ``train``
   forms it (chunk, logits dtype)."""
   def eval_step(params, biases, batch: Batch):
-    loss_sum, (weight_sum, _) = _loss(graphdef, params, biases, batch, train)
+    loss_sum, (weight_sum, *_) = _loss(graphdef, params, biases, batch, train)
     return loss_sum, weight_sum
   return eval_step
 

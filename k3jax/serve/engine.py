@@ -144,6 +144,8 @@ class Engine:
     self._stop = False
     self._restores: list[tuple[int, int]] = []  # (checkpoint slot or 0 to zero, request slot)
     self._checkpoints: list[tuple[int, int]] = []  # (request slot, checkpoint slot)
+    self.paused: dict[int, _Request] = {}  # paused requests, holding their pages and slot
+    self._resumed: collections.deque[_Request] = collections.deque()  # admitted before waiting
 
   # ------------------------------------------------------------------------------ requests
 
@@ -221,7 +223,51 @@ class Engine:
 
   def has_work(self) -> bool:
     with self._wake:
-      return bool(self._inbox or self._cancels or self.running or self.waiting)
+      return bool(self._inbox or self._cancels or self.running or self.waiting or self._resumed)
+
+  # ------------------------------------------------------------------------------ post-training
+
+  def update_weights(self, params, biases=None) -> None:
+    """Serves new weights from the next step on (between steps; no recompile): ``params`` and
+    ``biases`` are pure dicts (``nnx.to_pure_dict``, as training holds them) of the same shapes,
+    cast and placed as the engine's. The prefix index is dropped (its states came from the old
+    weights); running and paused requests keep their caches but register no more blocks."""
+    new = nnx.to_pure_dict(self._params)
+
+    def put(tree):
+      for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        node = new
+        for k in path[:-1]:
+          node = node[getattr(k, "key", getattr(k, "idx", k))]
+        key = getattr(path[-1], "key", getattr(path[-1], "idx", path[-1]))
+        if node[key].shape != x.shape:
+          raise ValueError(f"Engine.update_weights: {jax.tree_util.keystr(path)} has shape "
+                           f"{x.shape}, the engine's {node[key].shape}")
+        node[key] = jax.device_put(jnp.asarray(x, node[key].dtype), node[key].sharding)
+
+    put(params)
+    if biases is not None:
+      put(biases)
+    state = jax.tree.map(lambda x: x, self._params)
+    nnx.replace_by_pure_dict(state, new)
+    self._params = state
+    self.index.clear()
+    for r in self.running + list(self.paused.values()) + list(self._resumed):
+      r.blocks = []
+
+  def pause(self, request_id: int) -> None:
+    """Takes a running or waiting request out of scheduling (between steps); a running one keeps
+    its MLA pages and KDA slot, so :meth:`resume` continues it exactly where it stopped."""
+    r = next((r for r in self.running + list(self.waiting) if r.id == request_id), None)
+    if r is None:
+      raise KeyError(f"request {request_id} is neither running nor waiting")
+    (self.running if r in self.running else self.waiting).remove(r)
+    self.paused[request_id] = r
+
+  def resume(self, request_id: int) -> None:
+    """Schedules a paused request again, ahead of the waiting ones."""
+    r = self.paused.pop(request_id)
+    (self._resumed if r.slot is not None else self.waiting).appendleft(r)
 
   # ------------------------------------------------------------------------------ thread
 
@@ -341,6 +387,8 @@ class Engine:
     return p
 
   def _admit(self) -> None:
+    while self._resumed and len(self.running) < self.serve.max_batch:
+      self.running.append(self._resumed.popleft())  # paused with their cache: nothing to restore
     while self.waiting and len(self.running) < self.serve.max_batch:
       r = self.waiting[0]
       slot = self._alloc_slot()
