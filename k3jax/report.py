@@ -2,7 +2,10 @@
 
 Four panels over steps, from ``RUN_DIR/metrics.jsonl``: training and eval loss, the learning
 rate, tokens/s, and each MoE layer's expert-load imbalance (max over mean load; 1 is perfectly
-balanced). The default output is ``RUN_DIR/report.png``. Drawn with matplotlib's Agg canvas
+balanced). Post-training runs (``train.mode`` rl / opd, :mod:`k3jax.posttrain.loop`) add a row:
+reward and completion length; KL to the behaviour policy, stale-token fraction, OPD's KL to the
+teachers and the trainer's step time; their rollout tokens/s join the tokens/s panel. The
+default output is ``RUN_DIR/report.png``. Drawn with matplotlib's Agg canvas
 without pyplot, so it neither needs a display nor changes a notebook's backend.
 """
 
@@ -65,8 +68,10 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
     raise ReportError(f"{path} holds no training step yet")
   out = storage.path(out) if out is not None else run_dir / "report.png"
 
-  fig = Figure(figsize=(11, 7.5), layout="constrained")
-  (loss, lr), (tps, moe) = fig.subplots(2, 2, sharex=True)
+  post = "reward" in s
+  fig = Figure(figsize=(11, 11 if post else 7.5), layout="constrained")
+  axes = fig.subplots(3 if post else 2, 2, sharex=True)
+  (loss, lr), (tps, moe) = axes[:2]
   fig.suptitle(f"{run_dir.name}: {max(s['loss'])} steps")
   _line(loss, s["loss"], "train")
   if "eval_loss" in s:
@@ -76,6 +81,9 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
   _line(lr, s.get("lr", {}), "lr")
   lr.set(title="learning rate")
   _line(tps, s.get("tokens_per_s", {}), "tokens/s")
+  if post:
+    _line(tps, s.get("rollout_tokens_per_s", {}), "rollout tokens/s")
+    tps.legend()
   tps.set(title="tokens / s", ylim=(0, None))
   imbalance = s.get("moe_load_max_mean", {})
   width = max((len(v) for v in imbalance.values()), default=0)
@@ -85,9 +93,20 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
   moe.set(title="expert load imbalance (max / mean)")
   if width:
     moe.legend(fontsize="small", ncols=1 + width // 8)
-  for ax in (tps, moe):
+  if post:
+    reward, policy = axes[2]
+    _line(reward, s["reward"], "reward")
+    _line(reward, s.get("length", {}), "completion tokens")
+    reward.set(title="reward and length")
+    for key in ("kl", "stale_fraction", "teacher_kl", "eval_kl", "train_step_s"):
+      if key in s:
+        _line(policy, s[key], key, marker="o" if key == "eval_kl" else None)
+    policy.set(title="KL, stale tokens, step time (s)")
+    for ax in (reward, policy):
+      ax.legend(fontsize="small")
+  for ax in axes[-1]:
     ax.set_xlabel("step")
-  for ax in (loss, lr, tps, moe):
+  for ax in axes.flat:
     ax.grid(alpha=0.3)
   storage.makedirs(out.parent)
   png = io.BytesIO()

@@ -71,3 +71,16 @@ def test_tensorboard_comes_only_from_tensorboardx(tmp_path, monkeypatch):
   m.write({"step": 1, "loss": float(np.random.default_rng().uniform(1, 5))})
   m.close()
   assert m._tb is None and not (tmp_path / "tensorboard").exists()
+
+
+def test_report_of_a_posttraining_run_adds_its_row(tmp_path, root):
+  import matplotlib.image
+  run = tmp_path / "rl"
+  run.mkdir()
+  shutil.copy(root / "configs" / "k3_tiny.yaml", run / "config.yaml")
+  lines = [{"step": s, "loss": 0.1, "lr": 1e-3, "reward": s / 10, "length": 2.0, "kl": 0.01,
+            "stale_fraction": 0.2, "rollout_tokens_per_s": 50.0, "train_step_s": 0.5,
+            "moe_load_max_mean": [1.0] * 4} for s in range(1, 11)]
+  (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+  img = matplotlib.image.imread(report.plot(run))
+  assert img.shape[:2] == (1100, 1100) and img.std() > 0.05
