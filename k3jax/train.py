@@ -204,7 +204,7 @@ def train(cfg: config_lib.Config, run_dir, *, progress: bool = True) -> dict:
   local run directory; sft is this loop on chat data)."""
   if cfg.train.mode in ("rl", "opd"):
     from k3jax.posttrain import loop
-    return loop.run(cfg, Path(run_dir), progress=progress)[-1]
+    return loop.run(cfg, run_dir, progress=progress)[-1]
   sharding.mesh.initialize_distributed()
   with sharding.layout(cfg.mesh):
     return _train(cfg, storage.checkpoint_path(run_dir), progress)
