@@ -84,8 +84,8 @@ def _sample(engine, prompts, seed, max_tokens=6):
 def _logp_and_batch(cfg, graphdef, params, biases, prompts, outs):
   trajs = [Trajectory(None, p, [o.token for o in out], [o.logprob for o in out], [0] * len(out))
            for p, out in zip(prompts, outs)]
-  b = to_batches(trajs, [np.ones(len(t.tokens)) for t in trajs], 0, rows=2, seq_len=64,
-                 pad=cfg.model.pad_token_id)[0]
+  b = to_batches(trajs, 0, rows=2, seq_len=64, pad=cfg.model.pad_token_id,
+                 per_token={"advantages": [np.ones(len(t.tokens)) for t in trajs]})[0]
   return np.asarray(jax.jit(objective.token_logps, static_argnums=0)(graphdef, params, biases, b)[0]), b
 
 
@@ -157,13 +157,12 @@ def test_grpo_reward_rises(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="OPD lowers eval_kl only ~3-10% in 12 iterations; not yet tuned (see report)", strict=False)
 def test_opd_lowers_the_students_kl_to_its_teachers(tmp_path):
   cfg = tiny_config(*SMALL, "train.mode=opd", "train.steps=12", "train.eval_every=12",
                     "posttrain.tasks=[copy,add]", "posttrain.teachers=[a,b]",
                     "posttrain.teacher_tasks=[copy,add]", "posttrain.prompts_per_step=4",
                     "posttrain.group_size=4", "posttrain.eval_prompts=8",
-                    "optimizer.lr=5e-3", "optimizer.schedule=constant",
+                    "optimizer.lr=2e-3", "optimizer.schedule=constant",
                     "optimizer.warmup_steps=0", "optimizer.weight_decay=0")
   teachers = []
   for seed in (1, 2):
@@ -174,4 +173,5 @@ def test_opd_lowers_the_students_kl_to_its_teachers(tmp_path):
   recs = loop.run(cfg, tmp_path / "opd", progress=False, teachers=teachers)
   kls = [r["eval_kl"] for r in recs if "eval_kl" in r]
   print(kls)
-  assert kls[-1] < 0.8 * kls[0]
+  assert kls[-1] < 0.7 * kls[0]
+  assert all(r["teacher_kl"] > 0 for r in recs if "teacher_kl" in r)

@@ -9,13 +9,13 @@ pushed to the engine (:meth:`Engine.update_weights`, no restart, no recompile).
 RL: rewards from the task checker (:func:`k3jax.posttrain.tasks.reward`, -1 over the problem's
 token budget), normalised within each group (GRPO), the same advantage on every token of a
 trajectory. OPD: the student samples; the teacher routed by the problem's task
-(``posttrain.teacher_tasks``) scores every sampled token, and ``teacher_logp - behaviour_logp``
-(minus the per-token reverse-KL estimate) is that token's advantage.
+(``posttrain.teacher_tasks``) scores every position the student sampled, and the loss adds the
+exact reverse KL to that teacher's distribution there (:mod:`k3jax.posttrain.objective`).
 
 Metrics per iteration in ``metrics.jsonl``: ``loss``, ``grad_norm``, ``lr``, ``reward``,
 ``length`` (completion tokens), ``over_budget``, ``kl`` (to the behaviour policy), ``ratio``,
 ``clipped``, ``stale_fraction``, ``rollout_tokens_per_s``, ``train_step_s``, OPD's
-``teacher_kl`` (sampled tokens' reverse-KL estimate) and ``eval_kl`` (exact reverse KL of the
+``teacher_kl`` (reverse KL to the routed teachers at the sampled positions) and ``eval_kl`` (exact reverse KL of the
 first reply token on ``posttrain.eval_prompts`` fixed problems, at the start and every
 ``train.eval_every`` steps). Checkpoints hold the weights (a run directory that
 ``train.init_from`` and ``posttrain.teachers`` read); a run does not resume its rollouts.
@@ -69,46 +69,19 @@ def _problem_stream(post):
     yield from tasks.problems(post.tasks, 1000, budget=post.token_budget, seed=post.seed + 7 * i + 2)
 
 
-def _teacher_advantages(cfg: Config, trajs: list[Trajectory], teachers, score, to_b
-                        ) -> list[np.ndarray]:
-  """Per trajectory, ``teacher_logp - behaviour_logp`` of each sampled token, scored by the
-  teacher its task routes to (each teacher scores the packed batches of its trajectories)."""
-  out: list[np.ndarray | None] = [None] * len(trajs)
-  for i, teacher in enumerate(teachers):
-    mine = [j for j, t in enumerate(trajs) if _teacher_of(cfg, t.problem.task) == i]
-    if not mine:
-      continue
-    zeros = [np.zeros(len(trajs[j].tokens), np.float32) for j in mine]
-    logps = []
-    for b in to_b([trajs[j] for j in mine], zeros, 0):
-      lp = np.asarray(score(*teacher, b))
-      logps.extend(_unpack(lp, b))
-    for j, lp in zip(mine, logps):
-      out[j] = lp - np.asarray(trajs[j].logps, np.float32)
-  return out
-
-
-def _unpack(values: np.ndarray, batch: dict) -> list[np.ndarray]:
-  """The weighted positions of ``values`` ``[B, T]``, one array per segment in packing order."""
-  out = []
-  for r in range(values.shape[0]):
-    seg, w = batch["segment_ids"][r], batch["weights"][r] > 0
-    for s in range(1, int(seg.max()) + 1):
-      out.append(values[r][(seg == s) & w])
-  return out
+def _score(batch: dict, teachers, full_logp) -> None:
+  """Puts into ``batch`` the log-probs ``[B, T, V]`` of the teacher each position's trajectory
+  routes to (``route``: teacher index per completion token)."""
+  route = batch.pop("route").astype(np.int32)
+  scores = np.stack([np.asarray(full_logp(*t, batch)) for t in teachers])
+  batch["teacher_logp"] = np.take_along_axis(scores, route[None, ..., None], 0)[0]
 
 
 def reply_kl(graphdef, student, teacher, batch) -> jax.Array:
   """Mean over weighted positions of KL(student || teacher) over the whole vocabulary;
   ``student``/``teacher``: (params, biases)."""
-  from flax import nnx
-
-  def logp(params, biases):
-    model = nnx.merge(graphdef, params, biases)
-    h, _ = model.hidden(batch["input_ids"], segment_ids=batch["segment_ids"])
-    return jax.nn.log_softmax(model.logits(h).astype(jnp.float32), -1)
-
-  ls, lt = logp(*student), logp(*teacher)
+  ls = objective.log_probs(graphdef, *student, batch)[0]
+  lt = objective.log_probs(graphdef, *teacher, batch)[0]
   kl = jnp.sum(jnp.exp(ls) * (ls - lt), -1)
   return jnp.sum(kl * batch["weights"]) / jnp.maximum(jnp.sum(batch["weights"]), 1.0)
 
@@ -139,11 +112,11 @@ def _run(cfg: Config, run_dir: Path, progress: bool, teachers) -> list[dict]:
   step_fn = step_lib.jit_train_step(step_lib.make_train_step(
       cfg, state.graphdef, state.tx, state.schedule, loss=objective.policy_loss(post)),
       donate=False)
-  score = jax.jit(lambda p, b, batch: objective.token_logps(state.graphdef, p, b, batch)[0])
+  full_logp = jax.jit(lambda p, b, batch: objective.log_probs(state.graphdef, p, b, batch)[0])
   kl_fn = jax.jit(lambda s, t, batch: reply_kl(state.graphdef, s, t, batch))
   rows, seq_len = cfg.train.batch_size, cfg.data.seq_len
-  to_b = lambda trajs, adv, v: to_batches(trajs, adv, v, rows=rows, seq_len=seq_len,
-                                          pad=m.pad_token_id)
+  to_b = lambda trajs, v, **per_token: to_batches(trajs, v, rows=rows, seq_len=seq_len,
+                                                  pad=m.pad_token_id, per_token=per_token)
   eval_set = [Trajectory(p, sft.prompt_ids(tokenizer, [{"role": "user", "content": p.prompt}],
                                            m.bos_token_id), [m.eos_token_id], [0.0], [0])
               for p in tasks.problems(post.tasks, post.eval_prompts, budget=post.token_budget,
@@ -152,7 +125,7 @@ def _run(cfg: Config, run_dir: Path, progress: bool, teachers) -> list[dict]:
   def eval_kl() -> float:  # one problem per batch: each goes to its own teacher
     out = []
     for t in eval_set:
-      b = to_b([t], [np.zeros(1)], 0)[0]
+      b = to_b([t], 0)[0]
       out.append(float(kl_fn((state.params, state.biases),
                              teachers[_teacher_of(cfg, t.problem.task)], b)))
     return float(np.mean(out))
@@ -184,13 +157,16 @@ def _run(cfg: Config, run_dir: Path, progress: bool, teachers) -> list[dict]:
                    "over_budget": float(np.mean(rewards == -1)) if trajs else None,
                    "groups": len(groups), "resumed": stats["resumed"],
                    "rollout_tokens_per_s": stats["rollout_tokens"] / max(stats["rollout_s"], 1e-9)}
-      if opd:
-        adv = _teacher_advantages(cfg, trajs, teachers, score, to_b)
-        rec["teacher_kl"] = float(np.mean(np.concatenate([-a for a in adv]))) if trajs else None
+      if opd:  # advantages 0: the loss is the routed teachers' reverse KL (objective)
+        zeros = [np.zeros(len(t.tokens), np.float32) for t in trajs]
+        routes = [np.full(len(t.tokens), _teacher_of(cfg, t.problem.task)) for t in trajs]
+        batches = to_b(trajs, rollouts.version, advantages=zeros, route=routes) if trajs else []
+        for b in batches:
+          _score(b, teachers, full_logp)
       else:
         per = group_advantages(rewards).reshape(-1) if trajs else []
         adv = [np.full(len(t.tokens), a, np.float32) for t, a in zip(trajs, per)]
-      batches = to_b(trajs, adv, rollouts.version) if trajs else []
+        batches = to_b(trajs, rollouts.version, advantages=adv) if trajs else []
       sampled = sum(float(b["weights"].sum()) for b in batches)
       rec["stale_fraction"] = (sum(float((b["stale"] * b["weights"]).sum()) for b in batches)
                                / sampled) if sampled else 0.0
@@ -201,7 +177,8 @@ def _run(cfg: Config, run_dir: Path, progress: bool, teachers) -> list[dict]:
           state, out = step_lib.apply_step(step_fn, state, step - 1, b)
         outs.append(jax.device_get(out))
       rec["train_step_s"] = (time.perf_counter() - t0) / max(len(batches), 1)
-      for k in ("loss", "grad_norm", "lr", "ratio", "kl", "clipped"):
+      for k in ("loss", "grad_norm", "lr", "ratio", "kl", "clipped") + (("teacher_kl",) if opd
+                                                                         else ()):
         rec[k] = float(np.mean([o[k] for o in outs])) if outs else None
       if outs:
         engine.update_weights(state.params, state.biases)

@@ -108,17 +108,18 @@ class Rollouts:
                       "resumed": resumed}
 
 
-def to_batches(trajs: list[Trajectory], advantages: list[np.ndarray], version: int, *,
-               rows: int, seq_len: int, pad: int) -> list[dict[str, np.ndarray]]:
+def to_batches(trajs: list[Trajectory], version: int, *, rows: int, seq_len: int, pad: int,
+               per_token: dict[str, list[np.ndarray]]) -> list[dict[str, np.ndarray]]:
   """Packs each trajectory (prompt + completion) as one segment of a ``[rows, seq_len]`` batch,
-  in order, row after row (as many batches as needed): inputs ``x[:-1]``, targets ``x[1:]``, ``weights`` 1 on completion
-  targets, their ``advantages`` ``[n]`` (one per completion token), ``behaviour_logp``, and
-  ``stale`` where the token's policy version is older than ``version``."""
-  keys = ("input_ids", "targets", "segment_ids", "positions", "weights", "advantages",
-          "behaviour_logp", "stale")
+  in order, row after row (as many batches as needed): inputs ``x[:-1]``, targets ``x[1:]``,
+  ``weights`` 1 on completion targets, ``behaviour_logp``, ``stale`` where the token's policy
+  version is older than ``version``, and each ``per_token`` field (one ``[n]`` array per
+  trajectory, one value per completion token, e.g. ``advantages``) on its completion targets."""
+  floats = ("weights", "behaviour_logp", "stale", *per_token)
+  keys = ("input_ids", "targets", "segment_ids", "positions", *floats)
   batches: list[dict[str, np.ndarray]] = []
   row, s = rows, 0  # the row being filled and its next free position (rows: no batch yet)
-  for t, adv in zip(trajs, advantages):
+  for i, t in enumerate(trajs):
     x = t.prompt + t.tokens
     n = len(x) - 1
     if n > seq_len:
@@ -126,8 +127,7 @@ def to_batches(trajs: list[Trajectory], advantages: list[np.ndarray], version: i
     if s + n > seq_len:  # next row (segments stay in trajectory order, row by row)
       row, s = row + 1, 0
     if row == rows:
-      batches.append({k: np.zeros((rows, seq_len), np.float32 if k in
-                                  ("weights", "advantages", "behaviour_logp", "stale") else np.int32)
+      batches.append({k: np.zeros((rows, seq_len), np.float32 if k in floats else np.int32)
                       for k in keys})
       batches[-1]["input_ids"][:] = pad
       batches[-1]["targets"][:] = pad
@@ -139,8 +139,9 @@ def to_batches(trajs: list[Trajectory], advantages: list[np.ndarray], version: i
     b["segment_ids"][row, sl], b["positions"][row, sl] = seg, np.arange(n)
     c = slice(s + len(t.prompt) - 1, s + n)  # the completion's targets
     b["weights"][row, c] = 1.0
-    b["advantages"][row, c] = adv
     b["behaviour_logp"][row, c] = t.logps
     b["stale"][row, c] = np.asarray(t.versions) < version
+    for k, values in per_token.items():
+      b[k][row, c] = values[i]
     s += n
   return batches

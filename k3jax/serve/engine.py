@@ -258,10 +258,12 @@ class Engine:
   def pause(self, request_id: int) -> None:
     """Takes a running or waiting request out of scheduling (between steps); a running one keeps
     its MLA pages and KDA slot, so :meth:`resume` continues it exactly where it stopped."""
-    r = next((r for r in self.running + list(self.waiting) if r.id == request_id), None)
-    if r is None:
+    queues = (self.running, self.waiting, self._resumed)
+    q = next((q for q in queues if any(r.id == request_id for r in q)), None)
+    if q is None:
       raise KeyError(f"request {request_id} is neither running nor waiting")
-    (self.running if r in self.running else self.waiting).remove(r)
+    r = next(r for r in q if r.id == request_id)
+    q.remove(r)
     self.paused[request_id] = r
 
   def resume(self, request_id: int) -> None:
