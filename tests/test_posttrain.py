@@ -2,7 +2,6 @@
 engine's behaviour log-probs, pause/resume exactness on the engine, GRPO's reward rising and OPD
 lowering the student's KL to its teachers (the last two slow)."""
 
-import dataclasses
 
 import jax
 import numpy as np
@@ -59,6 +58,17 @@ def test_sft_bad_chat_is_one_clear_error(tmp_path):
     data_lib.Data(cfg)
 
 
+def test_task_rewards_and_budget():
+  p = tasks.Problem("add", "7+6", "3", budget=3)
+  assert tasks.reward(p, "3", True, 2) == 1.0
+  assert tasks.reward(p, "4", True, 2) == 0.0
+  assert tasks.reward(p, "3", False, 3) == -1.0  # never ended within its budget
+  assert tasks.reward(p, "3", True, 4) == -1.0  # ended, but past the budget
+  assert [q.answer for q in tasks.problems(("add",), 3, budget=2, seed=0)] == [
+      str(sum(int(c) for c in q.prompt.split("+")) % 10)
+      for q in tasks.problems(("add",), 3, budget=2, seed=0)]
+
+
 @pytest.fixture(scope="module")
 def setup():
   cfg = tiny_config(*SMALL)
@@ -93,11 +103,13 @@ def _logp_and_batch(cfg, graphdef, params, biases, prompts, outs):
 def test_importance_ratio_is_one_for_the_sampling_policy(setup):
   cfg, engine, graphdef, params, biases = setup
   rng = np.random.default_rng(0)
-  prompts = [[int(t) for t in rng.integers(3, 256, n)] for n in (5, 17, 9)]
+  prompts = [[int(t) for t in rng.integers(3, 256, n)] for n in (5, 40, 9)]
   for version in range(2):
     if version:  # new weights pushed into the running engine: its log-probs follow them
+      assert engine.index.blocks  # the first round's prompts were cached ...
       params = jax.tree.map(lambda x: x * 1.05, params)
       engine.update_weights(params, biases)
+      assert not engine.index.blocks  # ... and are stale now
     outs = _sample(engine, prompts, seed=version * 10)
     logp, b = _logp_and_batch(cfg, graphdef, params, biases, prompts, outs)
     w = b["weights"] > 0
@@ -123,12 +135,17 @@ def test_pause_resume_is_token_for_token(setup):
   engine.pause(rid)
   paused_at = len(got)
   assert 0 < paused_at < 20
+  held = engine.paused[rid]
+  slot, pages = held.slot, list(held.pages)
+  assert slot is not None and pages
   # other work runs (and takes pages) while it is paused; its cache stays
   engine.submit(list(range(100, 150)), SamplingParams(max_tokens=8, seed=5),
                 lambda o: o.token is not None and other.append(o.token))
   while engine.has_work():
     engine.step()
   assert len(got) == paused_at and len(other) == 8
+  assert (held.slot, held.pages) == (slot, pages)  # its cache was kept, not recomputed
+  assert engine.slots.refs[slot] >= 1 and all(engine.pages.refs[p] >= 1 for p in pages)
   engine.resume(rid)
   while engine.has_work():
     engine.step()

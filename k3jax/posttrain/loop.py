@@ -32,13 +32,14 @@ import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import sharding
 from k3jax import checkpoint as checkpoint_lib
 from k3jax import metrics as metrics_lib
 from k3jax import train as train_lib
 from k3jax import train_step as step_lib
-from k3jax.config import Config
+from k3jax.config import Config, ConfigError
 from k3jax.posttrain import objective, sft, tasks
 from k3jax.posttrain.rollout import Rollouts, Trajectory, to_batches
 from k3jax.serve.engine import Engine
@@ -105,7 +106,6 @@ def _run(cfg: Config, run_dir: Path, progress: bool, teachers) -> list[dict]:
   if opd and teachers is None:
     teachers = [load_weights(cfg, state, d) for d in post.teachers]
   tokenizer = make_tokenizer(cfg.data.tokenizer)
-  from flax import nnx
   engine = Engine(nnx.merge(state.graphdef, state.params, state.biases), cfg.serve)
   problems = _problem_stream(post)
   rollouts = Rollouts(engine, tokenizer, post, problems, bos=m.bos_token_id, eos=m.eos_token_id)
@@ -121,6 +121,13 @@ def _run(cfg: Config, run_dir: Path, progress: bool, teachers) -> list[dict]:
                                            m.bos_token_id), [m.eos_token_id], [0.0], [0])
               for p in tasks.problems(post.tasks, post.eval_prompts, budget=post.token_budget,
                                       seed=post.seed + 1)]
+
+  longest = max(len(t.prompt) for t in eval_set) + post.token_budget
+  room = min(seq_len, engine.max_model_len)
+  if longest > room:
+    raise ConfigError(f"posttrain.token_budget={post.token_budget}: a prompt of the tasks plus its "
+                      f"budget takes {longest} tokens, more than data.seq_len / "
+                      f"serve.max_model_len allow ({room})")
 
   def eval_kl() -> float:  # one problem per batch: each goes to its own teacher
     out = []
