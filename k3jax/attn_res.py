@@ -12,14 +12,16 @@ Zero-initialised ``proj`` gives uniform weights: the mean of the sources. The op
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels.attn_res as attn_res_ops
 from k3jax.nn import constant, param
-from sharding.rules import logical_spec, per_device
+from sharding.rules import logical_spec, per_device, shard
 
 
 def attn_res(sources: Sequence[jax.Array], proj: jax.Array, norm: jax.Array, eps: float,
@@ -53,3 +55,45 @@ class AttnRes(nnx.Module):
 
   def __call__(self, sources: Sequence[jax.Array]) -> jax.Array:
     return attn_res(sources, self.proj[...], self.norm[...], self.eps, self.implementation)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockBuffer:
+  """The committed block summaries as a fixed-shape carry of a layer scan (k3jax/scan.py):
+  ``buf [NB, B, T, d]`` holds the ``count`` (int32 scalar, at least 1) blocks first and zeros
+  after. Mixing and committing give what the tuple of blocks gives, bit for bit."""
+  buf: jax.Array
+  count: jax.Array
+
+  @classmethod
+  def of(cls, blocks: tuple, size: int) -> "BlockBuffer":
+    """The buffer of ``size`` slots holding ``blocks`` (a non-empty tuple of ``[B, T, d]``)."""
+    pad = (jnp.zeros_like(blocks[0]),) * (size - len(blocks))
+    return cls(shard(jnp.stack(blocks + pad), _BUF), jnp.int32(len(blocks)))
+
+  def blocks(self, count: int) -> tuple:
+    """The first ``count`` blocks as a tuple (``count``: what ``self.count`` holds, known)."""
+    return tuple(self.buf[i] for i in range(count))
+
+  def mix(self, res: AttnRes, prefix: jax.Array) -> jax.Array:
+    """``res(blocks + (prefix,))``: one branch per block count, each the op on that many
+    sources."""
+    proj, norm = res.proj[...], res.norm[...]
+
+    def branch(k):
+      return lambda buf, x: attn_res(tuple(buf[i] for i in range(k)) + (x,), proj, norm, res.eps,
+                                     res.implementation)
+    return jax.lax.switch(self.count - 1, [branch(k) for k in range(1, len(self.buf) + 1)],
+                          self.buf, prefix)
+
+  def commit(self, prefix: jax.Array, now: jax.Array) -> tuple["BlockBuffer", jax.Array]:
+    """Where ``now`` (a traced bool): (the buffer with ``prefix`` appended, zeros to start the
+    next block's partial sum); else (the same buffer, ``prefix``)."""
+    slot = jnp.where(now, prefix, self.buf[self.count])
+    buf = jax.lax.dynamic_update_index_in_dim(self.buf, slot, self.count, 0)
+    return (BlockBuffer(shard(buf, _BUF), self.count + now.astype(jnp.int32)),
+            jnp.where(now, jnp.zeros_like(prefix), prefix))
+
+
+_BUF = ("blocks", "batch", "length", "embed")

@@ -9,6 +9,7 @@ head dim the kernels cannot take).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import types
 import typing
@@ -142,6 +143,10 @@ class ModelConfig:
   # live to the end of the backward (benchmarks/RESULTS.md, MLA: K3 at 1M). Off lets a layer's
   # gradient reductions overlap the next layer's backward.
   layer_grad_barrier: bool = True
+  # Run the decoder's repeated layer groups (:meth:`layer_groups`) as one ``lax.scan`` over their
+  # parameters stacked on a leading ``layers`` axis (k3jax/scan.py): one group is compiled
+  # instead of every layer. Parameters keep the per-layer layout everywhere else.
+  scan_layers: bool = False
   kda: KDAConfig = KDAConfig()
   mla: MLAConfig = MLAConfig()
   moe: MoEConfig = MoEConfig()
@@ -170,6 +175,28 @@ class ModelConfig:
 
   def is_remat(self, i: int) -> bool:
     return i < self.remat_layers
+
+  def layer_groups(self) -> tuple[int, int, int]:
+    """(first layer, period, groups) of the scanned decoder layers: the longest run of at least
+    two back-to-back groups of ``period`` layers, after layer 0, whose layers agree in mixer,
+    MLP kind and remat (K3: layers 1-88 as 22 groups of 3 KDA + 1 MLA); the smallest period
+    among equals. (1, 1, 0) when nothing repeats."""
+    return _layer_groups(tuple((self.layer_kind(i), self.is_moe(i), self.is_remat(i))
+                               for i in range(self.num_layers)))
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_groups(keys: tuple) -> tuple[int, int, int]:
+  """See :meth:`ModelConfig.layer_groups` (``keys``: one hashable per layer)."""
+  n, best = len(keys), (1, 1, 0)
+  for p in range(1, n // 2 + 1):
+    for s in range(1, n - 2 * p + 1):
+      g = 1
+      while s + (g + 1) * p <= n and keys[s + g * p:s + (g + 1) * p] == keys[s:s + p]:
+        g += 1
+      if g >= 2 and g * p > best[1] * best[2]:
+        best = (s, p, g)
+  return best
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,13 +8,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.attn_res import AttnRes
+from k3jax.attn_res import AttnRes, BlockBuffer
 from k3jax.config import ModelConfig
 from k3jax.glu import GLU
 from k3jax.kda import KDA
 from k3jax.latent_moe import LatentMoE
 from k3jax.mla import MLA
 from k3jax.nn import Embed, Linear, RMSNorm
+from k3jax.scan import balance_barrier, run_groups
 from pallas_kernels import KERNEL_OUTPUT
 from pallas_kernels.moe.permute_gpu import EXPAND_KERNEL
 from sharding.rules import shard
@@ -62,12 +63,14 @@ class DecoderLayer(nnx.Module):
     return self.mlp(x), None
 
   def __call__(self, prefix, blocks, *, segment_ids=None, valid=None, cache=None, decode=False,
-               lengths=None):
+               lengths=None, idx=None):
     """One decoder layer.
 
     With AttnRes, ``prefix`` is the current block's partial sum and ``blocks`` the committed
-    block summaries (a tuple of ``[B, T, d]``); without it ``prefix`` is the residual stream and
-    ``blocks`` stays empty. Returns (prefix, blocks, new cache, router stats or None).
+    block summaries (a tuple of ``[B, T, d]``, or inside a layer scan a
+    :class:`~k3jax.attn_res.BlockBuffer` and ``idx`` the layer's traced index); without it
+    ``prefix`` is the residual stream and ``blocks`` stays empty. Returns (prefix, blocks, new
+    cache, router stats or None).
     """
     attn_kw = dict(segment_ids=segment_ids, valid=valid, cache=cache, decode=decode)
     if self.kind == "mla":
@@ -82,22 +85,29 @@ class DecoderLayer(nnx.Module):
         m, stats = self._mlp(self.post_attention_layernorm(x), valid)
       return shard(x + m, _ACT), blocks, cache, stats
     with jax.named_scope("attn_res"):
-      h = self.self_attention_res(blocks + (prefix,)) if blocks else prefix
-    if self.idx % self.block_size == 0:
-      blocks, prefix = blocks + (prefix,), None
+      if isinstance(blocks, BlockBuffer):
+        h = blocks.mix(self.self_attention_res, prefix)
+        blocks, prefix = blocks.commit(prefix, idx % self.block_size == 0)
+      else:
+        h = self.self_attention_res(blocks + (prefix,)) if blocks else prefix
+        if self.idx % self.block_size == 0:
+          blocks, prefix = blocks + (prefix,), None
     with mixer:
       a, cache = self.self_attn(self.input_layernorm(h), **attn_kw)
     prefix = a if prefix is None else prefix + a
     with jax.named_scope("attn_res"):
-      h = self.mlp_res(blocks + (prefix,))
+      if isinstance(blocks, BlockBuffer):
+        h = blocks.mix(self.mlp_res, prefix)
+      else:
+        h = self.mlp_res(blocks + (prefix,))
     with ffn:
       m, stats = self._mlp(self.post_attention_layernorm(h), valid)
     return shard(prefix + m, _ACT), blocks, cache, stats
 
 
-def _apply_layer(layer, x, blocks, segment_ids, valid, cache, decode, lengths):
+def _apply_layer(layer, x, blocks, segment_ids, valid, cache, decode, lengths, idx=None):
   return layer(x, blocks, segment_ids=segment_ids, valid=valid, cache=cache, decode=decode,
-               lengths=lengths)
+               lengths=lengths, idx=idx)
 
 
 def _tie_cotangents(f):
@@ -122,17 +132,17 @@ def _tied(fn):
   once this layer's weight gradients (the grouped matmuls' ``tgmm``, the per-channel gradients
   summed over tokens, their reductions over the mesh) are done, so none of their operands
   stays live into it."""
-  def call(layer, x, blocks, segment_ids, valid, cache, decode, lengths):
+  def call(layer, x, blocks, segment_ids, valid, cache, decode, lengths, idx=None):
     graphdef, state = nnx.split(layer)
-    pure = lambda state, x, blocks, segment_ids, valid: fn(
-        nnx.merge(graphdef, state), x, blocks, segment_ids, valid, cache, decode, lengths)
-    return _tie_cotangents(pure)(state, x, blocks, segment_ids, valid)
+    pure = lambda state, x, blocks, segment_ids, valid, idx: fn(
+        nnx.merge(graphdef, state), x, blocks, segment_ids, valid, cache, decode, lengths, idx)
+    return _tie_cotangents(pure)(state, x, blocks, segment_ids, valid, idx)
   return call
 
 
 def layer_call(cfg: ModelConfig, i: int, cache=None):
   """What :meth:`K3Model.hidden` calls for layer ``i``: ``f(layer, x, blocks, segment_ids, valid,
-  cache, decode, lengths)``, under ``cfg.remat``'s policy when layer ``i`` is a remat layer and
+  cache, decode, lengths, idx=None)``, under ``cfg.remat``'s policy when layer ``i`` is a remat layer and
   there is no decode cache."""
   fn = _apply_layer
   if cfg.is_remat(i) and cache is None:
@@ -172,17 +182,22 @@ class K3Model(nnx.Module):
       x = shard(self.embed_tokens(input_ids, cfg.cdtype), _ACT)
     blocks: tuple = ()
     moe_stats, caches = {}, []
+    start, period, groups = cfg.layer_groups() if cfg.scan_layers else (0, 1, 0)
     for i, layer in enumerate(self.layers):
+      if start <= i < start + period * groups:
+        if i == start:
+          x, blocks, c, stats = run_groups(cfg, self.layers, layer_call, x, blocks, segment_ids,
+                                           valid, cache, decode, lengths)
+          caches += c
+          moe_stats.update(stats)
+        continue
       layer_cache = None if cache is None else cache[i]
       x, blocks, c, stats = layer_call(cfg, i, layer_cache)(layer, x, blocks, segment_ids, valid,
                                                             layer_cache, decode, lengths)
       caches.append(c)
       if stats is not None:
         if cache is None:
-          # The layer's balancing statistics are taken before the next layer starts: otherwise XLA
-          # computes every layer's histogram bins in one fusion after the last layer, keeping
-          # each layer's router scores [tokens, E] live until then.
-          x, stats = jax.lax.optimization_barrier((x, stats))
+          x, stats = balance_barrier(x, stats)
         moe_stats[str(i)] = stats
     with jax.named_scope("attn_res"):
       if cfg.attn_res.enabled:

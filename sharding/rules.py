@@ -4,7 +4,8 @@ Every parameter carries ``sharding_names`` (a tuple of logical names, one per di
 large activation passes through :func:`shard`. The logical names are:
 
   batch, length, embed, vocab, heads, kv_heads, head_dim, kv (latent / key dims), mlp,
-  expert, latent, conv, blocks, state_k, state_v
+  expert, latent, conv, blocks, state_k, state_v, layers (the stacked leading axis of scanned
+  layer groups' parameters, k3jax/scan.py)
 
 With no mesh set (``jax.set_mesh``) everything runs unchanged on one device. A name without a rule
 is replicated; a rule naming a mesh axis the current mesh lacks is dropped, so one rule table
@@ -45,6 +46,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "head_dim": (),
     "conv": (),
     "blocks": (),
+    "layers": (),
     "state_k": (),
     "state_v": (),
 }

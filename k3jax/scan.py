@@ -1,0 +1,165 @@
+"""Scanned decoder layer groups (``model.scan_layers``).
+
+The decoder layers ``start .. start + G*P - 1`` of :meth:`ModelConfig.layer_groups` (K3: layers
+1-88, 22 groups of 3 KDA + 1 MLA) run as one ``lax.scan`` over the G groups: XLA compiles one
+group instead of every layer. Inside the step the parameters of the layers at position ``j`` of
+the groups are stacked on a leading ``layers`` axis (unsharded); the parameter tree, checkpoints,
+the optimizer and conversion keep one entry per layer, so either setting reads the other's files.
+Block AttnRes sources cross the scan as a :class:`~k3jax.attn_res.BlockBuffer`, decode caches
+(each layer's an opaque pytree) are stacked per position the same way, and the router statistics
+come out per layer index as in the unrolled decoder.
+
+Under ``remat: full`` with AttnRes the scan keeps each layer's input (as the unrolled decoder
+does) and its backward rebuilds the block buffer a layer saw from the scan's final one (blocks are
+only appended, so the first ``count`` slots are the same and the rest zeros): autodiff of a scan
+would instead keep the whole buffer for every layer. Every other setting is a plain ``lax.scan``
+whose layers run under the same remat policy and gradient barrier as unrolled ones.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.attn_res import BlockBuffer
+from sharding.mesh import var_names
+from sharding.rules import shard
+
+
+def balance_barrier(x, stats):
+  """(x, stats) once a layer's balancing statistics are taken: otherwise XLA computes every
+  layer's histogram bins in one fusion after the last layer, keeping each layer's router scores
+  [tokens, E] live until then."""
+  return jax.lax.optimization_barrier((x, stats))
+
+
+def _stack(trees: list):
+  """The pytrees ``trees`` (of one structure) stacked on a new leading axis; parameters keep
+  their logical names behind a leading ``layers``."""
+  def stack(*vs):
+    if not isinstance(vs[0], nnx.Variable):
+      return jnp.stack(vs)
+    names = var_names(vs[0])
+    v = jnp.stack([x[...] for x in vs])
+    return vs[0].replace(shard(v, ("layers",) + tuple(names)) if names else v)
+  return jax.tree.map(stack, *trees, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def run_groups(cfg, layers, layer_call, x, blocks, segment_ids, valid, cache, decode, lengths):
+  """The scanned layers of :meth:`K3Model.hidden`: ``layers`` its ``nnx.List``, ``layer_call``
+  :func:`k3jax.model.layer_call`, x ``[B, T, d]``, blocks the committed AttnRes blocks (a tuple),
+  cache the per-layer caches or None. Returns (x, blocks, the scanned layers' new caches in layer
+  order (empty without a cache), {layer index (str): router stats})."""
+  start, p, g = cfg.layer_groups()
+  end = start + p * g
+  index = [[start + k * p + j for k in range(g)] for j in range(p)]  # [position][group]
+  split = [[nnx.split(layers[i]) for i in row] for row in index]
+  graphdefs = [row[0][0] for row in split]
+  params = tuple(_stack([state for _, state in row]) for row in split)
+  n_blocks = -(-end // cfg.attn_res.block_size)  # blocks committed once the scan is done
+  if cfg.attn_res.enabled:
+    blocks = BlockBuffer.of(blocks, n_blocks)
+  if cfg.remat == "full" and cfg.attn_res.enabled and cache is None:
+    fns = [_pure_layer(graphdefs[j], start + j, p, segment_ids, valid) for j in range(p)]
+    x, blocks, stats = _recompute_scan(fns, params, x, blocks, cfg.layer_grad_barrier)
+    caches = None
+  else:
+    calls = [layer_call(cfg, row[0], None if cache is None else cache[row[0]]) for row in index]
+
+    def body(carry, xs):
+      x, blocks = carry
+      k, states, cs = xs
+      out_c, out_s = [], []
+      for j, call in enumerate(calls):
+        x, blocks, c, s = call(nnx.merge(graphdefs[j], states[j]), x, blocks, segment_ids, valid,
+                               None if cs is None else cs[j], decode, lengths, start + k * p + j)
+        if s is not None and cache is None:
+          x, s = balance_barrier(x, s)
+        out_c.append(c)
+        out_s.append(s)
+      return (x, blocks), (tuple(out_c), tuple(out_s))
+
+    stacked_cache = None if cache is None else tuple(_stack([cache[i] for i in row]) for row in index)
+    (x, blocks), (caches, stats) = jax.lax.scan(body, (x, blocks),
+                                                (jnp.arange(g), params, stacked_cache))
+  at = {i: (j, k) for j, row in enumerate(index) for k, i in enumerate(row)}
+  pick = lambda tree, i: jax.tree.map(lambda v: v[at[i][1]], tree[at[i][0]])
+  moe_stats = {str(i): pick(stats, i) for i in range(start, end) if stats[at[i][0]] is not None}
+  new_caches = [] if cache is None else [pick(caches, i) for i in range(start, end)]
+  if cfg.attn_res.enabled:
+    blocks = blocks.blocks(n_blocks)
+  return x, blocks, new_caches, moe_stats
+
+
+def _pure_layer(graphdef, first: int, p: int, segment_ids, valid):
+  """A scanned position's layer as ``f(params, x, blocks, group) -> (x, blocks, stats)`` (no
+  remat, no cache): layer ``first + group * p``."""
+  def f(state, x, blocks, k):
+    layer = nnx.merge(graphdef, state)
+    x, blocks, _, stats = layer(x, blocks, segment_ids=segment_ids, valid=valid,
+                                idx=first + k * p)
+    return x, blocks, stats
+  return f
+
+
+def _recompute_scan(fns, params, x, blocks: BlockBuffer, barrier: bool):
+  """``lax.scan`` over groups of the layers ``fns`` (``f(params, x, blocks, group) -> (x, blocks,
+  stats)``, one per position, ``params`` a tuple of their stacked parameters) whose backward
+  reruns one layer at a time from its saved input ``x`` and the block buffer rebuilt from the
+  final one. ``barrier``: each layer's parameter gradients are done before the layer below
+  starts (``model.layer_grad_barrier``). Returns (x, blocks, stats per position)."""
+  g = jax.tree.leaves(params[0])[0].shape[0]
+  slots = blocks.buf.shape[0]
+
+  def forward(params, x, blocks):
+    def body(carry, xs):
+      x, blocks = carry
+      k, states = xs
+      saved, stats = [], []
+      for j, f in enumerate(fns):
+        saved.append((x, blocks.count))
+        x, blocks, s = f(states[j], x, blocks, k)
+        if s is not None:
+          x, s = balance_barrier(x, s)
+        stats.append(s)
+      return (x, blocks), (tuple(saved), tuple(stats))
+    (x, blocks), (saved, stats) = jax.lax.scan(body, (x, blocks), (jnp.arange(g), params))
+    return (x, blocks, stats), (params, saved, blocks.buf)
+
+  @jax.custom_vjp
+  def run(params, x, blocks):
+    return forward(params, x, blocks)[0]
+
+  def backward(res, ct):
+    params, saved, final = res
+    dx, dblocks, _ = ct
+    slot = jnp.arange(slots).reshape(-1, 1, 1, 1)
+
+    def body(carry, xs):
+      dx, dbuf = carry
+      k, states, saved_k = xs
+      grads = [None] * len(fns)
+      for j in reversed(range(len(fns))):
+        x_j, count = saved_k[j]
+        buf = jnp.where(slot < count, final, jnp.zeros_like(final))
+        pure = lambda state, x, buf, j=j, count=count: fns[j](
+            state, x, BlockBuffer(buf, count), k)[:2]
+        _, vjp = jax.vjp(lambda state, x, buf: _x_buf(pure(state, x, buf)), states[j], x_j, buf)
+        grads[j], dx, dbuf = vjp((dx, dbuf))
+        if barrier:
+          grads[j], dx, dbuf = jax.lax.optimization_barrier((grads[j], dx, dbuf))
+      return (dx, dbuf), tuple(grads)
+
+    (dx, dbuf), grads = jax.lax.scan(body, (dx, dblocks.buf), (jnp.arange(g), params, saved),
+                                     reverse=True)
+    return grads, dx, BlockBuffer(dbuf, np.zeros((), jax.dtypes.float0))
+
+  run.defvjp(forward, backward)
+  return run(params, x, blocks)
+
+
+def _x_buf(out):
+  x, blocks = out
+  return x, blocks.buf
