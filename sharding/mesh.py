@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from k3jax.config import ConfigError, MeshConfig
@@ -42,8 +43,14 @@ def make_mesh(mc: MeshConfig, devices=None) -> jax.sharding.Mesh:
   """A mesh of ``devices`` (default: all) with the five named axes, all ``AxisType.Auto``."""
   devices = jax.devices() if devices is None else list(devices)
   sizes = axis_sizes(mc, len(devices))
-  return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES),
-                       devices=devices)
+  shape, types = tuple(sizes[a] for a in AXES), (AxisType.Auto,) * len(AXES)
+  try:
+    return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
+  except NotImplementedError:
+    # A TPU slice whose torus dimensions no axis size is a product of (expert=32, context=64 on
+    # a v5p 8x16x16): split physical dimensions between mesh axes.
+    grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    return jax.sharding.Mesh(grid, AXES, axis_types=types)
 
 
 def abstract_mesh(mc: MeshConfig, num_devices: int,

@@ -370,9 +370,13 @@ def test_validation_lists_every_problem_and_leaves_nothing(k3_dir, tmp_path):
 # Golden parity with transformers (Kimi Linear) and the Kimi Linear round trip
 
 
-def test_kimi_linear_golden_logits_and_greedy(tmp_path):
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_kimi_linear_golden_logits_and_greedy(tmp_path, scan):
+  """transformers' logits and greedy tokens, with the layers unrolled and scanned (the same HF
+  files either way)."""
   io = np.load(GOLDEN / "io.npz")
-  model = from_pretrained(GOLDEN)
+  model = from_pretrained(GOLDEN, overrides=[f"model.scan_layers={str(scan).lower()}"])
+  assert model.cfg.layer_groups()[2] == 2
   assert model.cfg.param_dtype == "float32"
   logits = np.asarray(forward(model, io["input_ids"]))
   ref = io["logits"]

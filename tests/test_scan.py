@@ -1,0 +1,106 @@
+"""Scanned layer groups (``model.scan_layers``, k3jax/scan.py): the groups each config scans, and
+scanned against unrolled decoders in float32 on CPU (logits, loss, gradients, router stats,
+decoding) for both architectures."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax import config as config_lib
+from k3jax import generate
+from k3jax.model import K3Model
+from conftest import ROOT, tiny_config
+
+# Layers 1-6 scan as three groups of KDA + MLA; AttnRes commits at layers 0, 3 and 6 (group
+# positions 0 and 1), so the scan carries blocks that grow inside it.
+SMALL = ["model.num_layers=7", "model.mla_layers=[2,4,6]", "model.attn_res.block_size=3",
+         "model.hidden_size=64", "model.dense_intermediate=96", "model.moe.num_experts=4",
+         "model.moe.top_k=2", "model.moe.expert_intermediate=32", "model.moe.latent_dim=32",
+         "model.kda.num_heads=2", "model.kda.head_dim=64", "model.kda.v_head_dim=64",
+         "model.mla.num_heads=2", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=32",
+         "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=16", "model.mla.v_head_dim=16"]
+KIMI_LINEAR = ["model.arch=kimi_linear", "model.attn_res.enabled=false", "model.kda.gate=softplus",
+               "model.kda.output_gate=low_rank", "model.kda.output_gate_rank=16",
+               "model.mla.q_lora_rank=0", "model.mla.output_gate=false", "model.activation=silu",
+               "model.moe.latent_dim=0"]
+
+
+@pytest.mark.parametrize("name, groups", [("k3", (1, 4, 22)), ("kimi_linear_48b", (1, 4, 6)),
+                                          ("k3_1b", (1, 4, 3)), ("k3_tiny", (1, 1, 2))])
+def test_layer_groups_of_the_presets(name, groups):
+  m = config_lib.load(ROOT / "configs" / f"{name}.yaml").model
+  assert m.layer_groups() == groups
+  assert m.scan_layers == (name in ("k3", "kimi_linear_48b"))
+  start, p, g = groups
+  keys = [(m.layer_kind(i), m.is_moe(i)) for i in range(start, start + p * g)]
+  assert keys == keys[:p] * g
+
+
+def test_layer_groups_stop_at_the_remat_skip_layers():
+  m = config_lib.load(ROOT / "configs" / "k3.yaml", ["model.remat_skip=10"]).model
+  assert m.layer_groups() == (1, 4, 20)  # layers 83-92 run without remat, outside the scan
+  m = config_lib.load(ROOT / "configs" / "k3.yaml", ["model.num_layers=3",
+                                                    "model.mla_layers=[2]"]).model
+  assert m.layer_groups()[2] == 0
+
+
+def _models(*overrides):
+  """(unrolled model, scanned model) of the same parameters, perturbed off their init (the AttnRes
+  queries start at zero)."""
+  cfg = tiny_config(*SMALL, *overrides).model
+  graphdef, params, rest = nnx.split(K3Model(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+  keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(params))))
+  params = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(next(keys), p.shape, p.dtype),
+                        params)
+  scanned = K3Model(cfg.__class__(**{**cfg.__dict__, "scan_layers": True}), rngs=nnx.Rngs(0))
+  nnx.update(scanned, params, rest)
+  # one parameter layout in both settings: what a checkpoint of either holds
+  assert (jax.tree.map(jnp.shape, nnx.state(scanned)) ==
+          jax.tree.map(jnp.shape, nnx.state(nnx.merge(graphdef, params, rest))))
+  return nnx.merge(graphdef, params, rest), scanned
+
+
+def _loss_and_grads(model, ids, seg):
+  def loss(params, rest):
+    m = nnx.merge(graphdef, params, rest)
+    h, aux = m.hidden(ids, segment_ids=seg)
+    logits = m.logits(h)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 7]), (logits, aux["moe"])
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  return jax.jit(jax.value_and_grad(loss, has_aux=True))(params, rest)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
+def test_scanned_equals_unrolled(arch):
+  """Same logits, loss, gradients and per-layer router statistics (keys and values) as the
+  unrolled decoder without remat, the scanned one under ``remat: full`` (with AttnRes the scan's
+  own backward; without, autodiff's through per-layer remat)."""
+  extra = KIMI_LINEAR if arch == "kimi_linear" else []
+  ids = jax.random.randint(jax.random.key(2), (2, 12), 0, 256)
+  seg = jnp.asarray([[1] * 7 + [2] * 5, [1] * 12])
+  unrolled, _ = _models(*extra)
+  (want_loss, (want_logits, want_moe)), want_grads = _loss_and_grads(unrolled, ids, seg)
+  assert list(want_moe) == [str(i) for i in range(1, 7)]
+  _, scanned = _models(*extra, "model.remat=full")
+  (loss, (logits, moe)), grads = _loss_and_grads(scanned, ids, seg)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+  assert list(moe) == list(want_moe)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), moe, want_moe)
+  flat, want_flat = jax.tree.leaves(grads), jax.tree.leaves(want_grads)
+  assert len(flat) == len(want_flat)
+  for g, w in zip(flat, want_flat):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(w))))
+
+
+@pytest.mark.slow
+def test_scanned_decoding_equals_unrolled():
+  """Prefill and cached decode steps through the scan (the layers' caches stacked per group
+  position) give the unrolled decoder's greedy tokens."""
+  unrolled, scanned = _models()
+  prompts = [[3, 14, 15, 92, 65, 35], [2, 71, 82]]
+  assert generate(scanned, prompts, max_new_tokens=4) == generate(unrolled, prompts,
+                                                                  max_new_tokens=4)
