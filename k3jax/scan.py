@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.attn_res import BlockBuffer
-from sharding.mesh import var_names
+import sharding.mesh as mesh_lib
 from sharding.rules import shard
 
 
@@ -41,7 +41,7 @@ def _stack(trees: list):
   def stack(*vs):
     if not isinstance(vs[0], nnx.Variable):
       return jnp.stack(vs)
-    names = var_names(vs[0])
+    names = mesh_lib.var_names(vs[0])
     v = jnp.stack([x[...] for x in vs])
     return vs[0].replace(shard(v, ("layers",) + tuple(names)) if names else v)
   return jax.tree.map(stack, *trees, is_leaf=lambda x: isinstance(x, nnx.Variable))
