@@ -22,10 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from k3jax.attn_res import BlockBuffer
 import sharding.mesh as mesh_lib
-from sharding.rules import shard
+from k3jax.attn_res import BlockBuffer
+from sharding.rules import logical_spec
 
 
 def balance_barrier(x, stats):
@@ -36,14 +37,18 @@ def balance_barrier(x, stats):
 
 
 def _stack(trees: list):
-  """The pytrees ``trees`` (of one structure) stacked on a new leading axis; parameters keep
-  their logical names behind a leading ``layers``."""
+  """The pytrees ``trees`` (of one structure) stacked on a new leading axis; under a mesh a
+  parameter keeps its layer's layout behind the ``layers`` axis."""
+  mesh = jax.sharding.get_abstract_mesh()
+
   def stack(*vs):
     if not isinstance(vs[0], nnx.Variable):
       return jnp.stack(vs)
-    names = mesh_lib.var_names(vs[0])
-    v = jnp.stack([x[...] for x in vs])
-    return vs[0].replace(shard(v, ("layers",) + tuple(names)) if names else v)
+    v, names = jnp.stack([x[...] for x in vs]), mesh_lib.var_names(vs[0])
+    if names and not mesh.empty:
+      spec = mesh_lib.param_spec(names, vs[0].shape, mesh)
+      v = jax.lax.with_sharding_constraint(v, P(*logical_spec(("layers",)), *spec))
+    return vs[0].replace(v)
   return jax.tree.map(stack, *trees, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 

@@ -106,17 +106,22 @@ def spec_tree(state, mesh, rules=None):
   """PartitionSpecs for a tree of ``nnx.Variable`` (or a ``nnx.State``) from their names; leaves
   without names are replicated. Returns a tree of the same structure with PartitionSpec leaves
   (variables are replaced by their spec)."""
-  axes = mesh.axis_names
-  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-
   def one(x):
     names = var_names(x) if _is_var(x) else None
     ndim = len(getattr(x, "shape", ()) if not _is_var(x) else x.shape)
     if not names:
       return P(*([None] * ndim))
-    return fit_spec(logical_spec(names, rules, [a for a in axes if sizes[a] > 1]), x.shape, sizes)
+    return param_spec(names, x.shape, mesh, rules)
 
   return jax.tree.map(one, state, is_leaf=_is_var)
+
+
+def param_spec(names, shape, mesh, rules=None) -> P:
+  """The PartitionSpec of a parameter of ``shape`` with logical ``names`` on ``mesh`` (concrete
+  or abstract): the rules' axes that the mesh splits, fitted to the shape (:func:`fit_spec`)."""
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  return fit_spec(logical_spec(names, rules, [a for a in mesh.axis_names if sizes[a] > 1]), shape,
+                  sizes)
 
 
 def fit_spec(spec: P, shape, sizes) -> P:
@@ -222,12 +227,9 @@ class _Names:
 
 def _from_names(names, x, mesh, rules):
   names = names.names if isinstance(names, _Names) else names
-  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  axes = [a for a in mesh.axis_names if sizes[a] > 1]
   if not names:
     return NamedSharding(mesh, P(*([None] * x.ndim)))
-  spec = fit_spec(logical_spec(names, rules, axes), x.shape, sizes)
-  return NamedSharding(mesh, spec)
+  return NamedSharding(mesh, param_spec(names, x.shape, mesh, rules))
 
 
 def shard_params(state, mesh, names=None, rules=None):
