@@ -182,13 +182,14 @@ class K3Model(nnx.Module):
       x = shard(self.embed_tokens(input_ids, cfg.cdtype), _ACT)
     blocks: tuple = ()
     moe_stats, caches = {}, []
-    start, period, groups = cfg.layer_groups() if cfg.scan_layers else (0, 1, 0)
+    start, period, groups = (0, 1, 0)
+    if cfg.scan_layers and cache is None:  # decoding runs every layer unrolled (k3jax/scan.py)
+      start, period, groups = cfg.layer_groups()
     for i, layer in enumerate(self.layers):
       if start <= i < start + period * groups:
         if i == start:
-          x, blocks, c, stats = run_groups(cfg, self.layers, layer_call, x, blocks, segment_ids,
-                                           valid, cache, decode, lengths)
-          caches += c
+          x, blocks, stats = run_groups(cfg, self.layers, layer_call, x, blocks, segment_ids,
+                                        valid)
           moe_stats.update(stats)
         continue
       layer_cache = None if cache is None else cache[i]

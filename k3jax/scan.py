@@ -5,9 +5,10 @@ The decoder layers ``start .. start + G*P - 1`` of :meth:`ModelConfig.layer_grou
 group instead of every layer. Inside the step the parameters of the layers at position ``j`` of
 the groups are stacked on a leading ``layers`` axis (unsharded); the parameter tree, checkpoints,
 the optimizer and conversion keep one entry per layer, so either setting reads the other's files.
-Block AttnRes sources cross the scan as a :class:`~k3jax.attn_res.BlockBuffer`, decode caches
-(each layer's an opaque pytree) are stacked per position the same way, and the router statistics
-come out per layer index as in the unrolled decoder.
+Block AttnRes sources cross the scan as a :class:`~k3jax.attn_res.BlockBuffer` and the router
+statistics come out per layer index as in the unrolled decoder. Calls with a decode cache run the
+layers unrolled: stacking the caches would copy every layer's cache pools at each step, and the
+parameters are the same either way.
 
 Under ``remat: full`` with AttnRes the scan keeps each layer's input (as the unrolled decoder
 does) and its backward rebuilds the block buffer a layer saw from the scan's final one (blocks are
@@ -36,27 +37,24 @@ def balance_barrier(x, stats):
   return jax.lax.optimization_barrier((x, stats))
 
 
-def _stack(trees: list):
-  """The pytrees ``trees`` (of one structure) stacked on a new leading axis; under a mesh a
-  parameter keeps its layer's layout behind the ``layers`` axis."""
+def _stack(states: list):
+  """The layers' states ``states`` (of one structure) stacked on a new leading axis; under a mesh
+  a parameter keeps its layer's layout behind the ``layers`` axis."""
   mesh = jax.sharding.get_abstract_mesh()
 
   def stack(*vs):
-    if not isinstance(vs[0], nnx.Variable):
-      return jnp.stack(vs)
     v, names = jnp.stack([x[...] for x in vs]), mesh_lib.var_names(vs[0])
     if names and not mesh.empty:
       spec = mesh_lib.param_spec(names, vs[0].shape, mesh)
       v = jax.lax.with_sharding_constraint(v, P(*logical_spec(("layers",)), *spec))
     return vs[0].replace(v)
-  return jax.tree.map(stack, *trees, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return jax.tree.map(stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def run_groups(cfg, layers, layer_call, x, blocks, segment_ids, valid, cache, decode, lengths):
-  """The scanned layers of :meth:`K3Model.hidden`: ``layers`` its ``nnx.List``, ``layer_call``
-  :func:`k3jax.model.layer_call`, x ``[B, T, d]``, blocks the committed AttnRes blocks (a tuple),
-  cache the per-layer caches or None. Returns (x, blocks, the scanned layers' new caches in layer
-  order (empty without a cache), {layer index (str): router stats})."""
+def run_groups(cfg, layers, layer_call, x, blocks, segment_ids, valid):
+  """The scanned layers of :meth:`K3Model.hidden` (training and scoring: no cache): ``layers``
+  its ``nnx.List``, ``layer_call`` :func:`k3jax.model.layer_call`, x ``[B, T, d]``, blocks the
+  committed AttnRes blocks (a tuple). Returns (x, blocks, {layer index (str): router stats})."""
   start, p, g = cfg.layer_groups()
   end = start + p * g
   index = [[start + k * p + j for k in range(g)] for j in range(p)]  # [position][group]
@@ -66,36 +64,31 @@ def run_groups(cfg, layers, layer_call, x, blocks, segment_ids, valid, cache, de
   n_blocks = -(-end // cfg.attn_res.block_size)  # blocks committed once the scan is done
   if cfg.attn_res.enabled:
     blocks = BlockBuffer.of(blocks, n_blocks)
-  if cfg.remat == "full" and cfg.attn_res.enabled and cache is None:
+  if cfg.remat == "full" and cfg.attn_res.enabled:
     fns = [_pure_layer(graphdefs[j], start + j, p, segment_ids, valid) for j in range(p)]
     x, blocks, stats = _recompute_scan(fns, params, x, blocks, cfg.layer_grad_barrier)
-    caches = None
   else:
-    calls = [layer_call(cfg, row[0], None if cache is None else cache[row[0]]) for row in index]
+    calls = [layer_call(cfg, row[0]) for row in index]
 
     def body(carry, xs):
       x, blocks = carry
-      k, states, cs = xs
-      out_c, out_s = [], []
+      k, states = xs
+      stats = []
       for j, call in enumerate(calls):
-        x, blocks, c, s = call(nnx.merge(graphdefs[j], states[j]), x, blocks, segment_ids, valid,
-                               None if cs is None else cs[j], decode, lengths, start + k * p + j)
-        if s is not None and cache is None:
+        x, blocks, _, s = call(nnx.merge(graphdefs[j], states[j]), x, blocks, segment_ids, valid,
+                               None, False, None, start + k * p + j)
+        if s is not None:
           x, s = balance_barrier(x, s)
-        out_c.append(c)
-        out_s.append(s)
-      return (x, blocks), (tuple(out_c), tuple(out_s))
+        stats.append(s)
+      return (x, blocks), tuple(stats)
 
-    stacked_cache = None if cache is None else tuple(_stack([cache[i] for i in row]) for row in index)
-    (x, blocks), (caches, stats) = jax.lax.scan(body, (x, blocks),
-                                                (jnp.arange(g), params, stacked_cache))
+    (x, blocks), stats = jax.lax.scan(body, (x, blocks), (jnp.arange(g), params))
   at = {i: (j, k) for j, row in enumerate(index) for k, i in enumerate(row)}
-  pick = lambda tree, i: jax.tree.map(lambda v: v[at[i][1]], tree[at[i][0]])
-  moe_stats = {str(i): pick(stats, i) for i in range(start, end) if stats[at[i][0]] is not None}
-  new_caches = [] if cache is None else [pick(caches, i) for i in range(start, end)]
+  moe_stats = {str(i): jax.tree.map(lambda v, k=at[i][1]: v[k], stats[at[i][0]])
+               for i in range(start, end) if stats[at[i][0]] is not None}
   if cfg.attn_res.enabled:
     blocks = blocks.blocks(n_blocks)
-  return x, blocks, new_caches, moe_stats
+  return x, blocks, moe_stats
 
 
 def _pure_layer(graphdef, first: int, p: int, segment_ids, valid):
