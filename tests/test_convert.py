@@ -122,7 +122,7 @@ def test_config_round_trip(yaml_name):
   assert hf["model_type"] == cfg.arch
   back = config_from_hf(json.loads(json.dumps(hf)), name=cfg.name)
   # training-only fields an HF config does not carry
-  back = dataclasses.replace(back, remat=cfg.remat,
+  back = dataclasses.replace(back, remat=cfg.remat, scan_layers=cfg.scan_layers,
                              moe=dataclasses.replace(back.moe, balancing=cfg.moe.balancing),
                              kda=dataclasses.replace(back.kda,
                                                      save_residuals=cfg.kda.save_residuals))
