@@ -140,7 +140,9 @@ def _recompute_scan(fns, params, x, blocks: BlockBuffer, barrier: bool):
       k, states, saved_k = xs
       grads = [None] * len(fns)
       for j in reversed(range(len(fns))):
-        x_j, count = saved_k[j]
+        # the layer's recompute waits for the cotangent from above: XLA would otherwise run the
+        # group's recomputes first and hold all their residuals at once
+        (x_j, count), dx, dbuf = jax.lax.optimization_barrier((saved_k[j], dx, dbuf))
         buf = jnp.where(slot < count, final, jnp.zeros_like(final))
         pure = lambda state, x, buf, j=j, count=count: fns[j](
             state, x, BlockBuffer(buf, count), k)[:2]

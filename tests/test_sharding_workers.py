@@ -400,6 +400,46 @@ def serve_mesh():
           "state_spec": str(state.sharding.spec), "devices": len(state.sharding.device_set)}
 
 
+
+def scanned_model():
+  """Loss, gradients and router statistics of a scanned decoder (tests/test_scan.py's seven
+  layers, ``remat: full``: the scan's own backward) against the unrolled one, both on
+  data=2,expert=2,context=2 (MoonEP, context-parallel KDA and MLA), float32."""
+  from flax import nnx
+  from k3jax.config import load
+  from k3jax.latent_moe import RouterBias
+  from k3jax.model import K3Model
+  from k3jax.train_step import _loss
+  from test_scan import SMALL
+  import sharding
+
+  rng = np.random.default_rng(0)
+  b, t = 8, 32
+  seg = _packed_segments(rng, b, t)
+  batch = {"input_ids": jnp.asarray(rng.integers(0, 256, (b, t)), jnp.int32),
+           "targets": jnp.asarray(rng.integers(0, 256, (b, t)), jnp.int32),
+           "segment_ids": jnp.asarray(seg), "weights": jnp.asarray((seg > 0).astype(np.float32))}
+  mesh_cfg = MeshConfig(data=2, expert=2, context=2)
+  mesh = mesh_lib.make_mesh(mesh_cfg)
+  out = []
+  for scan in ("false", "true"):
+    cfg = load("configs/k3_tiny.yaml", SMALL + ["model.remat=full", f"model.scan_layers={scan}"])
+    model = K3Model(cfg.model, rngs=nnx.Rngs(0))
+    graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
+    params, biases = nnx.to_pure_dict(params), nnx.to_pure_dict(biases)
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(params))))
+    params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape, x.dtype),
+                          params)
+    grad = jax.value_and_grad(_loss, argnums=1, has_aux=True)
+    with sharding.layout(mesh_cfg), jax.set_mesh(mesh):
+      p = mesh_lib.shard_params(params, mesh, mesh_lib.names_tree(model))
+      bt = jax.tree.map(lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh)), batch)
+      out.append(jax.jit(lambda p, bs, bt: grad(graphdef, p, bs, bt))(p, biases, bt))
+  ((l0, (_, s0)), g0), ((l1, (_, s1)), g1) = out
+  return {"loss": _max_rel(l0, l1),
+          "grad": max(_max_rel(a, b) for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1))),
+          "stats": max(_max_rel(a, b) for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1)))}
+
 if __name__ == "__main__":
   _setup()
   print(json.dumps(globals()[sys.argv[1]](*sys.argv[2:])))
