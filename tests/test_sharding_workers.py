@@ -68,7 +68,7 @@ def model_layouts(only: str = ""):
            "weights": jnp.asarray((seg > 0).astype(np.float64))}
 
   def loss_and_grad(p, bs, bt):
-    (l, (w, stats)), g = jax.value_and_grad(_loss, argnums=1, has_aux=True)(graphdef, p, bs, bt)
+    (l, (w, stats, _)), g = jax.value_and_grad(_loss, argnums=1, has_aux=True)(graphdef, p, bs, bt)
     return l / w, jax.tree.map(lambda x: x / w, g), stats
 
   ref_l, ref_g, ref_stats = jax.jit(loss_and_grad)(params, biases, batch)
@@ -435,7 +435,7 @@ def scanned_model():
       p = mesh_lib.shard_params(params, mesh, mesh_lib.names_tree(model))
       bt = jax.tree.map(lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh)), batch)
       out.append(jax.jit(lambda p, bs, bt: grad(graphdef, p, bs, bt))(p, biases, bt))
-  ((l0, (_, s0)), g0), ((l1, (_, s1)), g1) = out
+  ((l0, (_, s0, _)), g0), ((l1, (_, s1, _)), g1) = out
   return {"loss": _max_rel(l0, l1),
           "grad": max(_max_rel(a, b) for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1))),
           "stats": max(_max_rel(a, b) for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1)))}
