@@ -24,6 +24,7 @@ from flax import nnx
 
 from k3jax import tokenizer as tokenizer_lib
 from k3jax.model import K3Model
+from k3jax.serve.step import filter_logits
 
 
 class GenerateError(ValueError):
@@ -53,19 +54,10 @@ def sample(logits: jax.Array, rng: jax.Array, temperature: float = 0.0, top_p: f
   top-k (the ``top_k`` likeliest tokens; 0 keeps all) and nucleus (top-p) sampling."""
   if temperature <= 0.0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  logits = logits.astype(jnp.float32) / temperature
-  if 0 < top_k < logits.shape[-1]:
-    kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-    logits = jnp.where(logits >= kth, logits, -jnp.inf)
-  if top_p < 1.0:
-    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    cum = jnp.cumsum(probs, axis=-1)
-    # keep the smallest prefix whose mass reaches top_p (always at least the top token)
-    keep = (cum - probs) < top_p
-    cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits >= cutoff, logits, -jnp.inf)
-  return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+  n = logits.shape[0]
+  x = filter_logits(logits, jnp.full((n,), temperature, jnp.float32),
+                    jnp.full((n,), top_p, jnp.float32), jnp.full((n,), top_k, jnp.int32))
+  return jax.random.categorical(rng, x, axis=-1).astype(jnp.int32)
 
 
 def check_decoding(*, max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
