@@ -357,8 +357,10 @@ class Engine:
       results.append((decode, self._run(True, [(r, r.computed, 1) for r in decode])))
     if prefill:
       results.append(([r for r, *_ in prefill], self._run(False, prefill)))
+    # both programs are dispatched before either's outputs are fetched: one wait per step
+    outs = jax.device_get([out for _, (_, out) in results])
     emitted = []
-    for rows, (counts, out) in results:
+    for (rows, (counts, _)), out in zip(results, outs):
       for i, r in enumerate(rows):
         emitted.extend(self._advance(r, counts[i], [a[i] for a in out]))
     self._copy_pending(self._checkpoints, zero_src=False)
@@ -497,8 +499,8 @@ class Engine:
             self.slots.decref(s)
 
   def _run(self, decode: bool, rows: list[tuple[_Request, int, int]]):
-    """Runs one compiled step over ``rows`` (request, start, tokens); returns (the token counts,
-    host arrays of the sampled tokens, logprobs, top ids, top logprobs)."""
+    """Dispatches one compiled step over ``rows`` (request, start, tokens); returns (the token
+    counts, device arrays of the sampled tokens, logprobs, top ids, top logprobs)."""
     sizes = self.decode_sizes if decode else self.prefill_sizes
     n = _fit(sizes, len(rows))
     t = 1 if decode else _fit(self.chunk_sizes, max(c for _, _, c in rows))
@@ -522,7 +524,7 @@ class Engine:
       args = jax.device_put(args, self._rows)
     with self._scope():
       self._pools, *out = fn(self._params, self._pools, *args)
-    return [c for _, _, c in rows], jax.device_get(out)  # one transfer for all four
+    return [c for _, _, c in rows], out
 
   def _advance(self, r: _Request, count: int, out) -> list[tuple[_Request, TokenOutput]]:
     """Books ``count`` computed tokens of ``r`` (registering a completed block) and, when its
