@@ -186,6 +186,8 @@ def main(argv=None):
   p.add_argument("--json", default=None)
   p.add_argument("--profile", default=None, help="trace the decode steps of each batch size here")
   p.add_argument("--only-decode", action="store_true", help="stop after the decode runs")
+  p.add_argument("--precompile", action="store_true",
+                 help="compile every step shape side by side before the runs (Engine.compile)")
   p.add_argument("overrides", nargs="*")
   a = p.parse_args(argv)
   batches = [int(b) for b in a.batches.split(",") if b]
@@ -197,6 +199,7 @@ def main(argv=None):
   base += [f"serve.num_pages={pages}", f"serve.num_slots={max(batches) + 33}"]
   cfg = config_lib.load(a.config, base + a.overrides)
   out = {"config": cfg.model.name, "device": jax.devices()[0].device_kind,
+         "xla_flags": os.environ.get("XLA_FLAGS", ""),
          "serve": config_lib.to_dict(cfg.serve), "context": a.context}
   bw = copy_bandwidth()
   out["copy_bandwidth_tb_s"] = bw / 1e12
@@ -207,6 +210,9 @@ def main(argv=None):
   del model
   print(f"model and cache built in {time.perf_counter() - t0:.0f} s; "
         f"{engine.pages.total} pages, {engine.slots.total} slots", flush=True)
+  if a.precompile:
+    out["compile_s"] = engine.compile()
+    print(f"compiled {len(engine._steps)} step shapes in {out['compile_s']:.0f} s", flush=True)
   rng = np.random.default_rng(0)
   vocab = cfg.model.vocab_size
 
