@@ -108,13 +108,14 @@ def paged_decode(q, cache, page_table, lengths, *, kv_lora_rank, scale):
   """q ``[N,Tn,H,R+Dr]``, cache ``[P,ps,R+Dr]`` -> ``[N,Tn,H,R]`` (see ``mla_decode``)."""
   n, tn = q.shape[:2]
   kv = cache[page_table].reshape(n, -1, cache.shape[-1])  # [N, L, R+Dr]
-  acc = jnp.promote_types(q.dtype, jnp.float32)
-  s = jnp.einsum("nthd,nld->nhtl", q, kv, preferred_element_type=acc) * scale
+  # widened before the products: XLA's CPU runtime has no bf16 x bf16 -> f32 batched dot
+  dtype, acc = q.dtype, jnp.promote_types(q.dtype, jnp.float32)
+  q, kv = q.astype(acc), kv.astype(acc)
+  s = jnp.einsum("nthd,nld->nhtl", q, kv) * scale
   pos = jnp.arange(kv.shape[1])[None, None, :]
   qpos = (lengths[:, None] - tn + jnp.arange(tn)[None, :])[:, :, None]  # [N, Tn, 1]
   mask = (pos <= qpos)[:, None]  # [N, 1, Tn, L]
   s = jnp.where(mask, s, -jnp.inf)
   p = jnp.where(mask, jax.nn.softmax(s, axis=-1), 0.0)
-  o = jnp.einsum("nhtl,nld->nthd", p.astype(kv.dtype), kv[..., :kv_lora_rank],
-                 preferred_element_type=acc)
-  return o.astype(q.dtype)
+  o = jnp.einsum("nhtl,nld->nthd", p, kv[..., :kv_lora_rank])
+  return o.astype(dtype)
