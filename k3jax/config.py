@@ -108,6 +108,62 @@ class AttnResConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionConfig:
+  """MoonViT-V2, the vision tower and projector (k3jax.vision, docs/vision.md). The defaults are
+  a tower small enough for CPU tests; K2.5's released values are noted beside each field
+  (``vt_*``, ``media_proc_cfg``)."""
+  patch_size: int = 14  # pixels per patch side (14)
+  channels: int = 3
+  hidden_size: int = 64  # tower width (1152)
+  num_layers: int = 2  # (27)
+  num_heads: int = 2  # (16, head dim 72)
+  intermediate_size: int = 128  # tower MLP width (4304)
+  merge_kernel: tuple[int, ...] = (2, 2)  # pixel shuffle: patches per visual token (rows, cols)
+  pos_emb_height: int = 64  # learned positional grid, interpolated to each image's grid (64)
+  pos_emb_width: int = 64
+  pos_emb_frames: int = 4  # most frames of one video chunk (init_pos_emb_time, 4)
+  pos_emb_interpolation: str = "bicubic"  # "bicubic" (K2.5) or "bilinear"
+  rope_max_grid: int = 512  # largest patch grid side the 2D rotary table covers
+  rope_theta: float = 10000.0
+  norm: str = "rmsnorm"  # "layernorm" (K2.5) or "rmsnorm" (K3)
+  norm_eps: float = 1.1920929e-07  # K2.5 LayerNorm 1e-5; K3's RMSNorm: float32 epsilon
+  patch_bias: bool = True  # patch_embed.proj bias
+  attn_bias: bool = True  # wqkv / wo biases
+  mlp_bias: bool = True  # fc0 / fc1 biases
+  # Video: "joint" attends over all patches of a chunk's frames at once (K2.5's tower);
+  # "divided" runs a spatial pass within each frame, then a temporal pass across frames at each
+  # patch position, both with the layer's attention weights (SPEC section 6, unconfirmed).
+  video_attention: str = "divided"
+  temporal_pool: bool = True  # average a chunk's frames into one set of visual tokens (sd2_tpool)
+  # "patchmerger" (K2.5: LayerNorm, Linear, GELU, Linear, with biases) or "patchmerger_v2"
+  # (K3: Linear, GELU, Linear without biases, then RMSNorm into the text width)
+  projector: str = "patchmerger_v2"
+  projector_eps: float = 1e-5
+  image_token_id: int = 259  # the placeholder token each visual token replaces, in order
+  image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+  image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+  # Resizing, as the reference processor: an image is scaled down (never up) until it has at
+  # most in_patch_limit patches (frame_patch_limit per video frame) and at most side_limit patches
+  # a side, then zero-padded right and bottom to a multiple of patch_size * merge_kernel.
+  in_patch_limit: int = 16384  # K2.5 16384, K3 65536
+  frame_patch_limit: int = 4096
+  side_limit: int = 512
+  # Hard limits: an item with more patches after resizing, or an input with more pixels, is
+  # refused (static shapes in training; decoding bombs in serving).
+  max_patches: int = 16384
+  max_pixels: int = 7168 * 7168
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden_size // self.num_heads
+
+  @property
+  def merge(self) -> int:
+    """Patches merged into one visual token."""
+    return self.merge_kernel[0] * self.merge_kernel[1]
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   name: str = "k3_tiny"
   arch: str = "kimi_k3"  # "kimi_k3" or "kimi_linear"
@@ -151,6 +207,7 @@ class ModelConfig:
   mla: MLAConfig = MLAConfig()
   moe: MoEConfig = MoEConfig()
   attn_res: AttnResConfig = AttnResConfig()
+  vision: VisionConfig | None = None  # None: text only
 
   @property
   def pdtype(self):
@@ -356,6 +413,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     args = typing.get_args(tp)
     if value is None and type(None) in args:
       return None
+    others = [a for a in args if a is not type(None)]
+    if len(others) == 1:  # an optional field: the inner type's error names the inner key
+      return _coerce(value, others[0], key)
     for a in args:
       if a is type(None):
         continue
@@ -551,6 +611,8 @@ def validate(cfg: Config) -> None:
   _check(e.num_shared_experts >= 0, "model.moe.num_shared_experts", "must be >= 0")
 
   _check(m.attn_res.block_size > 0, "model.attn_res.block_size", "must be positive")
+  if m.vision is not None:
+    _validate_vision(m)
 
   _check(cfg.data.seq_len > 0, "data.seq_len", "must be positive")
   _check(0.0 <= cfg.data.eval_fraction < 1.0, "data.eval_fraction", "must be in [0, 1)")
@@ -605,6 +667,37 @@ def validate(cfg: Config) -> None:
   _check(s.token_budget >= s.block_size, "serve.token_budget",
          f"must be at least serve.block_size={s.block_size}, got {s.token_budget}")
   _validate_posttrain(cfg)
+
+
+def _validate_vision(m: ModelConfig) -> None:
+  v = m.vision
+  for name in ("patch_size", "channels", "hidden_size", "num_layers", "num_heads",
+               "intermediate_size", "pos_emb_height", "pos_emb_width", "pos_emb_frames",
+               "rope_max_grid", "in_patch_limit", "frame_patch_limit", "side_limit", "max_patches",
+               "max_pixels"):
+    _check(getattr(v, name) > 0, f"model.vision.{name}", f"must be positive, got {getattr(v, name)}")
+  _check(v.hidden_size % v.num_heads == 0, "model.vision.num_heads",
+         f"must divide hidden_size={v.hidden_size}, got {v.num_heads}")
+  _check(v.head_dim % 4 == 0, "model.vision.num_heads",
+         f"the 2D rotary embedding needs a head dim divisible by 4, got {v.head_dim}")
+  _check(len(v.merge_kernel) == 2 and min(v.merge_kernel) > 0, "model.vision.merge_kernel",
+         f"must be two positive sizes (rows, cols), got {list(v.merge_kernel)}")
+  _check(v.max_patches % v.merge == 0, "model.vision.max_patches",
+         f"must be a multiple of the merge kernel's {v.merge} patches, got {v.max_patches}")
+  for name in ("image_mean", "image_std"):
+    _check(len(getattr(v, name)) == v.channels, f"model.vision.{name}",
+           f"needs one value per channel ({v.channels})")
+  _check(min(v.image_std) > 0, "model.vision.image_std", "must be positive")
+  _check(v.norm_eps > 0 and v.projector_eps > 0, "model.vision.norm_eps",
+         "norm_eps and projector_eps must be positive")
+  _one_of(v.pos_emb_interpolation, ("bicubic", "bilinear"), "model.vision.pos_emb_interpolation")
+  _one_of(v.norm, ("layernorm", "rmsnorm"), "model.vision.norm")
+  _one_of(v.video_attention, ("joint", "divided"), "model.vision.video_attention")
+  _one_of(v.projector, ("patchmerger", "patchmerger_v2"), "model.vision.projector")
+  _check(0 <= v.image_token_id < m.vocab_size, "model.vision.image_token_id",
+         f"must be a token id < vocab_size={m.vocab_size}, got {v.image_token_id}")
+  _check(v.image_token_id not in (m.bos_token_id, m.eos_token_id, m.pad_token_id),
+         "model.vision.image_token_id", "must differ from the bos, eos and pad ids")
 
 
 def _validate_posttrain(cfg: Config) -> None:

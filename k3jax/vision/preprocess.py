@@ -1,0 +1,101 @@
+"""Pixels to patches: ``preprocess(pixels, cfg) -> VisionItem`` (NumPy and Pillow, no JAX).
+
+Runs where images are decoded (data workers, the server). The steps are the reference
+processor's: bicubic resize (Pillow) to the size of :func:`k3jax.vision.resize.resize_plan`, zero
+padding right and bottom, ``(x / 255 - mean) / std`` in float32, patches of
+``channels x patch x patch`` values. The patches of each frame are stored in merge-block order
+(block row, block column, then the ``kh x kw`` patches of the block), so that each run of
+``kh * kw`` patches is one visual token's group; attention does not depend on the order, since
+every patch carries its own position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from k3jax.config import VisionConfig
+from k3jax.vision.pos_taps import interpolation_taps
+from k3jax.vision.resize import VisionError, resize_plan
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionItem:
+  """One image or video chunk, ready to pack (:func:`k3jax.vision.packing.batch`).
+
+  ``N`` patches in merge-block order, frame after frame (see the module docstring)."""
+  patches: np.ndarray  # [N, channels * patch * patch] float32, each patch as (channel, row, col)
+  positions: np.ndarray  # [N, 3] int32: (frame, patch row, patch column)
+  pos_rows: np.ndarray  # [N, 4] int32: learned-grid rows the patch's embedding interpolates
+  pos_row_weights: np.ndarray  # [N, 4] float32
+  pos_cols: np.ndarray  # [N, 4] int32
+  pos_col_weights: np.ndarray  # [N, 4] float32
+  tokens: np.ndarray  # [N] int32: the visual token (0-based, within the item) the patch feeds
+  grid: tuple[int, int, int]  # (frames, patch rows, patch columns)
+  num_tokens: int  # visual tokens the language model sees
+  merge: int  # patches per visual token group (kh * kw)
+
+  @property
+  def num_patches(self) -> int:
+    return self.patches.shape[0]
+
+
+def video_chunks(frames: np.ndarray, cfg: VisionConfig) -> list[np.ndarray]:
+  """``[F, H, W, C]`` frames cut into chunks of at most ``cfg.pos_emb_frames`` frames, each one
+  :class:`VisionItem` (K2.5 samples a video into chunks of 4 frames, each with its own
+  placeholder run)."""
+  n = cfg.pos_emb_frames
+  return [frames[i:i + n] for i in range(0, frames.shape[0], n)]
+
+
+def _check_pixels(pixels, cfg: VisionConfig) -> np.ndarray:
+  if not isinstance(pixels, np.ndarray):
+    raise VisionError(f"pixels must be a NumPy uint8 array, got {type(pixels).__name__}")
+  if pixels.dtype != np.uint8:
+    raise VisionError(f"pixels must be uint8 (0-255), got {pixels.dtype}")
+  if pixels.ndim not in (3, 4) or pixels.shape[-1] != cfg.channels:
+    raise VisionError(f"pixels must be [H, W, {cfg.channels}] (image) or [F, H, W, "
+                      f"{cfg.channels}] (video frames), got shape {list(pixels.shape)}")
+  return pixels if pixels.ndim == 4 else pixels[None]
+
+
+def _resize(frame: np.ndarray, width: int, height: int) -> np.ndarray:
+  from PIL import Image
+  image = Image.fromarray(frame)
+  if image.size != (width, height):
+    image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
+  return np.asarray(image)
+
+
+def preprocess(pixels: np.ndarray, cfg: VisionConfig) -> VisionItem:
+  """``pixels``: uint8 ``[H, W, C]`` (an image) or ``[F, H, W, C]`` (the frames of one video
+  chunk, ``F <= cfg.pos_emb_frames``). VisionError for a wrong dtype or shape, an empty input,
+  too many frames, pixels or patches (:func:`k3jax.vision.resize.resize_plan`)."""
+  frames = _check_pixels(pixels, cfg)
+  f, h, w, c = frames.shape
+  plan = resize_plan(h, w, cfg, f)
+  resized = np.stack([_resize(x, plan.width, plan.height) for x in frames])
+  resized = np.pad(resized, ((0, 0), (0, plan.pad_height), (0, plan.pad_width), (0, 0)))
+  x = (resized / 255.0).astype(np.float32)
+  x -= np.asarray(cfg.image_mean)
+  x *= 1.0 / np.asarray(cfg.image_std)
+  p, (kh, kw) = cfg.patch_size, cfg.merge_kernel
+  _, rows, cols = plan.grid
+  # [F, rows/kh, kh, p, cols/kw, kw, p, C] -> [F, rows/kh, cols/kw, kh, kw, C, p, p]
+  x = x.reshape(f, rows // kh, kh, p, cols // kw, kw, p, c).transpose(0, 1, 4, 2, 5, 7, 3, 6)
+  patches = np.ascontiguousarray(x).reshape(-1, c * p * p)
+  t, br, bc, r, q = np.meshgrid(np.arange(f), np.arange(rows // kh), np.arange(cols // kw),
+                                np.arange(kh), np.arange(kw), indexing="ij")
+  row, col = (br * kh + r).ravel(), (bc * kw + q).ravel()
+  block = (br * (cols // kw) + bc).ravel()
+  tokens = block if cfg.temporal_pool else t.ravel() * ((rows // kh) * (cols // kw)) + block
+  rows_idx, rows_w = interpolation_taps(rows, cfg.pos_emb_height, cfg.pos_emb_interpolation)
+  cols_idx, cols_w = interpolation_taps(cols, cfg.pos_emb_width, cfg.pos_emb_interpolation)
+  return VisionItem(
+      patches=patches,
+      positions=np.stack([t.ravel(), row, col], axis=-1).astype(np.int32),
+      pos_rows=rows_idx[row], pos_row_weights=rows_w[row],
+      pos_cols=cols_idx[col], pos_col_weights=cols_w[col],
+      tokens=tokens.astype(np.int32), grid=plan.grid, num_tokens=plan.num_tokens,
+      merge=cfg.merge)

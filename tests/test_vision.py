@@ -1,0 +1,207 @@
+"""MoonViT-V2 (k3jax.vision): host-side preprocessing and packing, the tower against float64
+NumPy and against golden outputs of the reference, the merge into the text sequence."""
+
+import numpy as np
+import pytest
+
+from k3jax import config
+from k3jax.config import ConfigError, VisionConfig
+from k3jax import vision
+from k3jax.vision import VisionError
+
+
+def _pixels(rng, *shape):
+  return rng.integers(0, 256, size=(*shape, 3), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("hw, limit, expect", [
+    # (height, width), in_patch_limit -> (resized h, w, padded grid rows, cols, tokens)
+    ((50, 70), 16384, (50, 70, 4, 6, 6)),
+    ((28, 28), 16384, (28, 28, 2, 2, 1)),
+    ((1, 1), 16384, (1, 1, 2, 2, 1)),
+    # scaled by sqrt(1024 / (200 * 100)): 2800 -> 633 (+11 pad), 1400 -> 316 (+20 pad)
+    ((1400, 2800), 1024, (316, 633, 24, 46, 276)),
+])
+def test_resize_plan_matches_the_reference_rule(hw, limit, expect):
+  cfg = VisionConfig(in_patch_limit=limit)
+  plan = vision.resize_plan(*hw, cfg)
+  assert (plan.height, plan.width, plan.grid[1], plan.grid[2], plan.num_tokens) == expect
+  assert (plan.height + plan.pad_height, plan.width + plan.pad_width) == (expect[2] * 14,
+                                                                          expect[3] * 14)
+  assert vision.num_tokens(*hw, cfg) == expect[4]
+
+
+def test_side_limit_and_video_frame_limit():
+  cfg = VisionConfig(side_limit=8, frame_patch_limit=16, max_patches=4096)
+  plan = vision.resize_plan(20, 2000, cfg)  # 8 patches a side at most: 2000 -> 112 pixels
+  assert plan.width == 112 and plan.grid == (1, 2, 8)
+  video = vision.resize_plan(280, 280, cfg, frames=3)  # 16 patches a frame: 20x20 -> 4x4
+  assert (video.height, video.width, video.grid, video.num_tokens) == (56, 56, (3, 4, 4), 4)
+  unpooled = VisionConfig(side_limit=8, frame_patch_limit=16, temporal_pool=False)
+  assert vision.num_tokens(280, 280, unpooled, frames=3) == 12
+
+
+def test_preprocess_patches_are_the_normalised_pixels_in_merge_order():
+  rng = np.random.default_rng(0)
+  cfg = VisionConfig(image_mean=(0.48, 0.46, 0.41), image_std=(0.27, 0.26, 0.28))
+  pixels = _pixels(rng, 2, 31, 45)  # a 2-frame chunk, padded to 56 x 56: grid 4 x 4
+  item = vision.preprocess(pixels, cfg)
+  assert item.grid == (2, 4, 4) and item.num_patches == 32 and item.num_tokens == 4
+  full = np.zeros((2, 56, 56, 3))
+  full[:, :31, :45] = pixels
+  norm = (full / 255.0 - np.array(cfg.image_mean)) / np.array(cfg.image_std)
+  for n in range(item.num_patches):
+    t, r, c = item.positions[n]
+    want = norm[t, r * 14:(r + 1) * 14, c * 14:(c + 1) * 14].transpose(2, 0, 1).ravel()
+    np.testing.assert_allclose(item.patches[n], want, rtol=0, atol=2e-6)
+    assert item.tokens[n] == (r // 2) * 2 + c // 2  # temporal pooling: frames share tokens
+  # each run of 4 patches is one 2x2 block, in (row, column) order
+  pos = item.positions[:4, 1:]
+  assert pos.tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]]
+  assert sorted(map(tuple, item.positions.tolist())) == [
+      (t, r, c) for t in range(2) for r in range(4) for c in range(4)]
+
+
+def test_preprocess_resizes_with_pillow_bicubic():
+  from PIL import Image
+  rng = np.random.default_rng(1)
+  cfg = VisionConfig(in_patch_limit=16)  # 112 x 84 (8 x 6 patches) -> 4 x 3 patches' worth
+  pixels = _pixels(rng, 84, 112)
+  item = vision.preprocess(pixels, cfg)
+  plan = vision.resize_plan(84, 112, cfg)
+  small = np.asarray(Image.fromarray(pixels).resize((plan.width, plan.height),
+                                                    Image.Resampling.BICUBIC))
+  assert small.shape == (plan.height, plan.width, 3) and plan.height < 84
+  t, r, c = item.positions[5]
+  block = np.zeros((plan.grid[1] * 14, plan.grid[2] * 14, 3))
+  block[:plan.height, :plan.width] = small
+  want = (block[r * 14:(r + 1) * 14, c * 14:(c + 1) * 14] / 255.0 - 0.5) / 0.5
+  np.testing.assert_allclose(item.patches[5], want.transpose(2, 0, 1).ravel(), atol=2e-6)
+
+
+@pytest.mark.parametrize("pixels, match", [
+    (np.zeros((0, 5, 3), np.uint8), "empty"),
+    (np.zeros((5, 0, 3), np.uint8), "empty"),
+    (np.zeros((0, 5, 5, 3), np.uint8), "empty"),
+    (np.zeros((5, 5, 3), np.float32), "uint8"),
+    (np.zeros((5, 5), np.uint8), "shape"),
+    (np.zeros((5, 5, 4), np.uint8), "shape"),
+    (np.zeros((1, 1, 5, 5, 3), np.uint8), "shape"),
+    (np.zeros((5, 5, 5, 3), np.uint8), "frames"),
+    ([[[0, 0, 0]]], "NumPy"),
+])
+def test_bad_inputs_are_refused(pixels, match):
+  with pytest.raises(VisionError, match=match):
+    vision.preprocess(pixels, VisionConfig())
+
+
+def test_limits_are_refused_before_work():
+  with pytest.raises(VisionError, match="max_pixels"):
+    vision.num_tokens(100_000, 100_000, VisionConfig())
+  cfg = VisionConfig(max_patches=64)
+  assert vision.num_tokens(112, 112, cfg) == 16  # 8 x 8 patches: at the limit
+  with pytest.raises(VisionError, match="max_patches=64"):
+    vision.preprocess(np.zeros((113, 112, 3), np.uint8), cfg)  # 10 x 8 patches after padding
+  assert issubclass(VisionError, ValueError)
+
+
+def _cubic(x):
+  """Keys' cubic convolution kernel, A = -0.75, float64."""
+  a, x = -0.75, abs(x)
+  if x <= 1:
+    return (a + 2) * x ** 3 - (a + 3) * x ** 2 + 1
+  return a * x ** 3 - 5 * a * x ** 2 + 8 * a * x - 4 * a if x < 2 else 0.0
+
+
+@pytest.mark.parametrize("mode", ["bicubic", "bilinear"])
+@pytest.mark.parametrize("out_size, in_size", [(1, 6), (5, 6), (6, 6), (9, 6), (13, 4)])
+def test_interpolation_taps_against_float64(mode, out_size, in_size):
+  from k3jax.vision.pos_taps import interpolation_taps
+  rng = np.random.default_rng(out_size)
+  src = rng.normal(size=in_size)
+  idx, w = interpolation_taps(out_size, in_size, mode)
+  got = (w * src[idx]).sum(-1)
+  want = np.zeros(out_size)
+  for i in range(out_size):
+    x = (i + 0.5) * in_size / out_size - 0.5
+    if mode == "bilinear":
+      x = max(x, 0.0)
+      lo = int(np.floor(x))
+      want[i] = (1 - (x - lo)) * src[lo] + (x - lo) * src[min(lo + 1, in_size - 1)]
+    else:
+      lo = int(np.floor(x))
+      want[i] = sum(_cubic(x - j) * src[min(max(j, 0), in_size - 1)] for j in range(lo - 1, lo + 3))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_batch_packs_rows_with_padding_marked():
+  rng = np.random.default_rng(2)
+  cfg = VisionConfig()
+  image = vision.preprocess(_pixels(rng, 50, 70), cfg)  # 24 patches, 6 tokens
+  video = vision.preprocess(_pixels(rng, 3, 30, 40), cfg)  # 3 x 16 patches, 4 tokens
+  arrays = vision.batch([[image, video], [], [video]], max_patches=80)
+  assert arrays["patches"].shape == (3, 80, 588) and arrays["token_ids"].shape == (3, 20)
+  np.testing.assert_array_equal(arrays["num_tokens"], [10, 0, 4])
+  seg = arrays["segment_ids"]
+  assert (seg[0, :24] == 1).all() and (seg[0, 24:72] == 2).all() and (seg[0, 72:] == 0).all()
+  assert (seg[1] == 0).all()
+  np.testing.assert_array_equal(arrays["patches"][0, 24:72], video.patches)
+  assert (arrays["patches"][0, 72:] == 0).all()
+  # frames: the image is one, the video's three follow
+  np.testing.assert_array_equal(arrays["frame_ids"][0, :72], np.repeat([1, 2, 3, 4], [24, 16, 16, 16]))
+  np.testing.assert_array_equal(arrays["times"][0, :72], np.repeat([-1, 0, 1, 2], [24, 16, 16, 16]))
+  # visual tokens: the image's 0-5, the video's 6-9 once per frame (averaged), padding 20
+  np.testing.assert_array_equal(arrays["token_ids"][0], list(range(10)) + [6, 7, 8, 9] * 2 + [20, 20])
+  np.testing.assert_array_equal(arrays["token_ids"][2, :12], [0, 1, 2, 3] * 3)
+  # the temporal order is a permutation putting each position's frames side by side
+  order, tid = arrays["temporal_order"][0], arrays["temporal_ids"][0]
+  assert sorted(order) == list(range(80))
+  pos = np.concatenate([arrays["positions"][0], seg[0][:, None]], axis=-1)[order]
+  for s in np.unique(tid[tid > 0]):
+    assert len({tuple(p) for p in pos[tid == s]}) == 1  # one position of one item
+  assert (np.unique(tid[24:72], return_counts=True)[1] == 3).all()
+
+
+def test_batch_errors():
+  cfg = VisionConfig()
+  item = vision.preprocess(np.zeros((28, 56, 3), np.uint8), cfg)  # 8 patches
+  with pytest.raises(VisionError, match="over max_patches=4"):
+    vision.batch([item], max_patches=4)
+  with pytest.raises(VisionError, match="multiple"):
+    vision.batch([item], max_patches=10)
+  with pytest.raises(VisionError, match="needs cfg"):
+    vision.batch([[], []], max_patches=8)
+  empty = vision.batch([[], []], max_patches=8, cfg=cfg)
+  assert empty["patches"].shape == (2, 8, 588) and (empty["token_ids"] == 2).all()
+  other = vision.preprocess(np.zeros((28, 56, 3), np.uint8), VisionConfig(patch_size=7))
+  with pytest.raises(VisionError, match="different vision configs"):
+    vision.batch([item, other], max_patches=64)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model.vision.num_heads=3", "model.vision.num_heads"),
+    ("model.vision.num_heads=32", "model.vision.num_heads"),  # head dim 2: no 2D rotary
+    ("model.vision.merge_kernel=[2]", "model.vision.merge_kernel"),
+    ("model.vision.max_patches=30", "model.vision.max_patches"),
+    ("model.vision.norm=batchnorm", "model.vision.norm"),
+    ("model.vision.video_attention=full", "model.vision.video_attention"),
+    ("model.vision.projector=mlp", "model.vision.projector"),
+    ("model.vision.image_token_id=100000", "model.vision.image_token_id"),
+    ("model.vision.image_token_id=256", "model.vision.image_token_id"),
+    ("model.vision.image_std=[0.5,0.5]", "model.vision.image_std"),
+    ("model.vision.patch_size=0", "model.vision.patch_size"),
+    ("model.vision.colour=1", "model.vision.colour"),
+])
+def test_vision_config_errors_name_the_key(override, key):
+  from conftest import tiny_config
+  with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+    tiny_config(override)
+
+
+def test_vision_config_from_yaml_and_text_only_default():
+  from conftest import tiny_config
+  assert tiny_config().model.vision is None
+  cfg = config.from_dict({"model": {"vision": {"num_layers": 3}}})
+  assert cfg.model.vision == VisionConfig(num_layers=3)
+  again = config.from_dict(config.to_dict(cfg))
+  assert again.model.vision == cfg.model.vision
