@@ -16,6 +16,9 @@ from k3jax.latent_moe import LatentMoE
 from k3jax.mla import MLA
 from k3jax.nn import Embed, Linear, RMSNorm
 from k3jax.scan import balance_barrier, run_groups
+from k3jax.vision.merge import merge_visual
+from k3jax.vision.projector import Projector
+from k3jax.vision.tower import VisionTower
 from pallas_kernels import KERNEL_OUTPUT
 from pallas_kernels.moe.permute_gpu import EXPAND_KERNEL
 from sharding.rules import shard
@@ -166,10 +169,26 @@ class K3Model(nnx.Module):
     self.norm = RMSNorm(d, cfg.rms_norm_eps, rngs=rngs, dtype=dt)
     self.lm_head = Linear(d, cfg.vocab_size, ("embed", "vocab"), rngs=rngs, dtype=dt,
                           std=cfg.init_std)
+    if cfg.vision is not None:
+      self.vision_tower = VisionTower(cfg, rngs=rngs)
+      self.mm_projector = Projector(cfg, rngs=rngs)
+
+  def encode_images(self, arrays: dict) -> jax.Array:
+    """:func:`k3jax.vision.batch`'s arrays -> the rows' visual tokens ``[B, M, d]`` in the
+    embedding width (rows past a row's ``num_tokens`` are padding)."""
+    if self.cfg.vision is None:
+      raise ValueError("encode_images: the model has no vision tower (model.vision is null)")
+    with jax.named_scope("vision"):
+      return self.mm_projector(self.vision_tower(arrays, self.cfg.cdtype))
 
   def hidden(self, input_ids, *, segment_ids=None, valid=None, cache=None, decode=False,
-             lengths=None):
+             lengths=None, vision=None):
     """input_ids ``[B, T]`` int32 -> (h ``[B, T, d]`` after the final norm, aux).
+
+    vision: None (text only) or a dict with ``num_tokens`` ``[B]`` and either
+    :func:`k3jax.vision.batch`'s arrays (encoded here) or ``visual_tokens`` ``[B, M, d]`` from
+    :meth:`encode_images`; optional ``token_offset`` ``[B]`` (placeholders before this window).
+    Each row's ``image_token_id`` positions take its visual tokens in order.
 
     aux: ``{"moe": {layer index (str): {"load": [E], "bias_stat": ...}}}`` and, with a cache,
     ``{"cache": [per-layer caches]}``. ``valid`` ``[B, T]`` marks real tokens (defaults to
@@ -180,6 +199,11 @@ class K3Model(nnx.Module):
       valid = segment_ids > 0
     with jax.named_scope("embed"):
       x = shard(self.embed_tokens(input_ids, cfg.cdtype), _ACT)
+    if vision is not None:
+      visual = vision.get("visual_tokens")
+      visual = self.encode_images(vision) if visual is None else visual
+      x = shard(merge_visual(x, input_ids, visual, vision["num_tokens"], cfg.vision.image_token_id,
+                             vision.get("token_offset")), _ACT)
     blocks: tuple = ()
     moe_stats, caches = {}, []
     start, period, groups = (0, 1, 0)
@@ -215,9 +239,9 @@ class K3Model(nnx.Module):
     # every step)
     return jnp.dot(h, self.lm_head.kernel[...], preferred_element_type=acc)
 
-  def __call__(self, input_ids, *, segment_ids=None):
-    """input_ids ``[B, T]`` int32 -> logits ``[B, T, V]`` float32."""
-    h, _ = self.hidden(input_ids, segment_ids=segment_ids)
+  def __call__(self, input_ids, *, segment_ids=None, vision=None):
+    """input_ids ``[B, T]`` int32 -> logits ``[B, T, V]`` float32 (vision: see :meth:`hidden`)."""
+    h, _ = self.hidden(input_ids, segment_ids=segment_ids, vision=vision)
     return self.logits(h)
 
   def init_cache(self, batch: int, max_len: int) -> list:

@@ -5,7 +5,8 @@ large activation passes through :func:`shard`. The logical names are:
 
   batch, length, embed, vocab, heads, kv_heads, head_dim, kv (latent / key dims), mlp,
   expert, latent, conv, blocks, state_k, state_v, layers (the stacked leading axis of scanned
-  layer groups' parameters, k3jax/scan.py)
+  layer groups' parameters, k3jax/scan.py); the vision tower's patch (a flattened pixel patch),
+  grid (its learned positional grid) and vision_merge (a visual token's concatenated patches)
 
 With no mesh set (``jax.set_mesh``) everything runs unchanged on one device. A name without a rule
 is replicated; a rule naming a mesh axis the current mesh lacks is dropped, so one rule table
@@ -49,6 +50,9 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "layers": (),
     "state_k": (),
     "state_v": (),
+  "patch": (),
+  "grid": (),
+  "vision_merge": ("fsdp", "context", "expert"),  # like "embed": ZeRO-3 over the token axes
 }
 
 

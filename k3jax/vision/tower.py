@@ -1,0 +1,146 @@
+"""MoonViT-V2: patch embedding, the encoder and the pixel shuffle, on ``batch``'s arrays.
+
+Reference: Kimi K2.5's ``MoonViT3dPretrainedModel`` (``modeling_kimi_k25.py`` of
+moonshotai/Kimi-K2.5; the golden files of tests/golden/moonvit_tiny come from it, see
+tools/make_vision_golden.py for the revision). Same computation, K2.5's settings
+(``norm: layernorm``, ``projector: patchmerger``, ``video_attention: joint``,
+``pos_emb_interpolation: bicubic``):
+
+- patch embedding: the ``C x p x p`` conv with stride p is a matmul of each flattened patch; the
+  learned ``[H0, W0, D]`` grid resized to the image's patch grid is added, plus a fixed sin-cos
+  embedding of the frame index for the frames of a video chunk (not for single images);
+- ``num_layers`` pre-norm blocks: ``x + wo(attn(rope(wqkv(norm0(x)))))``, ``x + fc1(gelu_tanh(
+  fc0(norm1(x))))``; 2D rotary embedding on q and k (:mod:`k3jax.vision.rope`); bidirectional
+  attention within each item (segment ids), never across items;
+- a final norm; then each ``kh x kw`` block of patches is concatenated into one visual token
+  (pixel shuffle) and a chunk's frames are averaged (``temporal_pool``, K2.5's ``sd2_tpool``).
+
+Where K3's tower differs (each a config switch, K2.5's behaviour the other setting):
+
+- ``norm: rmsnorm``, ``projector: patchmerger_v2`` (Linear, GELU, Linear without biases, then
+  RMSNorm in the text width): as the public K3 loaders' MoonViT3d (e.g. the plain-PyTorch tower
+  of NVIDIA's ``KimiK3VisionTower``, checkpoint ``mm_projector_type: patchmergerv2``,
+  ``norm_type: rmsnorm``, whose RMSNorm takes float32's epsilon); the bias switches follow their
+  ``attn_bias``/``linear_bias``/``patch_embed_proj_bias`` fields.
+- ``video_attention: divided``: SPEC section 6 says K3's video attention is split into a spatial
+  pass within a frame and a temporal pass across frames, with parameters shared with images.
+  No public K3 code shows how (the loaders seen take images only), so this is our reading: each
+  block runs the spatial pass (segments = frames) and then, for video patches only, a temporal
+  pass (segments = one patch position across the chunk's frames) with the same ``norm0``,
+  ``wqkv`` and ``wo``; images see exactly K2.5's block. Unconfirmed; "joint" is the reference.
+- K3's processor allows 65536 patches an image (K2.5 16384): ``in_patch_limit`` in the config.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import ModelConfig
+from k3jax.vision.attention import packed_attention
+from k3jax.vision.layers import MLP2, Dense, Norm
+from k3jax.vision.pos_emb import PositionalGrid
+from k3jax.vision.rope import apply_rope, rope_angles
+from sharding.rules import shard
+
+_ACT = ("batch", None, "embed")
+
+
+class PatchEmbed(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    v, dt, std = cfg.vision, cfg.pdtype, cfg.init_std
+    self.proj = Dense(v.channels * v.patch_size ** 2, v.hidden_size, ("patch", "embed"),
+                      bias=v.patch_bias, rngs=rngs, dtype=dt, std=std)
+    self.pos_emb = PositionalGrid(v.pos_emb_height, v.pos_emb_width, v.pos_emb_frames,
+                                  v.hidden_size, rngs=rngs, dtype=dt, std=std)
+
+  def __call__(self, arrays: dict, dtype) -> jax.Array:
+    x = self.proj(arrays["patches"].astype(dtype))
+    return x + self.pos_emb(arrays, dtype)
+
+
+class EncoderLayer(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    v, dt, std = cfg.vision, cfg.pdtype, cfg.init_std
+    d = v.hidden_size
+    self.heads, self.head_dim = v.num_heads, v.head_dim
+    self.divided = v.video_attention == "divided"
+    self.implementation = cfg.mla.implementation
+    self.norm0 = Norm(d, v.norm, v.norm_eps, rngs=rngs, dtype=dt)
+    self.norm1 = Norm(d, v.norm, v.norm_eps, rngs=rngs, dtype=dt)
+    self.wqkv = Dense(d, 3 * d, ("embed", "heads"), bias=v.attn_bias, rngs=rngs, dtype=dt, std=std)
+    self.wo = Dense(d, d, ("heads", "embed"), bias=v.attn_bias, rngs=rngs, dtype=dt, std=std)
+    self.mlp = MLP2(d, v.intermediate_size, bias=v.mlp_bias, rngs=rngs, dtype=dt, std=std)
+
+  def _attention(self, x, segment_ids, cos, sin):
+    b, p, _ = x.shape
+    qkv = self.wqkv(self.norm0(x)).reshape(b, p, 3, self.heads, self.head_dim)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    o = packed_attention(q, k, v, segment_ids, self.implementation)
+    return self.wo(o.reshape(b, p, -1))
+
+  def __call__(self, x, arrays, cos, sin):
+    if not self.divided:
+      x = x + self._attention(x, arrays["segment_ids"], cos, sin)
+    else:
+      x = x + self._attention(x, arrays["frame_ids"], cos, sin)
+      x = shard(x, _ACT)
+      order = arrays["temporal_order"]
+      take = lambda t: jnp.take_along_axis(t, order[..., None], axis=1)
+      inverse = jnp.argsort(order, axis=1)
+      is_video = (arrays["times"] >= 0)[..., None]
+      temporal = lambda x: jnp.take_along_axis(
+          self._attention(take(x), arrays["temporal_ids"], take(cos), take(sin)),
+          inverse[..., None], axis=1)
+      # the temporal pass only where a row holds a video chunk
+      x = x + jax.lax.cond(jnp.any(is_video), lambda: jnp.where(is_video, temporal(x), 0),
+                           lambda: jnp.zeros_like(x)).astype(x.dtype)
+    x = shard(x, _ACT)
+    return shard(x + self.mlp(self.norm1(x)), _ACT)
+
+
+class Encoder(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    v = cfg.vision
+    self.blocks = nnx.List([EncoderLayer(cfg, rngs=rngs) for _ in range(v.num_layers)])
+    self.final_layernorm = Norm(v.hidden_size, v.norm, v.norm_eps, rngs=rngs, dtype=cfg.pdtype)
+    self.head_dim, self.theta = v.head_dim, v.rope_theta
+
+  def __call__(self, x, arrays):
+    cos, sin = rope_angles(arrays["positions"], self.head_dim, self.theta)
+    for block in self.blocks:
+      x = block(x, arrays, cos, sin)
+    return self.final_layernorm(x)
+
+
+def pixel_shuffle(x: jax.Array, token_ids: jax.Array, merge: int) -> jax.Array:
+  """x ``[B, P, D]`` (patches in merge-block order) -> visual tokens ``[B, M, merge, D]``
+  (``M = P / merge``): each run of ``merge`` patches is one token's block; blocks fed to the same
+  token (one position in several frames of a chunk) are averaged; rows past the row's tokens
+  are zero."""
+  b, p, d = x.shape
+  groups = x.reshape(b, p // merge, merge * d)
+  m = groups.shape[1]
+  acc = jnp.promote_types(x.dtype, jnp.float32)
+  summed = jax.vmap(lambda g, t: jax.ops.segment_sum(g.astype(acc), t, num_segments=m))(
+      groups, token_ids)
+  count = jax.vmap(lambda t: jax.ops.segment_sum(jnp.ones_like(t, acc), t, num_segments=m))(
+      token_ids)
+  tokens = summed / jnp.maximum(count, 1)[..., None]
+  return tokens.astype(x.dtype).reshape(b, m, merge, d)
+
+
+class VisionTower(nnx.Module):
+  """``batch``'s arrays -> the tower's visual tokens ``[B, M, merge, D]`` before the projector."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.patch_embed = PatchEmbed(cfg, rngs=rngs)
+    self.encoder = Encoder(cfg, rngs=rngs)
+    self.merge = cfg.vision.merge
+
+  def __call__(self, arrays: dict, dtype) -> jax.Array:
+    x = shard(self.patch_embed(arrays, dtype), _ACT)
+    x = self.encoder(x, arrays)
+    return pixel_shuffle(x, arrays["token_ids"], self.merge)
