@@ -114,22 +114,23 @@ class VisionConfig:
   (``vt_*``, ``media_proc_cfg``)."""
   patch_size: int = 14  # pixels per patch side (14)
   channels: int = 3
-  hidden_size: int = 64  # tower width (1152)
+  hidden_size: int = 64  # tower width (K2.5 1152, K3 1024)
   num_layers: int = 2  # (27)
-  num_heads: int = 2  # (16, head dim 72)
-  intermediate_size: int = 128  # tower MLP width (4304)
+  num_heads: int = 2  # (K2.5 16, K3 12)
+  qkv_size: int = 0  # attention width, 0: hidden_size (K2.5 1152, head dim 72; K3 1536, 128)
+  intermediate_size: int = 128  # tower MLP width (K2.5 4304, K3 4096)
   merge_kernel: tuple[int, ...] = (2, 2)  # pixel shuffle: patches per visual token (rows, cols)
   pos_emb_height: int = 64  # learned positional grid, interpolated to each image's grid (64)
   pos_emb_width: int = 64
   pos_emb_frames: int = 4  # most frames of one video chunk (init_pos_emb_time, 4)
-  pos_emb_interpolation: str = "bicubic"  # "bicubic" (K2.5) or "bilinear"
+  pos_emb_interpolation: str = "bilinear"  # "bicubic" (K2.5) or "bilinear" (K3)
   rope_max_grid: int = 512  # largest patch grid side the 2D rotary table covers
   rope_theta: float = 10000.0
   norm: str = "rmsnorm"  # "layernorm" (K2.5) or "rmsnorm" (K3)
   norm_eps: float = 1.1920929e-07  # K2.5 LayerNorm 1e-5; K3's RMSNorm: float32 epsilon
-  patch_bias: bool = True  # patch_embed.proj bias
-  attn_bias: bool = True  # wqkv / wo biases
-  mlp_bias: bool = True  # fc0 / fc1 biases
+  patch_bias: bool = False  # patch_embed.proj bias (K2.5 true, K3 false)
+  attn_bias: bool = False  # wqkv / wo biases (K2.5 true, K3 false)
+  mlp_bias: bool = False  # fc0 / fc1 biases (K2.5 true, K3 false)
   # Video: "joint" attends over all patches of a chunk's frames at once (K2.5's tower);
   # "divided" runs a spatial pass within each frame, then a temporal pass across frames at each
   # patch position, both with the layer's attention weights (SPEC section 6, unconfirmed).
@@ -139,23 +140,32 @@ class VisionConfig:
   # (K3: Linear, GELU, Linear without biases, then RMSNorm into the text width)
   projector: str = "patchmerger_v2"
   projector_eps: float = 1e-5
-  image_token_id: int = 259  # the placeholder token each visual token replaces, in order
+  # the placeholder token each visual token replaces, in order (K2.5 and K3: 163605,
+  # <|media_pad|>)
+  image_token_id: int = 259
   image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
   image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
   # Resizing, as the reference processor: an image is scaled down (never up) until it has at
   # most in_patch_limit patches (frame_patch_limit per video frame) and at most side_limit patches
   # a side, then zero-padded right and bottom to a multiple of patch_size * merge_kernel.
-  in_patch_limit: int = 16384  # K2.5 16384, K3 65536
-  frame_patch_limit: int = 4096
+  in_patch_limit: int = 65536  # K2.5 16384, K3 65536
+  frame_patch_limit: int = 4096  # K2.5's in_patch_limit_each_frame
   side_limit: int = 512
   # Hard limits: an item with more patches after resizing, or an input with more pixels, is
-  # refused (static shapes in training; decoding bombs in serving).
-  max_patches: int = 16384
-  max_pixels: int = 7168 * 7168
+  # refused (static shapes in training; decoding bombs in serving). The resize rule can exceed
+  # in_patch_limit by its rounding and padding (at most a few thousand patches): the default
+  # leaves that room.
+  max_patches: int = 65536 + 4096
+  max_pixels: int = 7168 * 7168  # K3's processor: (side_limit * patch_size) ** 2
+
+  @property
+  def attn_size(self) -> int:
+    """Width of q, k and v (all heads)."""
+    return self.qkv_size or self.hidden_size
 
   @property
   def head_dim(self) -> int:
-    return self.hidden_size // self.num_heads
+    return self.attn_size // self.num_heads
 
   @property
   def merge(self) -> int:
@@ -676,8 +686,9 @@ def _validate_vision(m: ModelConfig) -> None:
                "rope_max_grid", "in_patch_limit", "frame_patch_limit", "side_limit", "max_patches",
                "max_pixels"):
     _check(getattr(v, name) > 0, f"model.vision.{name}", f"must be positive, got {getattr(v, name)}")
-  _check(v.hidden_size % v.num_heads == 0, "model.vision.num_heads",
-         f"must divide hidden_size={v.hidden_size}, got {v.num_heads}")
+  _check(v.qkv_size >= 0, "model.vision.qkv_size", "must be >= 0 (0: hidden_size)")
+  _check(v.attn_size % v.num_heads == 0, "model.vision.num_heads",
+         f"must divide the attention width {v.attn_size}, got {v.num_heads}")
   _check(v.head_dim % 4 == 0, "model.vision.num_heads",
          f"the 2D rotary embedding needs a head dim divisible by 4, got {v.head_dim}")
   _check(len(v.merge_kernel) == 2 and min(v.merge_kernel) > 0, "model.vision.merge_kernel",

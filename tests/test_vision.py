@@ -205,3 +205,74 @@ def test_vision_config_from_yaml_and_text_only_default():
   assert cfg.model.vision == VisionConfig(num_layers=3)
   again = config.from_dict(config.to_dict(cfg))
   assert again.model.vision == cfg.model.vision
+
+
+# ---------------------------------------------------------------------------------------------
+# The tower against the reference (tools/make_vision_golden.py)
+
+GOLDEN = __import__("conftest").ROOT / "tests" / "golden" / "moonvit_tiny"
+
+
+def _golden_model(name: str, **vision_overrides):
+  """(ModelConfig, tower, projector) of golden tower ``name`` with its released weights loaded
+  through the converter's name plan."""
+  import dataclasses
+  import json
+  from flax import nnx
+  from k3jax.convert import names
+  from k3jax.convert.hf_vision import vision_from_hf
+  from k3jax.convert.safetensors_io import SafetensorsReader
+  from k3jax.convert.to_orbax import read_params
+  from k3jax.vision.projector import Projector
+  from k3jax.vision.tower import VisionTower
+  from conftest import tiny_config
+  fields = json.loads((GOLDEN / name / "vision_config.json").read_text())
+  base = tiny_config("model.hidden_size=24", "model.num_layers=1", "model.mla_layers=[0]",
+                     "model.dense_layers=[0]").model
+  vcfg = VisionConfig(**{**vision_from_hf(fields, 24, 259), "merge_kernel": (2, 2),
+                         **vision_overrides})
+  cfg = dataclasses.replace(base, vision=vcfg)
+  reader = SafetensorsReader(GOLDEN / name)
+  try:
+    plan = [p for p in names.plan(cfg) if p.path.startswith(("vision_tower.", "mm_projector."))]
+    names.validate(plan, {n: (t.dtype, t.shape) for n, t in reader.tensors.items()}, "", ("F32",))
+    values = read_params(reader, plan)
+  finally:
+    reader.close()
+  modules = {"vision_tower": VisionTower(cfg, rngs=nnx.Rngs(0)),
+             "mm_projector": Projector(cfg, rngs=nnx.Rngs(0))}
+  for prefix, module in modules.items():
+    flat = nnx.to_flat_state(nnx.state(module))
+    for path, var in flat:
+      var.set_value(values[".".join([prefix, *map(str, path)])])
+    nnx.update(module, nnx.from_flat_state(flat))
+  return cfg, modules["vision_tower"], modules["mm_projector"]
+
+
+def _golden_items(cfg):
+  io = np.load(GOLDEN / "io.npz")
+  items, start = [], 0
+  for grid in io["grid_thws"]:
+    n = int(np.prod(grid))
+    items.append(vision.from_patches(io["pixel_values"][start:start + n], tuple(grid), cfg.vision))
+    start += n
+  return io, items
+
+
+@pytest.mark.parametrize("name", ["k3", "k25"])
+def test_tower_matches_the_reference(name):
+  """Images of several sizes (grids below, at and above the learned 8 x 8 grid) and a 3-frame
+  video chunk, packed in two rows with padding, against the reference tower and projector."""
+  import jax.numpy as jnp
+  from flax import nnx
+  cfg, tower, projector = _golden_model(name, video_attention="joint")
+  io, items = _golden_items(cfg)
+  arrays = vision.batch([items[:3], items[3:]], max_patches=176)
+  arrays = {k: jnp.asarray(v) for k, v in arrays.items()}
+  tokens, projected = nnx.jit(lambda t, p, a: (t(a, jnp.float32), p(t(a, jnp.float32))))(
+      tower, projector, arrays)  # [2, M, 4, D], [2, M, d]
+  n = np.asarray(arrays["num_tokens"])
+  got_tokens = np.concatenate([np.asarray(tokens[b, :n[b]]) for b in range(2)])
+  got_proj = np.concatenate([np.asarray(projected[b, :n[b]]) for b in range(2)])
+  np.testing.assert_allclose(got_tokens, io[f"{name}_tower"], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got_proj, io[f"{name}_projected"], rtol=1e-5, atol=1e-5)

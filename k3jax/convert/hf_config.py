@@ -15,6 +15,7 @@ from k3jax import config as config_lib
 from k3jax import storage
 from k3jax.config import ModelConfig
 from k3jax.convert.errors import ConversionError
+from k3jax.convert.hf_vision import vision_from_hf, vision_to_hf
 
 
 ARCHS = ("kimi_linear", "kimi_k3")
@@ -162,6 +163,9 @@ def config_from_hf(hf: dict, *, name: str = "hf", param_dtype: str | None = None
       attn_res=dict(enabled=t.get("attn_res_block_size") is not None,
                     block_size=t.get("attn_res_block_size") or 12),
   )
+  if arch == "kimi_k3" and hf.get("vision_config") is not None:
+    model["vision"] = vision_from_hf(hf["vision_config"], t["hidden_size"],
+                                     hf.get("media_placeholder_token_id"))
   try:
     return config_lib.from_dict({"model": model}).model
   except config_lib.ConfigError as e:
@@ -220,9 +224,14 @@ def config_to_hf(cfg: ModelConfig) -> dict:
   if cfg.attn_res.enabled:
     t["attn_res_block_size"] = cfg.attn_res.block_size
   if cfg.arch == "kimi_linear":
+    if cfg.vision is not None:
+      raise ConversionError("a vision tower needs arch kimi_k3 (kimi_linear HF configs have none)")
     return t
-  return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
-          "torch_dtype": dtype, "text_config": t}
+  out = {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
+         "torch_dtype": dtype, "text_config": t}
+  if cfg.vision is not None:
+    out.update(vision_config=vision_to_hf(cfg), media_placeholder_token_id=cfg.vision.image_token_id)
+  return out
 
 
 def read_hf_config(src: Path) -> dict:

@@ -16,7 +16,8 @@ from k3jax.convert.mxfp4 import mxfp4_shapes
 
 
 # kinds: "copy" (same layout), "linear" (torch [out, in] -> [in, out]), "conv" ([C, 1, W] ->
-# [W, C]), "row" ([1, d] -> [d]), "a_log" (any of [H], [1, 1, H, 1], or [P >= H] zero padded ->
+# [W, C]), "row" ([1, d] -> [d]), "patch" (the vision tower's patch conv [D, C, p, p] ->
+# [C * p * p, D]), "a_log" (any of [H], [1, 1, H, 1], or [P >= H] zero padded ->
 # [H]), "gate_up" (per expert w1, w3 [F, L] -> [E, L, 2F]), "down" (per expert w2 [L, F] ->
 # [E, F, L]).
 
@@ -30,6 +31,7 @@ class Param:
   names: tuple[str | None, ...]  # logical sharding names
   kind: str
   sources: tuple[str, ...]  # HF base names (experts: "...experts.{e}.w1" etc., no ".weight")
+  hf_shape: tuple[int, ...] | None = None  # the HF tensor's shape where the kind cannot tell it
 
 
 def _model_params(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple]]:
@@ -63,6 +65,30 @@ _LAYER_SPECIAL = {
     "self_attn.dt_bias": ("self_attn.dt_bias", "copy"),
     "mlp.gate.bias": ("block_sparse_moe.gate.e_score_correction_bias", "copy"),
 }
+
+
+# the vision tower and projector keep the released names (outside any language-model prefix);
+# our projector's two linears are the released nn.Sequential's entries 0 and 2
+_VISION = re.compile(r"(vision_tower|mm_projector)\.(.+)\.(kernel|weight|bias)")
+_VISION_RENAME = {"mm_projector.proj_in": "mm_projector.proj.0",
+                  "mm_projector.proj_out": "mm_projector.proj.2"}
+
+
+def _vision_rule(cfg: ModelConfig, path: str) -> tuple:
+  """(kind, HF base names, HF shape) of a vision tower or projector parameter."""
+  m = _VISION.fullmatch(path)
+  if not m:
+    raise ConversionError(f"no HF name for parameter {path}")
+  mod = f"{m.group(1)}.{m.group(2)}"
+  mod = _VISION_RENAME.get(mod, mod)
+  if m.group(3) == "bias":
+    return "copy", (mod + ".bias",), None
+  if m.group(3) == "weight":
+    return "copy", (mod,), None
+  if mod == "vision_tower.patch_embed.proj":
+    v = cfg.vision
+    return "patch", (mod,), (v.hidden_size, v.channels, v.patch_size, v.patch_size)
+  return "linear", (mod,), None
 
 
 def _rule(cfg: ModelConfig, path: str, prefix: str) -> tuple[str, tuple[str, ...]]:
@@ -104,14 +130,16 @@ def detect_prefix(names) -> str:
 
 def plan(cfg: ModelConfig, prefix: str = "") -> list[Param]:
   """Every parameter of K3Model(cfg) with the HF tensors it is built from."""
-  return [Param(path, shape, names, *_rule(cfg, path, prefix))
+  return [Param(path, shape, names, *_vision_rule(cfg, path))
+          if path.startswith(("vision_tower.", "mm_projector.")) else
+          Param(path, shape, names, *_rule(cfg, path, prefix))
           for path, shape, names in _model_params(cfg)]
 
 
 def hf_source_shape(p: Param) -> tuple[int, ...] | None:
   """Expected HF shape of each source of ``p`` (None: checked by the kind itself)."""
   s = p.shape
-  return {"copy": s, "linear": s[::-1], "conv": s[::-1][:1] + (1,) + s[:1] if len(s) == 2 else None,
+  return {"copy": s, "linear": s[::-1], "patch": p.hf_shape, "conv": s[::-1][:1] + (1,) + s[:1] if len(s) == 2 else None,
           "row": (1,) + s, "gate_up": (s[2] // 2, s[1]) if len(s) == 3 else None,
           "down": (s[2], s[1]) if len(s) == 3 else None}.get(p.kind)
 
@@ -126,8 +154,8 @@ def validate(params: Sequence[Param], tensors: dict[str, tuple[str, tuple[int, .
 
   floats: the safetensors dtypes a floating parameter may have (the checkpoint's own and F32);
   MXFP4 blocks and scales must be U8. Raises one :class:`ConversionError` listing every missing,
-  wrongly shaped or typed and unexpected tensor. Tensors outside ``prefix`` (K3's vision tower) are not part of the language model and
-  are left out silently.
+  wrongly shaped or typed and unexpected tensor. Tensors outside ``prefix`` that the plan does not
+  use (K3's vision tower for a text-only config) are left out silently.
   """
   missing, bad, used = [], [], []
 
@@ -173,6 +201,6 @@ def validate(params: Sequence[Param], tensors: dict[str, tuple[str, tuple[int, .
 
 def hf_weight_name(p: Param, base: str) -> str:
   """The HF tensor name of source ``base`` of ``p`` (most carry a ``.weight`` suffix)."""
-  if p.kind == "a_log" or base.endswith((".dt_bias", ".e_score_correction_bias")):
+  if p.kind == "a_log" or base.endswith((".dt_bias", ".e_score_correction_bias", ".bias")):
     return base
   return base + ".weight"

@@ -38,6 +38,8 @@ def _from_ours(p: Param, base: str, hf_shape: tuple[int, ...], reader: OrbaxRead
     return x.T
   if p.kind == "conv":
     return x.T[:, None, :]
+  if p.kind == "patch":
+    return x.T.reshape(hf_shape)
   if p.kind == "row":
     return x.reshape(1, -1)
   if p.kind == "a_log":

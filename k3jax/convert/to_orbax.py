@@ -74,6 +74,8 @@ class _Source:
     x = self.r.read(name)
     if p.kind == "conv":
       return x[:, 0, :].T[idx]
+    if p.kind == "patch":
+      return x.reshape(x.shape[0], -1).T[idx]
     if p.kind == "row":
       return x.reshape(-1)[idx]
     if p.kind == "a_log":
@@ -173,13 +175,19 @@ def load_hf_params(src: str | Path, cfg: ModelConfig | None = None,
     params = plan(cfg, prefix)
     validate(params, {n: (t.dtype, t.shape) for n, t in reader.tensors.items()}, prefix,
              checkpoint_floats(hf))
-    out = {}
-    for p in params:
-      full = tuple(slice(0, s) for s in p.shape)
-      out[p.path] = _Source(reader, p).block(full).astype(_target_dtype(p, reader, dtype))
+    return cfg, read_params(reader, params, dtype)
   finally:
     reader.close()
-  return cfg, out
+
+
+def read_params(reader: SafetensorsReader, params: list[Param], dtype: str | None = None
+                ) -> dict[str, np.ndarray]:
+  """``{our path: array}`` of ``params`` (a validated plan, or part of one) read in full."""
+  out = {}
+  for p in params:
+    full = tuple(slice(0, s) for s in p.shape)
+    out[p.path] = _Source(reader, p).block(full).astype(_target_dtype(p, reader, dtype))
+  return out
 
 
 def hf_to_orbax(src: str | Path, dst: str | Path, *, dtype: str | None = None,

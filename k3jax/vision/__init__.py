@@ -7,6 +7,8 @@ Host side (NumPy and Pillow, no JAX; data workers and the server):
   cuts longer videos) resized as the reference processor does, normalised and cut into patches.
   :class:`VisionError` (a ValueError) for a wrong dtype or shape, an empty input, too many
   frames, pixels (``cfg.max_pixels``) or patches (``cfg.max_patches``).
+- :func:`from_patches` ``(pixel_values, grid, cfg) -> VisionItem``: the same from patches a
+  reference processor made (its ``pixel_values`` and ``grid_thws`` row).
 - :func:`num_tokens` ``(height, width, cfg, frames=1)``: the visual tokens (``image_token_id``
   placeholders) an input of that size becomes, without building patches.
 - :func:`batch` ``(items, max_patches) -> dict[str, np.ndarray]``: items packed into static
@@ -18,8 +20,8 @@ row, the embeddings of the ``image_token_id`` positions by the row's visual toke
 """
 
 from k3jax.vision.packing import batch
-from k3jax.vision.preprocess import VisionItem, preprocess, video_chunks
+from k3jax.vision.preprocess import VisionItem, from_patches, preprocess, video_chunks
 from k3jax.vision.resize import ResizePlan, VisionError, num_tokens, resize_plan
 
-__all__ = ["ResizePlan", "VisionError", "VisionItem", "batch", "num_tokens", "preprocess",
-           "resize_plan", "video_chunks"]
+__all__ = ["ResizePlan", "VisionError", "VisionItem", "batch", "from_patches", "num_tokens",
+           "preprocess", "resize_plan", "video_chunks"]

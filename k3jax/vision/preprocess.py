@@ -80,22 +80,39 @@ def preprocess(pixels: np.ndarray, cfg: VisionConfig) -> VisionItem:
   x = (resized / 255.0).astype(np.float32)
   x -= np.asarray(cfg.image_mean)
   x *= 1.0 / np.asarray(cfg.image_std)
-  p, (kh, kw) = cfg.patch_size, cfg.merge_kernel
+  p = cfg.patch_size
   _, rows, cols = plan.grid
-  # [F, rows/kh, kh, p, cols/kw, kw, p, C] -> [F, rows/kh, cols/kw, kh, kw, C, p, p]
-  x = x.reshape(f, rows // kh, kh, p, cols // kw, kw, p, c).transpose(0, 1, 4, 2, 5, 7, 3, 6)
-  patches = np.ascontiguousarray(x).reshape(-1, c * p * p)
-  t, br, bc, r, q = np.meshgrid(np.arange(f), np.arange(rows // kh), np.arange(cols // kw),
-                                np.arange(kh), np.arange(kw), indexing="ij")
-  row, col = (br * kh + r).ravel(), (bc * kw + q).ravel()
-  block = (br * (cols // kw) + bc).ravel()
-  tokens = block if cfg.temporal_pool else t.ravel() * ((rows // kh) * (cols // kw)) + block
+  # [F, rows, p, cols, p, C] -> [F, rows, cols, C, p, p]: the reference's patch order and layout
+  x = x.reshape(f, rows, p, cols, p, c).transpose(0, 1, 3, 5, 2, 4)
+  return from_patches(x.reshape(-1, c * p * p), plan.grid, cfg)
+
+
+def from_patches(patches: np.ndarray, grid: tuple[int, int, int], cfg: VisionConfig) -> VisionItem:
+  """A :class:`VisionItem` from normalised patches in the reference processor's layout:
+  ``patches`` ``[F * rows * cols, C * p * p]`` (or ``[N, C, p, p]``) float32 in (frame, row,
+  column) order, ``grid`` = (frames, rows, cols) (its ``pixel_values`` and ``grid_thws``)."""
+  f, rows, cols = (int(g) for g in grid)
+  (kh, kw), width = cfg.merge_kernel, cfg.channels * cfg.patch_size ** 2
+  patches = np.asarray(patches, np.float32).reshape(-1, width)
+  if patches.shape[0] != f * rows * cols or rows % kh or cols % kw or f > cfg.pos_emb_frames:
+    raise VisionError(f"{patches.shape[0]} patches do not fit grid {list(grid)} (rows a multiple "
+                      f"of {kh}, columns of {kw}, at most {cfg.pos_emb_frames} frames)")
+  if patches.shape[0] > cfg.max_patches:
+    raise VisionError(f"{patches.shape[0]} patches, over model.vision.max_patches="
+                      f"{cfg.max_patches}")
+  # merge-block order: [F, rows/kh, kh, cols/kw, kw] -> [F, rows/kh, cols/kw, kh, kw]
+  order = np.arange(f * rows * cols).reshape(f, rows // kh, kh, cols // kw, kw)
+  order = order.transpose(0, 1, 3, 2, 4).ravel()
+  t, row, col = np.unravel_index(order, (f, rows, cols))
+  blocks = (rows // kh) * (cols // kw)
+  block = (row // kh) * (cols // kw) + col // kw
+  tokens = block if cfg.temporal_pool else t * blocks + block
   rows_idx, rows_w = interpolation_taps(rows, cfg.pos_emb_height, cfg.pos_emb_interpolation)
   cols_idx, cols_w = interpolation_taps(cols, cfg.pos_emb_width, cfg.pos_emb_interpolation)
   return VisionItem(
-      patches=patches,
-      positions=np.stack([t.ravel(), row, col], axis=-1).astype(np.int32),
+      patches=patches[order],
+      positions=np.stack([t, row, col], axis=-1).astype(np.int32),
       pos_rows=rows_idx[row], pos_row_weights=rows_w[row],
       pos_cols=cols_idx[col], pos_col_weights=cols_w[col],
-      tokens=tokens.astype(np.int32), grid=plan.grid, num_tokens=plan.num_tokens,
-      merge=cfg.merge)
+      tokens=tokens.astype(np.int32), grid=(f, rows, cols),
+      num_tokens=blocks * (1 if cfg.temporal_pool else f), merge=cfg.merge)

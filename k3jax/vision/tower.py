@@ -69,8 +69,9 @@ class EncoderLayer(nnx.Module):
     self.implementation = cfg.mla.implementation
     self.norm0 = Norm(d, v.norm, v.norm_eps, rngs=rngs, dtype=dt)
     self.norm1 = Norm(d, v.norm, v.norm_eps, rngs=rngs, dtype=dt)
-    self.wqkv = Dense(d, 3 * d, ("embed", "heads"), bias=v.attn_bias, rngs=rngs, dtype=dt, std=std)
-    self.wo = Dense(d, d, ("heads", "embed"), bias=v.attn_bias, rngs=rngs, dtype=dt, std=std)
+    a = v.attn_size
+    self.wqkv = Dense(d, 3 * a, ("embed", "heads"), bias=v.attn_bias, rngs=rngs, dtype=dt, std=std)
+    self.wo = Dense(a, d, ("heads", "embed"), bias=v.attn_bias, rngs=rngs, dtype=dt, std=std)
     self.mlp = MLP2(d, v.intermediate_size, bias=v.mlp_bias, rngs=rngs, dtype=dt, std=std)
 
   def _attention(self, x, segment_ids, cos, sin):
