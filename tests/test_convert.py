@@ -309,6 +309,76 @@ def test_k3_loads_and_runs(k3_dir, tmp_path):
   np.testing.assert_array_equal(np.asarray(forward(from_pretrained(plain, dtype="float32"), ids)), logits)
 
 
+# the vision tower of a tiny K3 vision-language checkpoint (released names and field names)
+K3_VISION = {
+    "patch_size": 4, "init_pos_emb_height": 4, "init_pos_emb_width": 4, "init_pos_emb_time": 4,
+    "pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear",
+    "vt_hidden_size": 32, "vt_num_hidden_layers": 2, "vt_num_attention_heads": 2,
+    "vt_intermediate_size": 48, "qkv_hidden_size": 48, "norm_type": "rmsnorm", "mlp_type": "mlp2",
+    "patch_embed_proj_bias": True, "attn_bias": True, "linear_bias": False,
+    "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "video_attn_type": "spatial_temporal",
+    "mm_projector_type": "patchmergerv2", "mm_hidden_size": 32, "projector_hidden_act": "gelu",
+    "projector_ln_eps": 1e-5, "text_hidden_size": 64, "media_placeholder_token_id": 100,
+}
+
+
+@pytest.fixture(scope="module")
+def k3_vl_dir(tmp_path_factory, k3_dir):
+  """k3_dir's language model with a vision tower and projector (every tensor random bf16)."""
+  src, tensors = k3_dir
+  root = tmp_path_factory.mktemp("k3_vl_hf")
+  hf = json.loads((src / "config.json").read_text())
+  hf.update(vision_config=K3_VISION, media_placeholder_token_id=100)
+  cfg = config_from_hf(hf)
+  rng = np.random.default_rng(11)
+  t = {n: v for n, v in tensors.items() if not n.startswith("vision_tower")}
+  for p in plan(cfg, "language_model."):
+    if p.path.startswith(("vision_tower.", "mm_projector.")):
+      shape = p.hf_shape or (p.shape[::-1] if p.kind == "linear" else p.shape)
+      t[p.sources[0] + ("" if p.sources[0].endswith(".bias") else ".weight")] = (
+          0.3 * rng.standard_normal(shape)).astype(BF16)
+  save_file(t, str(root / "model.safetensors"), metadata={"format": "pt"})
+  (root / "config.json").write_text(json.dumps(hf))
+  return root, t
+
+
+@pytest.mark.slow
+def test_k3_vision_language_round_trip(k3_vl_dir, tmp_path):
+  """A K3 checkpoint with a vision tower: loaded (the patch conv, linears, biases and norms in
+  place), run on an image prompt, HF -> Orbax -> HF byte-identical, config included."""
+  from k3jax import vision
+  src, tensors = k3_vl_dir
+  model = from_pretrained(src, dtype="float32")
+  v = model.cfg.vision
+  assert (v.hidden_size, v.qkv_size, v.norm, v.projector, v.video_attention, v.image_token_id) == (
+      32, 48, "rmsnorm", "patchmerger_v2", "joint", 100)
+  conv = tensors["vision_tower.patch_embed.proj.weight"].astype(np.float32)  # [D, C, p, p]
+  np.testing.assert_array_equal(np.asarray(model.vision_tower.patch_embed.proj.kernel[...]),
+                                conv.reshape(32, -1).T)
+  np.testing.assert_array_equal(np.asarray(model.mm_projector.proj_out.kernel[...]),
+                                tensors["mm_projector.proj.2.weight"].astype(np.float32).T)
+  np.testing.assert_array_equal(np.asarray(model.vision_tower.encoder.blocks[1].wqkv.bias[...]),
+                                tensors["vision_tower.encoder.blocks.1.wqkv.bias"].astype(np.float32))
+  assert model.vision_tower.encoder.blocks[0].mlp.fc0.bias is None  # linear_bias false
+  item = vision.preprocess(np.random.default_rng(1).integers(0, 256, (20, 30, 3), np.uint8), v)
+  arrays = vision.batch([item], max_patches=64)
+  ids = np.full((1, 16), 5, np.int32)
+  ids[0, 2:2 + item.num_tokens] = 100
+  with_image = np.asarray(nnx.jit(lambda m, i, a: m(i, vision=a))(model, ids, arrays))
+  chex.assert_tree_all_finite(with_image)
+  assert not np.allclose(with_image, np.asarray(forward(model, ids)))
+
+  orbax_dir, back = tmp_path / "vl_orbax", tmp_path / "vl_back"
+  hf_to_orbax(src, orbax_dir, progress=False, max_block_bytes=4096)
+  manifest = json.loads((orbax_dir / "hf_manifest.json").read_text())
+  assert "vision_tower.patch_embed.proj.weight" in manifest["tensors"]
+  orbax_to_hf(orbax_dir, back, progress=False, max_block_bytes=4096)
+  assert _read_all(back) == _read_all(src)
+  assert json.loads((back / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+  # the config alone writes the same vision_config back
+  assert config_from_hf(config_to_hf(model.cfg)).vision == v
+
+
 def test_mesh_layout_chunks_follow_shards(k3_dir):
   src, _ = k3_dir
   cfg = config_from_hf(read_hf_config(src))
