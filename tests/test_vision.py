@@ -276,3 +276,190 @@ def test_tower_matches_the_reference(name):
   got_proj = np.concatenate([np.asarray(projected[b, :n[b]]) for b in range(2)])
   np.testing.assert_allclose(got_tokens, io[f"{name}_tower"], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(got_proj, io[f"{name}_projected"], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tower's pieces against float64 NumPy
+
+
+def _np_attention(q, k, v, seg):
+  """Bidirectional attention within equal segment ids, float64, ``[P, H, D]``; id 0 gives 0."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  out = np.zeros_like(v)
+  for i in range(q.shape[0]):
+    if seg[i] == 0:
+      continue
+    keys = np.flatnonzero(seg == seg[i])
+    for h in range(q.shape[1]):
+      logit = k[keys, h] @ q[i, h] / np.sqrt(q.shape[-1])
+      p = np.exp(logit - logit.max())
+      out[i, h] = (p / p.sum()) @ v[keys, h]
+  return out
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_gpu"])
+def test_packed_attention_against_float64(implementation):
+  """Three segments and padding, head dim 36 (not a multiple of 16: zero-padded for the Pallas
+  kernel, here in interpret mode)."""
+  import jax
+  from k3jax.vision.attention import packed_attention
+  seg = np.array([[1] * 7 + [2] * 20 + [3] * 3 + [0] * 6, [4] * 30 + [0] * 6], np.int32)
+  ks = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(kk, (2, 36, 2, 36)) for kk in ks)
+  got = np.asarray(packed_attention(q, k, v, jax.numpy.asarray(seg), implementation))
+  for b in range(2):
+    np.testing.assert_allclose(got[b], _np_attention(q[b], k[b], v[b], seg[b]), atol=2e-5,
+                               rtol=2e-5)
+
+
+def test_rope_against_float64():
+  import jax.numpy as jnp
+  from k3jax.vision.rope import apply_rope, rope_angles
+  rng = np.random.default_rng(3)
+  pos = rng.integers(0, 300, (5, 2))
+  x = rng.normal(size=(5, 3, 24)).astype(np.float32)
+  cos, sin = rope_angles(jnp.asarray(pos), 24, 10000.0)
+  got = np.asarray(apply_rope(jnp.asarray(x), cos, sin))
+  want = np.zeros((5, 3, 24))
+  for n in range(5):
+    for j in range(12):  # complex pair j: column for even j, row for odd j
+      angle = pos[n, 1 - j % 2] * 10000.0 ** (-4 * (j // 2) / 24)
+      z = (x[n, :, 2 * j] + 1j * x[n, :, 2 * j + 1]) * np.exp(1j * angle)
+      want[n, :, 2 * j], want[n, :, 2 * j + 1] = z.real, z.imag
+  np.testing.assert_allclose(got, want, atol=2e-4)  # float32 angles up to ~300 rad
+
+
+def test_pixel_shuffle_and_temporal_pool_against_float64():
+  import jax.numpy as jnp
+  from k3jax.vision.tower import pixel_shuffle
+  rng = np.random.default_rng(4)
+  cfg = VisionConfig()
+  video = vision.from_patches(np.zeros((2 * 4 * 6, 588), np.float32), (2, 4, 6), cfg)
+  image = vision.from_patches(np.zeros((2 * 2, 588), np.float32), (1, 2, 2), cfg)
+  arrays = vision.batch([image, video], max_patches=56)
+  x = rng.normal(size=(1, 56, 5))
+  got = np.asarray(pixel_shuffle(jnp.asarray(x, jnp.float32), jnp.asarray(arrays["token_ids"]), 4))
+  assert got.shape == (1, 14, 4, 5)
+  # by position: the image's one token, then the video's 2 x 3 blocks averaged over 2 frames;
+  # padding gives zeros
+  want = np.zeros((14, 4, 5))
+  want[0] = x[0, :4]
+  for br in range(2):
+    for bc in range(3):
+      for r in range(2):
+        for c in range(2):
+          rows = [n for n in range(4, 52) if tuple(arrays["positions"][0, n]) ==
+                  (2 * br + r, 2 * bc + c)]
+          assert len(rows) == 2  # one per frame
+          want[1 + br * 3 + bc, r * 2 + c] = x[0, rows].mean(0)
+  np.testing.assert_allclose(got[0], want, atol=1e-6)
+
+
+def _np_norm(x, w, eps):
+  x = np.asarray(x, np.float64)
+  return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def test_divided_video_attention_against_float64():
+  """One K3 block with ``video_attention: divided`` on an image and a 3-frame chunk: the image
+  sees its spatial pass only (as the joint block), the chunk a spatial pass per frame, then a
+  temporal pass per position, both with the block's weights."""
+  import dataclasses
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from k3jax.vision.tower import EncoderLayer
+  from k3jax.vision.rope import rope_angles
+  from conftest import tiny_config
+  vcfg = VisionConfig(hidden_size=16, num_heads=2, qkv_size=24, intermediate_size=32,
+                      video_attention="divided")
+  cfg = dataclasses.replace(tiny_config().model, vision=vcfg)
+  layer = EncoderLayer(cfg, rngs=nnx.Rngs(5))
+  rng = np.random.default_rng(5)
+  for _, var in nnx.to_flat_state(nnx.state(layer)):
+    var.set_value(jnp.asarray(rng.normal(size=var.get_value().shape) * 0.3, jnp.float32))
+  image = vision.from_patches(np.zeros((8, 588), np.float32), (1, 2, 4), vcfg)
+  video = vision.from_patches(np.zeros((3 * 8, 588), np.float32), (3, 2, 4), vcfg)
+  arrays = {k: jnp.asarray(v) for k, v in vision.batch([image, video], max_patches=36).items()}
+  x = rng.normal(size=(1, 36, 16)).astype(np.float32)
+  cos, sin = rope_angles(arrays["positions"], 12, vcfg.rope_theta)
+  got = np.asarray(jax.jit(lambda x: layer(x, arrays, cos, sin))(jnp.asarray(x)))[0]
+
+  w = {".".join(map(str, p)): np.asarray(v.get_value(), np.float64)
+       for p, v in nnx.to_flat_state(nnx.state(layer))}
+  c, s = np.asarray(cos[0], np.float64), np.asarray(sin[0], np.float64)
+
+  def rot(t):  # [P, H, 12]
+    a, b = t[..., 0::2], t[..., 1::2]
+    out = np.empty_like(t)
+    out[..., 0::2] = a * c[:, None] - b * s[:, None]
+    out[..., 1::2] = a * s[:, None] + b * c[:, None]
+    return out
+
+  def attn(h, seg):
+    qkv = (_np_norm(h, w["norm0.weight"], vcfg.norm_eps) @ w["wqkv.kernel"]).reshape(36, 3, 2, 12)
+    o = _np_attention(rot(qkv[:, 0]), rot(qkv[:, 1]), qkv[:, 2], seg)
+    return o.reshape(36, 24) @ w["wo.kernel"]
+
+  seg = np.asarray(arrays["segment_ids"][0])
+  frame = np.asarray(arrays["frame_ids"][0])
+  t, row, col = np.asarray(arrays["times"][0]), *np.asarray(arrays["positions"][0]).T
+  place = np.where((t >= 0) & (seg > 0), seg * 100 + row * 10 + col, 0)  # a video position
+  h = x[0].astype(np.float64)
+  h = h + attn(h, frame)
+  h = h + attn(h, place) * (place > 0)[:, None]
+  m = _np_norm(h, w["norm1.weight"], vcfg.norm_eps) @ w["mlp.fc0.kernel"]
+  m = 0.5 * m * (1 + np.tanh(np.sqrt(2 / np.pi) * (m + 0.044715 * m ** 3)))
+  h = h + m @ w["mlp.fc1.kernel"]
+  valid = seg > 0
+  np.testing.assert_allclose(got[valid], h[valid], atol=2e-5, rtol=2e-5)
+  # the image's rows equal the joint block's
+  joint = EncoderLayer(dataclasses.replace(cfg, vision=dataclasses.replace(
+      vcfg, video_attention="joint")), rngs=nnx.Rngs(0))
+  nnx.update(joint, nnx.state(layer))
+  got_joint = np.asarray(joint(jnp.asarray(x), arrays, cos, sin))[0]
+  np.testing.assert_allclose(got_joint[:8], got[:8], atol=1e-6)
+  assert not np.allclose(got_joint[8:32], got[8:32], atol=1e-3)
+
+
+def test_merge_visual_replaces_placeholders_in_order():
+  import jax.numpy as jnp
+  from k3jax.vision.merge import merge_visual
+  rng = np.random.default_rng(6)
+  ids = np.array([[5, 9, 9, 5, 9, 5, 9], [9, 9, 5, 5, 5, 5, 5]], np.int32)
+  x, visual = rng.normal(size=(2, 7, 3)), rng.normal(size=(2, 4, 3))
+  num = np.array([3, 4], np.int32)
+  got = np.asarray(merge_visual(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(visual),
+                                jnp.asarray(num), 9, jnp.asarray([0, 1], np.int32)))
+  want = x.copy()
+  want[0, [1, 2, 4]] = visual[0, :3]  # the 4th placeholder of row 0 has no token: kept
+  want[1, [0, 1]] = visual[1, 1:3]  # row 1 starts at its second visual token (offset 1)
+  np.testing.assert_allclose(got, want.astype(np.float32), atol=1e-7)
+
+
+@pytest.mark.slow
+def test_tower_gradients_reach_every_parameter():
+  """The tower trains: a loss on the visual tokens has finite, non-zero gradients for every
+  parameter (the interpolated grid included), and more padding does not change the outputs."""
+  import dataclasses
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from k3jax.vision.projector import Projector
+  from k3jax.vision.tower import VisionTower
+  from conftest import tiny_config
+  cfg = dataclasses.replace(tiny_config().model, vision=VisionConfig(num_layers=1))
+  modules = nnx.List([VisionTower(cfg, rngs=nnx.Rngs(0)), Projector(cfg, rngs=nnx.Rngs(1))])
+  rng = np.random.default_rng(7)
+  items = [vision.preprocess(rng.integers(0, 256, (40, 60, 3), np.uint8), cfg.vision),
+           vision.preprocess(rng.integers(0, 256, (2, 28, 28, 3), np.uint8), cfg.vision)]
+  encode = nnx.jit(lambda m, a: m[1](m[0](a, jnp.float32))[:, :7])
+  arrays = vision.batch([items], max_patches=32)
+  np.testing.assert_allclose(np.asarray(encode(modules, vision.batch([items], max_patches=48))),
+                             np.asarray(encode(modules, arrays)), atol=1e-6)
+  graphdef, params = nnx.split(modules)
+  loss = lambda params: jnp.sum(encode(nnx.merge(graphdef, params), arrays) ** 2)
+  grads = jax.jit(jax.grad(loss))(params)
+  for path, g in nnx.to_flat_state(grads):
+    g = np.asarray(g.get_value())
+    assert np.isfinite(g).all() and np.abs(g).max() > 0, path
