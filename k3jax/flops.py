@@ -5,7 +5,12 @@ the top-k routed experts plus shared experts, the dense MLP, the router, the LM 
 convolutions, the KDA chunked-recurrence work and causal MLA attention over the keys a token
 really sees: its own document's earlier tokens (``mean_causal_context`` of the batch's segment
 ids; ``(seq_len + 1) / 2`` for rows of one document).
-Not counted: embedding lookup, norms, activations, Block AttnRes mixing, softmax, the optimizer.
+The vision tower (:func:`vision_forward_flops`, per batch: its cost depends on the images, not
+on the text tokens): the patch embedding, each block's projections and MLP, bidirectional
+attention over the keys each patch sees (its image or video chunk; with divided video attention
+its frame, then the chunk's frames at its position) and the projector per visual token.
+Not counted: embedding lookup, norms, activations, Block AttnRes mixing, softmax, the optimizer,
+the tower's positional-grid interpolation.
 A training step counts 3x the forward (forward plus a backward of twice its cost); the recompute
 of rematerialisation is not counted (model FLOPs, not hardware FLOPs).
 
@@ -106,6 +111,28 @@ def forward_flops_per_token(m: ModelConfig, seq_len: int, context: float | None 
 def train_flops_per_token(m: ModelConfig, seq_len: int, context: float | None = None) -> float:
   """Model FLOPs of one training token: 3x the forward."""
   return 3.0 * forward_flops_per_token(m, seq_len, context)["total"]
+
+
+def vision_forward_flops(m: ModelConfig, arrays: dict) -> float:
+  """Forward FLOPs of the vision tower and projector on :func:`k3jax.vision.batch`'s arrays (0
+  without a tower); a training step counts 3x."""
+  v = m.vision
+  if v is None:
+    return 0.0
+  d, a = v.hidden_size, v.attn_size
+  per_patch = v.channels * v.patch_size ** 2 * d + v.num_layers * (4 * d * a + 2 * d * v.intermediate_size)
+  keys = 0.0
+  seg, frames = np.asarray(arrays["segment_ids"]), np.asarray(arrays["frame_ids"])
+  for row_seg, row_frame in zip(seg.reshape(-1, seg.shape[-1]), frames.reshape(-1, seg.shape[-1])):
+    for s in np.unique(row_seg[row_seg > 0]):
+      n = int(np.sum(row_seg == s))
+      f = len(np.unique(row_frame[row_seg == s]))
+      keys += n * (n if v.video_attention == "joint" or f == 1 else n // f + f)
+  patches = int(np.sum(seg > 0))
+  width = d * v.merge
+  tokens = int(np.sum(np.asarray(arrays["num_tokens"])))
+  attention = 2.0 * v.num_layers * 2 * a * keys  # q k^T and p v over every visible key
+  return 2.0 * patches * per_patch + attention + 2.0 * tokens * (width * width + width * m.hidden_size)
 
 
 def device_peak_flops(override_tflops: float = 0.0) -> tuple[float | None, str]:

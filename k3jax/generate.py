@@ -32,11 +32,11 @@ class GenerateError(ValueError):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
-def _prefill(graphdef, state, tokens, lengths, max_len):
+def _prefill(graphdef, state, tokens, lengths, max_len, vision=None):
   model = nnx.merge(graphdef, state)
   b, t = tokens.shape
   valid = jnp.arange(t)[None, :] < lengths[:, None]
-  h, aux = model.hidden(tokens, valid=valid, cache=model.init_cache(b, max_len))
+  h, aux = model.hidden(tokens, valid=valid, cache=model.init_cache(b, max_len), vision=vision)
   last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
   return model.logits(last), aux["cache"]
 
@@ -86,8 +86,14 @@ def encode_prompt(text: str, tokenizer: tokenizer_lib.Tokenizer, bos_id: int, *,
 
 def generate(model: K3Model, prompts, *, tokenizer: tokenizer_lib.Tokenizer | None = None,
              max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-             rng: jax.Array | None = None, eos_id: int | None = None, chat: bool | None = None):
+             rng: jax.Array | None = None, eos_id: int | None = None, chat: bool | None = None,
+             images: dict | None = None):
   """Generates up to ``max_new_tokens`` after each prompt; stops a request at ``eos_id``.
+
+  images: :func:`k3jax.vision.batch`'s arrays, one row per prompt (a model with a vision tower):
+  each prompt's ``image_token_id`` placeholders take its row's visual tokens at prefill. Token
+  prompts carry the placeholders themselves (``num_tokens`` of them per row); text prompts get
+  them right after the BOS token (the images before the text).
 
   prompts: a string, a list of strings, or a list of token-id lists. Text is encoded by
   ``tokenizer`` (default: bytes) after the BOS token (:func:`encode_prompt`; ``chat``: apply the
@@ -109,22 +115,51 @@ def generate(model: K3Model, prompts, *, tokenizer: tokenizer_lib.Tokenizer | No
     if any(not p for p in prompts):
       raise GenerateError("generate: empty prompt text")
     ids = [encode_prompt(p, tokenizer, cfg.bos_token_id, chat=chat) for p in prompts]
+    if images is not None and cfg.vision is not None:
+      n = np.asarray(images.get("num_tokens", np.zeros(len(ids), np.int32))).reshape(-1)
+      if len(n) == len(ids):
+        ids = [i[:1] + [cfg.vision.image_token_id] * int(k) + i[1:] for i, k in zip(ids, n)]
     eos_id = cfg.eos_token_id if eos_id is None else eos_id
   elif any(isinstance(p, str) for p in prompts):
     raise GenerateError("generate: prompts mix strings and token lists")
   else:
     ids = [list(p) for p in prompts]
   new = _generate_ids(model, ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                      top_p=top_p, top_k=top_k, rng=rng, eos_id=eos_id)
+                      top_p=top_p, top_k=top_k, rng=rng, eos_id=eos_id,
+                      vision=_check_images(model, ids, images))
   if not text:
     return new
   out = [tokenizer.decode(n[:-1] if n and n[-1] == eos_id else n) for n in new]
   return out[0] if single else out
 
 
+def _check_images(model: K3Model, prompts: list[list[int]], images: dict | None) -> dict | None:
+  """``images`` as device arrays after checking them against the model and the prompts."""
+  if images is None:
+    return None
+  from k3jax.vision import ARRAY_NAMES
+  v = model.cfg.vision
+  if v is None:
+    raise GenerateError("generate: images given, but the model has no vision tower "
+                        "(model.vision is null)")
+  missing = [k for k in ARRAY_NAMES if k not in images]
+  if missing:
+    raise GenerateError(f"generate: images lacks {missing} (pass k3jax.vision.batch's arrays)")
+  n = np.asarray(images["num_tokens"]).reshape(-1)
+  if len(n) != len(prompts):
+    raise GenerateError(f"generate: images has {len(n)} rows for {len(prompts)} prompts")
+  found = [sum(t == v.image_token_id for t in p) for p in prompts]
+  wrong = [f"prompt {i}: {f} placeholders, {int(k)} visual tokens"
+           for i, (f, k) in enumerate(zip(found, n)) if f != k]
+  if wrong:
+    raise GenerateError(f"generate: image placeholders (token {v.image_token_id}) do not match "
+                        "the images: " + "; ".join(wrong))
+  return {k: jnp.asarray(images[k]) for k in ARRAY_NAMES}
+
+
 def _generate_ids(model: K3Model, prompts: list[list[int]], *, max_new_tokens: int,
                   temperature: float, top_p: float, top_k: int, rng: jax.Array | None,
-                  eos_id: int | None) -> list[list[int]]:
+                  eos_id: int | None, vision: dict | None = None) -> list[list[int]]:
   if not prompts or any(len(p) == 0 for p in prompts):
     raise GenerateError("generate: every prompt needs at least one token")
   vocab = model.cfg.vocab_size
@@ -143,7 +178,8 @@ def _generate_ids(model: K3Model, prompts: list[list[int]], *, max_new_tokens: i
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
   lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-  logits, cache = _prefill(graphdef, state, jnp.asarray(tokens), lengths, t + max_new_tokens)
+  logits, cache = _prefill(graphdef, state, jnp.asarray(tokens), lengths, t + max_new_tokens,
+                           vision)
   out = [[] for _ in range(b)]
   done = np.zeros(b, bool)
   for step in range(max_new_tokens):

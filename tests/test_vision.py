@@ -463,3 +463,66 @@ def test_tower_gradients_reach_every_parameter():
   for path, g in nnx.to_flat_state(grads):
     g = np.asarray(g.get_value())
     assert np.isfinite(g).all() and np.abs(g).max() > 0, path
+
+
+def test_vision_flops_by_hand():
+  from k3jax.flops import vision_forward_flops
+  from conftest import tiny_config
+  import dataclasses
+  v = VisionConfig(hidden_size=8, num_heads=2, qkv_size=4, intermediate_size=16, num_layers=3,
+                   patch_size=2, video_attention="divided")
+  m = dataclasses.replace(tiny_config().model, hidden_size=32, vision=v)
+  image = vision.from_patches(np.zeros((16, 12), np.float32), (1, 4, 4), v)  # 4 tokens
+  video = vision.from_patches(np.zeros((3 * 4, 12), np.float32), (3, 2, 2), v)  # 1 token
+  arrays = vision.batch([[image], [video]], max_patches=20)
+  per_patch = 12 * 8 + 3 * (4 * 8 * 4 + 2 * 8 * 16)
+  keys = 16 * 16 + 12 * (4 + 3)  # the image sees itself; video patches their frame, then 3 frames
+  want = 2 * 28 * per_patch + 2 * 3 * 2 * 4 * keys + 2 * 5 * (32 * 32 + 32 * 32)
+  assert vision_forward_flops(m, arrays) == want
+  joint = dataclasses.replace(m, vision=dataclasses.replace(v, video_attention="joint"))
+  assert vision_forward_flops(joint, arrays) == want + 2 * 3 * 2 * 4 * 12 * (12 - 7)
+  assert vision_forward_flops(dataclasses.replace(m, vision=None), arrays) == 0.0
+
+
+@pytest.mark.slow
+def test_generate_with_images_matches_full_forward():
+  """Greedy decoding of prompts with images (prefill merges the visual tokens; decode steps are
+  text) equals argmax of repeated full forward passes; text prompts get the placeholders after
+  BOS; bad image arguments are refused."""
+  import jax.numpy as jnp
+  from flax import nnx
+  from k3jax.generate import GenerateError, generate
+  from k3jax.model import K3Model
+  from conftest import tiny_config
+  cfg = tiny_config("model.vision.num_layers=1").model
+  model = K3Model(cfg, rngs=nnx.Rngs(3))
+  rng = np.random.default_rng(8)
+  items = [vision.preprocess(rng.integers(0, 256, (30, 44, 3), np.uint8), cfg.vision),  # 4 tokens
+           vision.preprocess(rng.integers(0, 256, (28, 28, 3), np.uint8), cfg.vision)]  # 1 token
+  arrays = vision.batch([[items[0]], [items[1]]], max_patches=32)
+  img, bos = cfg.vision.image_token_id, cfg.bos_token_id
+  prompts = [[bos] + [img] * 4 + list(b"hi"), [bos, img] + list(b"yo")]
+  got = generate(model, prompts, images=arrays, max_new_tokens=3)
+  # full forward passes on right-padded rows (causal: the padding does not reach the last token)
+  forward = nnx.jit(lambda m, i, a: m(i, vision=a))
+  seqs = [list(p) for p in prompts]
+  for _ in range(3):
+    ids = np.zeros((2, 10), np.int32)
+    for b, q in enumerate(seqs):
+      ids[b, :len(q)] = q
+    logits = np.asarray(forward(model, jnp.asarray(ids), arrays))
+    for b, q in enumerate(seqs):
+      q.append(int(np.argmax(logits[b, len(q) - 1])))
+  assert got == [q[len(p):] for q, p in zip(seqs, prompts)]
+  from k3jax.tokenizer import ByteTokenizer
+  assert generate(model, ["hi", "yo"], images=arrays, max_new_tokens=3, eos_id=-1) == [
+      ByteTokenizer().decode(g) for g in got]
+  with pytest.raises(GenerateError, match="prompt 0: 3 placeholders, 4 visual tokens"):
+    generate(model, [prompts[0][:-3], prompts[1]], images=arrays, max_new_tokens=1)
+  with pytest.raises(GenerateError, match="2 rows for 1 prompts"):
+    generate(model, prompts[:1], images=arrays, max_new_tokens=1)
+  with pytest.raises(GenerateError, match="lacks"):
+    generate(model, prompts, images={"num_tokens": arrays["num_tokens"]}, max_new_tokens=1)
+  text = K3Model(tiny_config().model, rngs=nnx.Rngs(0))
+  with pytest.raises(GenerateError, match="no vision tower"):
+    generate(text, prompts, images=arrays, max_new_tokens=1)

@@ -19,9 +19,9 @@ text-only model). The language model takes ``batch``'s arrays as ``vision=`` and
 row, the embeddings of the ``image_token_id`` positions by the row's visual tokens in order.
 """
 
-from k3jax.vision.packing import batch
+from k3jax.vision.packing import ARRAY_NAMES, batch
 from k3jax.vision.preprocess import VisionItem, from_patches, preprocess, video_chunks
 from k3jax.vision.resize import ResizePlan, VisionError, num_tokens, resize_plan
 
-__all__ = ["ResizePlan", "VisionError", "VisionItem", "batch", "from_patches", "num_tokens",
+__all__ = ["ARRAY_NAMES", "ResizePlan", "VisionError", "VisionItem", "batch", "from_patches", "num_tokens",
            "preprocess", "resize_plan", "video_chunks"]

@@ -15,6 +15,10 @@ from k3jax.config import VisionConfig
 from k3jax.vision.preprocess import VisionItem
 from k3jax.vision.resize import VisionError
 
+# the arrays of :func:`batch`, the tower's input
+ARRAY_NAMES = ("patches", "positions", "times", "pos_rows", "pos_row_weights", "pos_cols",
+               "pos_col_weights", "segment_ids", "frame_ids", "temporal_ids", "temporal_order",
+               "token_ids", "num_tokens")
 
 def _row(items: Sequence[VisionItem], max_patches: int, width: int,
          merge: int) -> dict[str, np.ndarray]:
