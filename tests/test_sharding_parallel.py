@@ -129,3 +129,12 @@ def test_scanned_model_on_a_mesh():
   the unrolled one's on that mesh (float32)."""
   out = _run("scanned_model")
   assert out["loss"] < 1e-6 and out["grad"] < 1e-4 and out["stats"] < 1e-6, out
+
+
+def test_vision_tower_on_meshes_matches_one_device():
+  """MoonViT-V2 and its projector data-parallel (data=8), FSDP (fsdp=8: the parameters split)
+  and mixed with tensor parallelism: the loss and every gradient as on one device."""
+  out = _run("vision_sharded")
+  for layout, err in out.items():
+    assert err["loss"] < TOL and err["grad"] < GRAD_TOL * 10, (layout, err)
+  assert out["data"]["split"] == 0 and out["fsdp"]["split"] > out["fsdp"]["params"] // 2, out

@@ -440,6 +440,56 @@ def scanned_model():
           "grad": max(_max_rel(a, b) for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1))),
           "stats": max(_max_rel(a, b) for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1)))}
 
+def vision_sharded():
+  """The vision tower and projector (a loss on the visual tokens and its gradients) on 8 rows of
+  images and video chunks under data=8, fsdp=8 and data=2,fsdp=2,tensor=2 vs one device, and
+  how many parameters each layout splits."""
+  import dataclasses
+  from flax import nnx
+  import sharding
+  from k3jax import vision
+  from k3jax.config import VisionConfig, load
+  from k3jax.vision.projector import Projector
+  from k3jax.vision.tower import VisionTower
+
+  base = load("configs/k3_tiny.yaml", ["model.param_dtype=float64", "model.compute_dtype=float64"])
+  cfg = dataclasses.replace(base.model, vision=VisionConfig(hidden_size=32, num_heads=2,
+                                                            qkv_size=48, intermediate_size=64))
+  modules = nnx.List([VisionTower(cfg, rngs=nnx.Rngs(0)), Projector(cfg, rngs=nnx.Rngs(1))])
+  graphdef, state = nnx.split(modules)
+  params = nnx.to_pure_dict(state)
+  rng = np.random.default_rng(0)
+  rows = [[vision.preprocess(rng.integers(0, 256, (28 * (1 + i % 3), 56, 3), np.uint8), cfg.vision)]
+          + ([vision.preprocess(rng.integers(0, 256, (2, 28, 28, 3), np.uint8), cfg.vision)]
+             if i % 2 else []) for i in range(8)]
+  arrays = {k: jnp.asarray(v) for k, v in vision.batch(rows, max_patches=64).items()}
+
+  def loss(p, a):
+    s = nnx.state(modules)
+    nnx.replace_by_pure_dict(s, p)
+    m = nnx.merge(graphdef, s)
+    return jnp.sum(m[1](m[0](a, jnp.float64)) ** 2)
+
+  ref_l, ref_g = jax.jit(jax.value_and_grad(loss))(params, arrays)
+  names = mesh_lib.names_tree(modules)
+  out = {}
+  for name, sizes in (("data", dict(data=8)), ("fsdp", dict(fsdp=8)),
+                      ("mix", dict(data=2, fsdp=2, tensor=2))):
+    mesh_cfg = MeshConfig(**{"data": 1, **sizes})
+    mesh = mesh_lib.make_mesh(mesh_cfg)
+    with sharding.layout(mesh_cfg), jax.set_mesh(mesh):
+      p = mesh_lib.shard_params(params, mesh, names)
+      rows = lambda x: jax.sharding.NamedSharding(
+          mesh, sharding.rules.logical_spec(("batch",) + (None,) * (x.ndim - 1)))
+      a = jax.tree.map(lambda x: jax.device_put(x, rows(x)), arrays)
+      l, g = jax.jit(jax.value_and_grad(loss))(p, a)
+      split = sum(1 for x in jax.tree.leaves(p) if not x.sharding.is_fully_replicated)
+    out[name] = {"loss": _max_rel(ref_l, l),
+                 "grad": max(_max_rel(r, x) for r, x in zip(jax.tree.leaves(ref_g), jax.tree.leaves(g))),
+                 "split": split, "params": len(jax.tree.leaves(p))}
+  return out
+
+
 if __name__ == "__main__":
   _setup()
   print(json.dumps(globals()[sys.argv[1]](*sys.argv[2:])))
