@@ -124,7 +124,7 @@ class VisionConfig:
   pos_emb_width: int = 64
   pos_emb_frames: int = 4  # most frames of one video chunk (init_pos_emb_time, 4)
   pos_emb_interpolation: str = "bilinear"  # "bicubic" (K2.5) or "bilinear" (K3)
-  rope_max_grid: int = 512  # largest patch grid side the 2D rotary table covers
+  rope_max_grid: int = 512  # largest patch grid side the reference's 2D rotary table covers
   rope_theta: float = 10000.0
   norm: str = "rmsnorm"  # "layernorm" (K2.5) or "rmsnorm" (K3)
   norm_eps: float = 1.1920929e-07  # K2.5 LayerNorm 1e-5; K3's RMSNorm: float32 epsilon

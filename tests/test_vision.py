@@ -526,3 +526,37 @@ def test_generate_with_images_matches_full_forward():
   text = K3Model(tiny_config().model, rngs=nnx.Rngs(0))
   with pytest.raises(GenerateError, match="no vision tower"):
     generate(text, prompts, images=arrays, max_new_tokens=1)
+
+
+@pytest.mark.slow
+def test_tower_remat_gives_the_same_gradients():
+  import dataclasses
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from k3jax.vision.tower import VisionTower
+  from conftest import tiny_config
+  cfg = dataclasses.replace(tiny_config().model, vision=VisionConfig(num_layers=2))
+  rng = np.random.default_rng(9)
+  item = vision.preprocess(rng.integers(0, 256, (2, 28, 56, 3), np.uint8), cfg.vision)
+  arrays = vision.batch([item], max_patches=16)
+  grads = []
+  for remat in ("none", "full"):
+    tower = VisionTower(dataclasses.replace(cfg, remat=remat), rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(tower)
+    loss = lambda p: jnp.sum(nnx.merge(graphdef, p)(arrays, jnp.float32) ** 2)
+    grads.append(jax.tree.leaves(jax.jit(jax.grad(loss))(params)))
+  for a, b in zip(*grads):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_from_patches_checks_the_grid_and_video_chunks_split():
+  cfg = VisionConfig(rope_max_grid=8, max_patches=64)
+  with pytest.raises(VisionError, match="do not fit grid"):
+    vision.from_patches(np.zeros((10, 588), np.float32), (1, 2, 4), cfg)
+  with pytest.raises(VisionError, match="rotary table covers 8"):
+    vision.from_patches(np.zeros((20, 588), np.float32), (1, 2, 10), cfg)
+  with pytest.raises(VisionError, match="max_patches=64"):
+    vision.from_patches(np.zeros((80, 588), np.float32), (1, 8, 10), VisionConfig(max_patches=64))
+  frames = np.zeros((10, 5, 6, 3), np.uint8)
+  assert [c.shape[0] for c in vision.video_chunks(frames, VisionConfig())] == [4, 4, 2]

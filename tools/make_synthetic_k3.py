@@ -1,6 +1,6 @@
 """Writes a synthetic 2-layer Kimi K3 checkpoint at full width, for measuring the converter.
 
-    .venv/bin/python tools/make_synthetic_k3.py --out /tmp/k3_synth [--experts 896]
+    .venv/bin/python tools/make_synthetic_k3.py --out /tmp/k3_synth [--experts 896] [--vision]
 
 Layer 0: KDA + dense MLP (33792); layer 1: gated MLA + LatentMoE with ``--experts`` routed
 experts stored MXFP4 (compressed-tensors packing), 2 shared experts, latent 3584. Names carry the
@@ -8,7 +8,10 @@ release's ``language_model.`` prefix; shards of at most 5 GB plus ``model.safete
 Values are random (bf16 normal * 0.02; MXFP4 codes uniform, E8M0 scales in [118, 126]); the
 point is the sizes: 896 experts make ~15.8 GB of MXFP4 experts that dequantize to ~59 GB of
 bfloat16, and the largest tensors are the [163840, 7168] bf16 embedding and head (2.35 GB).
-Needs about one largest tensor of RAM.
+Needs about one largest tensor of RAM. ``--vision`` adds the release's MoonViT-V2 tower and
+projector (``vision_tower.*``, ``mm_projector.*`` and ``vision_config`` as in the public K3
+loaders' ``KimiK3VisionConfig``: 27 blocks of width 1024, 12 heads of 128, MLP 4096, RMSNorm, no
+biases, ``patchmergerv2``; about 0.44B parameters, 0.9 GB).
 """
 
 from __future__ import annotations
@@ -26,9 +29,19 @@ from k3jax.convert import MXFP4_GROUP, SafetensorsWriter
 D, V, DENSE, F, LATENT, SHARED = 7168, 163840, 33792, 3072, 3584, 2
 KDA_H, KDA_D, CONV = 96, 128, 4
 MLA_H, Q_LORA, KV_LORA, NOPE, ROPE, VD = 96, 1536, 512, 128, 64, 128
+VISION = {  # the released K3 tower's vision_config
+    "patch_size": 14, "init_pos_emb_height": 64, "init_pos_emb_width": 64, "init_pos_emb_time": 4,
+    "pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear",
+    "vt_hidden_size": 1024, "vt_num_hidden_layers": 27, "vt_num_attention_heads": 12,
+    "vt_intermediate_size": 4096, "qkv_hidden_size": 1536, "norm_type": "rmsnorm",
+    "mlp_type": "mlp2", "patch_embed_proj_bias": False, "attn_bias": False, "linear_bias": False,
+    "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "video_attn_type": "spatial_temporal",
+    "mm_projector_type": "patchmergerv2", "mm_hidden_size": 1024, "projector_hidden_act": "gelu",
+    "projector_ln_eps": 1e-5, "text_hidden_size": D, "media_placeholder_token_id": 163605,
+}
 
 
-def config(experts: int) -> dict:
+def config(experts: int, vision: bool = False) -> dict:
   text = {
       "model_type": "kimi_linear", "vocab_size": V, "hidden_size": D, "num_hidden_layers": 2,
       "intermediate_size": DENSE, "moe_intermediate_size": F, "first_k_dense_replace": 1,
@@ -46,10 +59,31 @@ def config(experts: int) -> dict:
                              "gate_lower_bound": -5.0, "use_full_rank_gate": True,
                              "kda_layers": [1], "full_attn_layers": [2]},
   }
-  return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
-          "torch_dtype": "bfloat16", "text_config": text,
-          "quantization_config": {"quant_method": "compressed-tensors",
-                                  "format": "mxfp4-pack-quantized"}}
+  out = {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
+         "torch_dtype": "bfloat16", "text_config": text,
+         "quantization_config": {"quant_method": "compressed-tensors",
+                                 "format": "mxfp4-pack-quantized"}}
+  if vision:
+    out.update(vision_config=VISION, media_placeholder_token_id=163605)
+  return out
+
+
+def vision_tensors() -> list[tuple[str, str, tuple[int, ...]]]:
+  """(name, dtype, shape) of the released vision tower and projector."""
+  v = VISION
+  w, qkv, mlp, p = v["vt_hidden_size"], v["qkv_hidden_size"], v["vt_intermediate_size"], v["patch_size"]
+  merged = w * 4
+  out = [("vision_tower.patch_embed.proj.weight", "BF16", (w, 3, p, p)),
+         ("vision_tower.patch_embed.pos_emb.weight", "BF16", (64, 64, w))]
+  for i in range(v["vt_num_hidden_layers"]):
+    b = f"vision_tower.encoder.blocks.{i}."
+    out += [(b + "norm0.weight", "BF16", (w,)), (b + "norm1.weight", "BF16", (w,)),
+            (b + "wqkv.weight", "BF16", (3 * qkv, w)), (b + "wo.weight", "BF16", (w, qkv)),
+            (b + "mlp.fc0.weight", "BF16", (mlp, w)), (b + "mlp.fc1.weight", "BF16", (w, mlp))]
+  return out + [("vision_tower.encoder.final_layernorm.weight", "BF16", (w,)),
+                ("mm_projector.proj.0.weight", "BF16", (merged, merged)),
+                ("mm_projector.proj.2.weight", "BF16", (D, merged)),
+                ("mm_projector.post_norm.weight", "BF16", (D,))]
 
 
 def tensors(experts: int) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -132,17 +166,18 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--out", required=True)
   ap.add_argument("--experts", type=int, default=896)
+  ap.add_argument("--vision", action="store_true", help="add the vision tower and projector")
   args = ap.parse_args()
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=False)
-  plan = tensors(args.experts)
+  plan = tensors(args.experts) + (vision_tensors() if args.vision else [])
   rng = np.random.default_rng(0)
   t0 = time.perf_counter()
   w = SafetensorsWriter(out, plan)
   for name, dt, shape in plan:
     w.write(name, fill(rng, name, dt, shape))
   w.close()
-  (out / "config.json").write_text(json.dumps(config(args.experts), indent=2))
+  (out / "config.json").write_text(json.dumps(config(args.experts, args.vision), indent=2))
   print(f"wrote {out}: {len(plan)} tensors, {w.total_bytes / 1e9:.2f} GB in "
         f"{time.perf_counter() - t0:.0f} s")
 

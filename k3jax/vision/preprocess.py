@@ -97,6 +97,9 @@ def from_patches(patches: np.ndarray, grid: tuple[int, int, int], cfg: VisionCon
   if patches.shape[0] != f * rows * cols or rows % kh or cols % kw or f > cfg.pos_emb_frames:
     raise VisionError(f"{patches.shape[0]} patches do not fit grid {list(grid)} (rows a multiple "
                       f"of {kh}, columns of {kw}, at most {cfg.pos_emb_frames} frames)")
+  if max(rows, cols) > cfg.rope_max_grid:
+    raise VisionError(f"grid {rows}x{cols}: the rotary table covers {cfg.rope_max_grid} patches "
+                      "a side (model.vision.rope_max_grid)")
   if patches.shape[0] > cfg.max_patches:
     raise VisionError(f"{patches.shape[0]} patches, over model.vision.max_patches="
                       f"{cfg.max_patches}")

@@ -108,12 +108,19 @@ class Encoder(nnx.Module):
     self.blocks = nnx.List([EncoderLayer(cfg, rngs=rngs) for _ in range(v.num_layers)])
     self.final_layernorm = Norm(v.hidden_size, v.norm, v.norm_eps, rngs=rngs, dtype=cfg.pdtype)
     self.head_dim, self.theta = v.head_dim, v.rope_theta
+    # under any model.remat policy the backward recomputes each block from its input
+    self.remat = cfg.remat != "none"
 
   def __call__(self, x, arrays):
     cos, sin = rope_angles(arrays["positions"], self.head_dim, self.theta)
+    run = nnx.remat(_run_block) if self.remat else _run_block
     for block in self.blocks:
-      x = block(x, arrays, cos, sin)
+      x = run(block, x, arrays, cos, sin)
     return self.final_layernorm(x)
+
+
+def _run_block(block, x, arrays, cos, sin):
+  return block(x, arrays, cos, sin)
 
 
 def pixel_shuffle(x: jax.Array, token_ids: jax.Array, merge: int) -> jax.Array:
