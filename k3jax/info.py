@@ -33,6 +33,8 @@ def _component(path: tuple) -> str:
     return "embedding"
   if keys[0] == "lm_head":
     return "lm_head"
+  if keys[0] in ("vision_tower", "mm_projector"):
+    return "vision"
   if keys[0] != "layers":
     return "final"
   rest = keys[2:]
@@ -61,7 +63,8 @@ def param_counts(cfg: ModelConfig) -> dict:
     comp[_component(path)] += math.prod(leaf.shape)
   total = sum(comp.values())
   routed_active = comp["routed_experts"] * cfg.moe.top_k / cfg.moe.num_experts
-  active = total - comp["embedding"] - comp["routed_experts"] + routed_active
+  # the vision tower's weights multiply image patches, not the text tokens
+  active = total - comp["embedding"] - comp["routed_experts"] - comp["vision"] + routed_active
   mla = len(cfg.mla_layers)
   kda = cfg.num_layers - mla
   k, a = cfg.kda, cfg.mla

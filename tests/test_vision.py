@@ -560,3 +560,22 @@ def test_from_patches_checks_the_grid_and_video_chunks_split():
     vision.from_patches(np.zeros((80, 588), np.float32), (1, 8, 10), VisionConfig(max_patches=64))
   frames = np.zeros((10, 5, 6, 3), np.uint8)
   assert [c.shape[0] for c in vision.video_chunks(frames, VisionConfig())] == [4, 4, 2]
+
+
+def test_released_k3_tower_size():
+  """The released K3 tower and projector (27 x 1024, qkv 1536, MLP 4096, patchmerger_v2 into
+  7168): 447,358,976 parameters, counted apart from the text model's active ones."""
+  import sys
+  from k3jax.convert.hf_vision import vision_from_hf
+  from k3jax.info import param_counts
+  from conftest import ROOT, tiny_config
+  sys.path.insert(0, str(ROOT / "tools"))
+  from make_synthetic_k3 import VISION
+  fields = vision_from_hf(VISION, 7168, 163605)
+  wide = ["model.hidden_size=7168", "model.vocab_size=163840", "model.num_layers=1",
+          "model.mla_layers=[0]"]
+  text = param_counts(tiny_config(*wide).model)
+  both = param_counts(tiny_config(*wide, f"model.vision={fields}").model)
+  assert both["components"]["vision"] == 447_358_976
+  assert both["active_params"] == text["active_params"]
+  assert both["total_params"] == text["total_params"] + 447_358_976
