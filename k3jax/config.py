@@ -143,6 +143,9 @@ class VisionConfig:
   # the placeholder token each visual token replaces, in order (K2.5 and K3: 163605,
   # <|media_pad|>)
   image_token_id: int = 259
+  # RGBA input: "chessboard" (K3's processor: resized, then composited onto a white and grey
+  # chessboard) or "drop" (K2.5's: the alpha channel dropped before resizing)
+  alpha: str = "chessboard"
   image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
   image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
   # Resizing, as the reference processor: an image is scaled down (never up) until it has at
@@ -705,6 +708,7 @@ def _validate_vision(m: ModelConfig) -> None:
   _one_of(v.norm, ("layernorm", "rmsnorm"), "model.vision.norm")
   _one_of(v.video_attention, ("joint", "divided"), "model.vision.video_attention")
   _one_of(v.projector, ("patchmerger", "patchmerger_v2"), "model.vision.projector")
+  _one_of(v.alpha, ("chessboard", "drop"), "model.vision.alpha")
   _check(0 <= v.image_token_id < m.vocab_size, "model.vision.image_token_id",
          f"must be a token id < vocab_size={m.vocab_size}, got {v.image_token_id}")
   _check(v.image_token_id not in (m.bos_token_id, m.eos_token_id, m.pad_token_id),

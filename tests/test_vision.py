@@ -85,7 +85,7 @@ def test_preprocess_resizes_with_pillow_bicubic():
     (np.zeros((0, 5, 5, 3), np.uint8), "empty"),
     (np.zeros((5, 5, 3), np.float32), "uint8"),
     (np.zeros((5, 5), np.uint8), "shape"),
-    (np.zeros((5, 5, 4), np.uint8), "shape"),
+    (np.zeros((5, 5, 2), np.uint8), "shape"),
     (np.zeros((1, 1, 5, 5, 3), np.uint8), "shape"),
     (np.zeros((5, 5, 5, 3), np.uint8), "frames"),
     ([[[0, 0, 0]]], "NumPy"),
@@ -579,3 +579,33 @@ def test_released_k3_tower_size():
   assert both["components"]["vision"] == 447_358_976
   assert both["active_params"] == text["active_params"]
   assert both["total_params"] == text["total_params"] + 447_358_976
+
+
+def test_rgba_on_the_chessboard_or_dropped():
+  """K3 resizes an RGBA image (premultiplied) and then composites it onto 8-pixel white / grey
+  squares; K2.5 drops alpha first."""
+  from PIL import Image
+  rng = np.random.default_rng(10)
+  rgba = rng.integers(0, 256, (84, 112, 4), np.uint8)
+  cfg = VisionConfig(in_patch_limit=16)  # resized to 56 x 42
+  plan = vision.resize_plan(84, 112, cfg)
+  small = np.asarray(Image.fromarray(rgba).resize((plan.width, plan.height),
+                                                  Image.Resampling.BICUBIC)).astype(np.float64)
+  y, x = np.mgrid[:plan.height, :plan.width]
+  board = np.where((y // 8 + x // 8) % 2 == 0, 255.0, 180.0)[..., None]
+  a = small[..., 3:] / 255.0
+  rgb = np.floor(a * small[..., :3] + (1 - a) * board + 1e-4).astype(np.uint8)
+  item = vision.preprocess(rgba, cfg)
+  for n in (0, 7):
+    t, r, c = item.positions[n]
+    full = np.zeros((plan.grid[1] * 14, plan.grid[2] * 14, 3))
+    full[:plan.height, :plan.width] = rgb
+    want = (full[r * 14:(r + 1) * 14, c * 14:(c + 1) * 14] / 255.0 - 0.5) / 0.5
+    np.testing.assert_allclose(item.patches[n], want.transpose(2, 0, 1).ravel(), atol=1e-2 + 2e-6)
+  dropped = vision.preprocess(rgba, VisionConfig(in_patch_limit=16, alpha="drop"))
+  np.testing.assert_array_equal(dropped.patches,
+                                vision.preprocess(rgba[..., :3].copy(), cfg).patches)
+  opaque = rgba.copy()
+  opaque[..., 3] = 255
+  np.testing.assert_array_equal(vision.preprocess(opaque, cfg).patches,
+                                vision.preprocess(rgba[..., :3].copy(), cfg).patches)

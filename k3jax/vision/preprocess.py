@@ -49,33 +49,57 @@ def video_chunks(frames: np.ndarray, cfg: VisionConfig) -> list[np.ndarray]:
   return [frames[i:i + n] for i in range(0, frames.shape[0], n)]
 
 
+# K3's processor puts transparent images on a chessboard of 8-pixel squares, white (255) at the
+# top left and grey (180), after resizing
+_SQUARE, _WHITE, _GREY = 8, 255, 180
+
+
 def _check_pixels(pixels, cfg: VisionConfig) -> np.ndarray:
   if not isinstance(pixels, np.ndarray):
     raise VisionError(f"pixels must be a NumPy uint8 array, got {type(pixels).__name__}")
   if pixels.dtype != np.uint8:
     raise VisionError(f"pixels must be uint8 (0-255), got {pixels.dtype}")
-  if pixels.ndim not in (3, 4) or pixels.shape[-1] != cfg.channels:
+  rgba = cfg.channels == 3 and pixels.ndim in (3, 4) and pixels.shape[-1] == 4
+  if pixels.ndim not in (3, 4) or (pixels.shape[-1] != cfg.channels and not rgba):
     raise VisionError(f"pixels must be [H, W, {cfg.channels}] (image) or [F, H, W, "
-                      f"{cfg.channels}] (video frames), got shape {list(pixels.shape)}")
+                      f"{cfg.channels}] (video frames), RGBA allowed, got shape "
+                      f"{list(pixels.shape)}")
   return pixels if pixels.ndim == 4 else pixels[None]
 
 
-def _resize(frame: np.ndarray, width: int, height: int) -> np.ndarray:
+def _on_chessboard(rgba: np.ndarray) -> np.ndarray:
+  """``[H, W, 4]`` uint8 composited onto the chessboard: ``a * rgb + (1 - a) * board`` in
+  float32, truncated to uint8 (K3's processor)."""
+  h, w = rgba.shape[:2]
+  grey = (np.arange(h)[:, None] // _SQUARE + np.arange(w)[None, :] // _SQUARE) % 2 == 1
+  board = np.where(grey, _GREY, _WHITE).astype(np.uint8)[..., None]
+  a = rgba[..., 3:4].astype(np.float32) / 255.0
+  return (a * rgba[..., :3] + (1.0 - a) * board).astype(np.uint8)
+
+
+def _resize(frame: np.ndarray, width: int, height: int, alpha: str) -> np.ndarray:
+  """One ``[H, W, 3 or 4]`` frame resized (Pillow bicubic; RGBA resamples premultiplied) to RGB
+  ``[height, width, 3]``; transparency per ``alpha`` (VisionConfig.alpha)."""
   from PIL import Image
-  image = Image.fromarray(frame)
+  if frame.shape[-1] == 4 and alpha == "drop":  # K2.5: converted to RGB before resizing
+    frame = frame[..., :3]
+  image = Image.fromarray(np.ascontiguousarray(frame))
   if image.size != (width, height):
     image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
-  return np.asarray(image)
+  out = np.asarray(image)
+  return out if out.shape[-1] == 3 else _on_chessboard(out)
 
 
 def preprocess(pixels: np.ndarray, cfg: VisionConfig) -> VisionItem:
   """``pixels``: uint8 ``[H, W, C]`` (an image) or ``[F, H, W, C]`` (the frames of one video
-  chunk, ``F <= cfg.pos_emb_frames``). VisionError for a wrong dtype or shape, an empty input,
-  too many frames, pixels or patches (:func:`k3jax.vision.resize.resize_plan`)."""
+  chunk, ``F <= cfg.pos_emb_frames``); RGBA (C = 4) is made RGB as ``cfg.alpha`` says.
+  VisionError for a wrong dtype or shape, an empty input, too many frames, pixels or patches
+  (:func:`k3jax.vision.resize.resize_plan`)."""
   frames = _check_pixels(pixels, cfg)
-  f, h, w, c = frames.shape
+  f, h, w = frames.shape[:3]
+  c = cfg.channels
   plan = resize_plan(h, w, cfg, f)
-  resized = np.stack([_resize(x, plan.width, plan.height) for x in frames])
+  resized = np.stack([_resize(x, plan.width, plan.height, cfg.alpha) for x in frames])
   resized = np.pad(resized, ((0, 0), (0, plan.pad_height), (0, plan.pad_width), (0, 0)))
   x = (resized / 255.0).astype(np.float32)
   x -= np.asarray(cfg.image_mean)
