@@ -383,6 +383,7 @@ def test_divided_video_attention_against_float64():
   arrays = {k: jnp.asarray(v) for k, v in vision.batch([image, video], max_patches=36).items()}
   x = rng.normal(size=(1, 36, 16)).astype(np.float32)
   cos, sin = rope_angles(arrays["positions"], 12, vcfg.rope_theta)
+  arrays["temporal_inverse"] = jnp.argsort(arrays["temporal_order"], axis=1)
   got = np.asarray(jax.jit(lambda x: layer(x, arrays, cos, sin))(jnp.asarray(x)))[0]
 
   w = {".".join(map(str, p)): np.asarray(v.get_value(), np.float64)

@@ -88,9 +88,8 @@ class EncoderLayer(nnx.Module):
     else:
       x = x + self._attention(x, arrays["frame_ids"], cos, sin)
       x = shard(x, _ACT)
-      order = arrays["temporal_order"]
+      order, inverse = arrays["temporal_order"], arrays["temporal_inverse"]
       take = lambda t: jnp.take_along_axis(t, order[..., None], axis=1)
-      inverse = jnp.argsort(order, axis=1)
       is_video = (arrays["times"] >= 0)[..., None]
       temporal = lambda x: jnp.take_along_axis(
           self._attention(take(x), arrays["temporal_ids"], take(cos), take(sin)),
@@ -113,6 +112,8 @@ class Encoder(nnx.Module):
 
   def __call__(self, x, arrays):
     cos, sin = rope_angles(arrays["positions"], self.head_dim, self.theta)
+    # the divided temporal pass gathers into temporal order and back
+    arrays = {**arrays, "temporal_inverse": jnp.argsort(arrays["temporal_order"], axis=1)}
     run = nnx.remat(_run_block) if self.remat else _run_block
     for block in self.blocks:
       x = run(block, x, arrays, cos, sin)
