@@ -1,34 +1,43 @@
 """MoonViT-V2: patch embedding, the encoder and the pixel shuffle, on ``batch``'s arrays.
 
-Reference: Kimi K2.5's ``MoonViT3dPretrainedModel`` (``modeling_kimi_k25.py`` of
-moonshotai/Kimi-K2.5; the golden files of tests/golden/moonvit_tiny come from it, see
-tools/make_vision_golden.py for the revision). Same computation, K2.5's settings
-(``norm: layernorm``, ``projector: patchmerger``, ``video_attention: joint``,
-``pos_emb_interpolation: bicubic``):
+Reference: the public K3 loaders' MoonViT3d, ``nemo_automodel/components/models/kimi_k3/
+vision.py`` of NVIDIA-NeMo/Automodel at commit 10ceda1be02807a01f6adc2a3d21328e9279fd0a ("modified
+for Kimi-K3"; Kimi K2.5's ``modeling_kimi_k25.py`` tower of moonshotai/Kimi-K2.5 with K3's
+switches added). tests/golden/moonvit_tiny holds its outputs with K3's settings and with K2.5's
+(tools/make_vision_golden.py); this module matches both to 1e-5 in float32. The computation:
 
 - patch embedding: the ``C x p x p`` conv with stride p is a matmul of each flattened patch; the
-  learned ``[H0, W0, D]`` grid resized to the image's patch grid is added, plus a fixed sin-cos
+  learned ``[H0, W0, D]`` grid resized to the image's patch grid is added (bilinear for K3,
+  bicubic for K2.5, as ``F.interpolate`` with ``align_corners=False``), plus a fixed sin-cos
   embedding of the frame index for the frames of a video chunk (not for single images);
 - ``num_layers`` pre-norm blocks: ``x + wo(attn(rope(wqkv(norm0(x)))))``, ``x + fc1(gelu_tanh(
   fc0(norm1(x))))``; 2D rotary embedding on q and k (:mod:`k3jax.vision.rope`); bidirectional
   attention within each item (segment ids), never across items;
 - a final norm; then each ``kh x kw`` block of patches is concatenated into one visual token
-  (pixel shuffle) and a chunk's frames are averaged (``temporal_pool``, K2.5's ``sd2_tpool``).
+  (pixel shuffle) and a chunk's frames are averaged (``temporal_pool``, ``sd2_tpool``).
 
-Where K3's tower differs (each a config switch, K2.5's behaviour the other setting):
+Switches (K3's released values are the defaults, K2.5's the other setting): ``norm`` (RMSNorm /
+LayerNorm), the three bias flags, ``qkv_size``, ``pos_emb_interpolation``, ``projector``
+(``patchmerger_v2``: Linear, GELU, Linear without biases, then RMSNorm into the text width /
+``patchmerger``: LayerNorm, Linear, GELU, Linear) and ``alpha`` (RGBA input, host side).
 
-- ``norm: rmsnorm``, ``projector: patchmerger_v2`` (Linear, GELU, Linear without biases, then
-  RMSNorm in the text width): as the public K3 loaders' MoonViT3d (e.g. the plain-PyTorch tower
-  of NVIDIA's ``KimiK3VisionTower``, checkpoint ``mm_projector_type: patchmergerv2``,
-  ``norm_type: rmsnorm``, whose RMSNorm takes float32's epsilon); the bias switches follow their
-  ``attn_bias``/``linear_bias``/``patch_embed_proj_bias`` fields.
-- ``video_attention: divided``: SPEC section 6 says K3's video attention is split into a spatial
-  pass within a frame and a temporal pass across frames, with parameters shared with images.
-  No public K3 code shows how (the loaders seen take images only), so this is our reading: each
-  block runs the spatial pass (segments = frames) and then, for video patches only, a temporal
-  pass (segments = one patch position across the chunk's frames) with the same ``norm0``,
-  ``wqkv`` and ``wo``; images see exactly K2.5's block. Unconfirmed; "joint" is the reference.
-- K3's processor allows 65536 patches an image (K2.5 16384): ``in_patch_limit`` in the config.
+Where this tower differs from the reference, and why:
+
+- ``video_attention: divided`` (the default): SPEC section 6 says K3 splits video attention
+  into a spatial pass within a frame and a temporal pass across frames, with parameters shared
+  with images. The reference (and K2.5's, whose ``video_attn_type: spatial_temporal`` means the
+  same) attends jointly over all patches of a chunk. No public K3 code shows the split, so it is
+  our reading: each block runs the spatial pass (segments = frames) and then, for video patches
+  only, a temporal pass (segments = one patch position across the chunk's frames) with the same
+  ``norm0``, ``wqkv`` and ``wo``; images see exactly the reference block. ``joint`` is the
+  reference (and what converted checkpoints get).
+- K3's RMSNorm takes ``eps=None`` in the reference: torch then uses the input dtype's epsilon
+  (1.2e-7 in float32, 7.8e-3 in bfloat16). ``norm_eps`` is fixed at float32's epsilon, so a
+  bfloat16 run normalises as the float32 reference does, not as a bfloat16 torch run would.
+- The patches are stored in merge-block order (the reference: row-major per frame) and the
+  rotary angles are computed per patch (the reference slices a 512 x 512 table); attention runs
+  on the MLA kernels (the reference: flash-attention varlen or eager), a head dim that is not a
+  multiple of 16 zero-padded. None of these changes a value beyond float rounding.
 """
 
 from __future__ import annotations
