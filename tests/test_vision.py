@@ -515,6 +515,11 @@ def test_generate_with_images_matches_full_forward():
     for b, q in enumerate(seqs):
       q.append(int(np.argmax(logits[b, len(q) - 1])))
   assert got == [q[len(p):] for q, p in zip(seqs, prompts)]
+  # precomputed visual tokens (a server's image cache) give the same logits
+  cached = {"visual_tokens": nnx.jit(lambda m, a: m.encode_images(a))(model, arrays),
+            "num_tokens": jnp.asarray(arrays["num_tokens"])}
+  np.testing.assert_allclose(np.asarray(forward(model, jnp.asarray(ids), cached)),
+                             np.asarray(forward(model, jnp.asarray(ids), arrays)), atol=1e-5)
   from k3jax.tokenizer import ByteTokenizer
   assert generate(model, ["hi", "yo"], images=arrays, max_new_tokens=3, eos_id=-1) == [
       ByteTokenizer().decode(g) for g in got]
