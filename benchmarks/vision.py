@@ -30,7 +30,7 @@ from flax import nnx  # noqa: E402
 
 from k3jax import config as config_lib  # noqa: E402
 from k3jax import vision  # noqa: E402
-from k3jax.convert.hf_vision import vision_from_hf  # noqa: E402
+from k3jax.convert.hf_vision import K3_VISION_CONFIG, vision_from_hf  # noqa: E402
 from k3jax.flops import vision_forward_flops  # noqa: E402
 from k3jax.vision.projector import Projector  # noqa: E402
 from k3jax.vision.tower import VisionTower  # noqa: E402
@@ -38,13 +38,6 @@ from timing import Rows, kernel_bench_args, median_ms  # noqa: E402
 
 ROWS = Rows("vision_bench.json")
 TEXT_HIDDEN = 7168
-RELEASED = {  # the released K3 vision_config (the public K3 loaders' KimiK3VisionConfig)
-    "patch_size": 14, "init_pos_emb_height": 64, "init_pos_emb_width": 64, "init_pos_emb_time": 4,
-    "pos_emb_interpolation_mode": "bilinear", "vt_hidden_size": 1024, "vt_num_hidden_layers": 27,
-    "vt_num_attention_heads": 12, "vt_intermediate_size": 4096, "qkv_hidden_size": 1536,
-    "norm_type": "rmsnorm", "patch_embed_proj_bias": False, "attn_bias": False,
-    "linear_bias": False, "mm_projector_type": "patchmergerv2", "projector_ln_eps": 1e-5,
-}
 
 
 def main():
@@ -54,7 +47,8 @@ def main():
   p.add_argument("--remat", action="store_true")
   p.add_argument("--layers", type=int, default=27)
   args, _, _, reps = kernel_bench_args(p, budget=600)
-  fields = vision_from_hf({**RELEASED, "vt_num_hidden_layers": args.layers}, TEXT_HIDDEN, 163605)
+  fields = vision_from_hf({**K3_VISION_CONFIG, "vt_num_hidden_layers": args.layers}, TEXT_HIDDEN,
+                          163605)
   model = config_lib.from_dict({"model": {
       "hidden_size": TEXT_HIDDEN, "vocab_size": 163840, "param_dtype": args.dtype, "compute_dtype": args.dtype,
       "remat": "full" if args.remat else "none", "vision": fields}}).model

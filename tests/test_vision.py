@@ -571,13 +571,10 @@ def test_from_patches_checks_the_grid_and_video_chunks_split():
 def test_released_k3_tower_size():
   """The released K3 tower and projector (27 x 1024, qkv 1536, MLP 4096, patchmerger_v2 into
   7168): 447,358,976 parameters, counted apart from the text model's active ones."""
-  import sys
-  from k3jax.convert.hf_vision import vision_from_hf
+  from k3jax.convert.hf_vision import K3_VISION_CONFIG, vision_from_hf
   from k3jax.info import param_counts
-  from conftest import ROOT, tiny_config
-  sys.path.insert(0, str(ROOT / "tools"))
-  from make_synthetic_k3 import VISION
-  fields = vision_from_hf(VISION, 7168, 163605)
+  from conftest import tiny_config
+  fields = vision_from_hf(K3_VISION_CONFIG, 7168, 163605)
   wide = ["model.hidden_size=7168", "model.vocab_size=163840", "model.num_layers=1",
           "model.mla_layers=[0]"]
   text = param_counts(tiny_config(*wide).model)

@@ -25,20 +25,11 @@ import ml_dtypes
 import numpy as np
 
 from k3jax.convert import MXFP4_GROUP, SafetensorsWriter
+from k3jax.convert.hf_vision import K3_VISION_CONFIG as VISION
 
 D, V, DENSE, F, LATENT, SHARED = 7168, 163840, 33792, 3072, 3584, 2
 KDA_H, KDA_D, CONV = 96, 128, 4
 MLA_H, Q_LORA, KV_LORA, NOPE, ROPE, VD = 96, 1536, 512, 128, 64, 128
-VISION = {  # the released K3 tower's vision_config
-    "patch_size": 14, "init_pos_emb_height": 64, "init_pos_emb_width": 64, "init_pos_emb_time": 4,
-    "pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear",
-    "vt_hidden_size": 1024, "vt_num_hidden_layers": 27, "vt_num_attention_heads": 12,
-    "vt_intermediate_size": 4096, "qkv_hidden_size": 1536, "norm_type": "rmsnorm",
-    "mlp_type": "mlp2", "patch_embed_proj_bias": False, "attn_bias": False, "linear_bias": False,
-    "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "video_attn_type": "spatial_temporal",
-    "mm_projector_type": "patchmergerv2", "mm_hidden_size": 1024, "projector_hidden_act": "gelu",
-    "projector_ln_eps": 1e-5, "text_hidden_size": D, "media_placeholder_token_id": 163605,
-}
 
 
 def config(experts: int, vision: bool = False) -> dict:

@@ -15,6 +15,18 @@ import numpy as np
 from k3jax.config import ModelConfig
 from k3jax.convert.errors import ConversionError
 
+# The released K3 checkpoint's vision_config (the public K3 loaders' KimiK3VisionConfig; text
+# width 7168): about 0.45B parameters.
+K3_VISION_CONFIG = {
+    "patch_size": 14, "init_pos_emb_height": 64, "init_pos_emb_width": 64, "init_pos_emb_time": 4,
+    "pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear",
+    "vt_hidden_size": 1024, "vt_num_hidden_layers": 27, "vt_num_attention_heads": 12,
+    "vt_intermediate_size": 4096, "qkv_hidden_size": 1536, "norm_type": "rmsnorm",
+    "mlp_type": "mlp2", "patch_embed_proj_bias": False, "attn_bias": False, "linear_bias": False,
+    "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "video_attn_type": "spatial_temporal",
+    "mm_projector_type": "patchmergerv2", "mm_hidden_size": 1024, "projector_hidden_act": "gelu",
+    "projector_ln_eps": 1e-5, "text_hidden_size": 7168, "media_placeholder_token_id": 163605,
+}
 _PROJECTORS = {"patchmerger": "patchmerger", "patchmergerv2": "patchmerger_v2"}
 _VIDEO = {"spatial_temporal": "joint", "spatial_then_temporal": "divided"}
 _FLOAT32_EPS = float(np.finfo(np.float32).eps)  # torch RMSNorm(eps=None) on float32

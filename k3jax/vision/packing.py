@@ -20,6 +20,7 @@ ARRAY_NAMES = ("patches", "positions", "times", "pos_rows", "pos_row_weights", "
                "pos_col_weights", "segment_ids", "frame_ids", "temporal_ids", "temporal_order",
                "token_ids", "num_tokens")
 
+
 def _row(items: Sequence[VisionItem], max_patches: int, width: int,
          merge: int) -> dict[str, np.ndarray]:
   n = sum(it.num_patches for it in items)

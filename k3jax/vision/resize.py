@@ -24,7 +24,6 @@ class ResizePlan:
   width: int
   pad_height: int  # zero rows added at the bottom
   pad_width: int  # zero columns added on the right
-  frames: int
   grid: tuple[int, int, int]  # (frames, rows, cols) of patches
   num_patches: int
   num_tokens: int  # visual tokens the language model sees (after the pixel shuffle)
@@ -57,7 +56,7 @@ def resize_plan(height: int, width: int, cfg: VisionConfig, frames: int = 1) -> 
     raise VisionError(f"image of {width}x{height} pixels x {frames} frames needs {patches} "
                       f"patches after resizing, over model.vision.max_patches={cfg.max_patches}")
   tokens = (rows // kh) * (cols // kw) * (1 if cfg.temporal_pool else frames)
-  return ResizePlan(new_h, new_w, pad_h, pad_w, frames, (frames, rows, cols), patches, tokens)
+  return ResizePlan(new_h, new_w, pad_h, pad_w, (frames, rows, cols), patches, tokens)
 
 
 def num_tokens(height: int, width: int, cfg: VisionConfig, frames: int = 1) -> int:
