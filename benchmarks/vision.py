@@ -3,8 +3,9 @@ of 128, patchmerger_v2 into 7168) on 1, 4 and 16 images of 1024 x 1024 (74 x 74 
 visual tokens each), one image per batch row. Times the forward (``encode_images``) and forward
 plus backward (gradients of every tower and projector parameter), bf16, with the model FLOPs of
 ``k3jax.flops.vision_forward_flops`` (3x for forward+backward) and the attention implementation
-used (``model.mla.implementation``: the Pallas kernels by default on GPU). Rows go to
-``$OUT/vision_bench.json`` as they are measured.
+used (``model.mla.implementation``: the Pallas kernels by default on GPU), after checking the
+visual tokens against the same tower with XLA attention. Rows go to ``$OUT/vision_bench.json``
+as they are measured.
 
   python3 benchmarks/vision.py                        # 1, 4, 16 images
   python3 benchmarks/vision.py --images 1,4 --remat   # the blocks recomputed in the backward
@@ -56,16 +57,25 @@ def main():
   graphdef, params = nnx.split(modules)
   dtype = model.cdtype
 
-  def encode(p, a):
-    tower, projector = nnx.merge(graphdef, p)
-    return projector(tower(a, dtype))
+  def encoder(graph):
+    def encode(p, a):
+      tower, projector = nnx.merge(graph, p)
+      return projector(tower(a, dtype))
+    return jax.jit(encode)
 
-  fwd = jax.jit(encode)
+  fwd = encoder(graphdef)
+  # the same tower with XLA attention: the reference the kernels are checked against
+  xla_model = dataclasses.replace(model, mla=dataclasses.replace(model.mla, implementation="xla"))
+  xla_graph = nnx.split(nnx.List([VisionTower(xla_model, rngs=nnx.Rngs(0)),
+                                  Projector(xla_model, rngs=nnx.Rngs(1))]))[0]
   loss = lambda p, a: jnp.sum(fwd(p, a).astype(jnp.float32) ** 2)
   fwdbwd = jax.jit(jax.grad(loss))
   rng = np.random.default_rng(0)
   image = rng.integers(0, 256, (args.size, args.size, 3), np.uint8)
   item = vision.preprocess(image, model.vision)
+  one = {k: jnp.asarray(v) for k, v in vision.batch([item], max_patches=item.num_patches).items()}
+  ROWS.check("check_vs_xla_attention", ["visual_tokens"], [fwd(params, one)],
+             [encoder(xla_graph)(params, one)], tol=2e-2)
   for n in (int(x) for x in args.images.split(",")):
     arrays = {k: jnp.asarray(v) for k, v in
               vision.batch([[item] for _ in range(n)], max_patches=item.num_patches).items()}
