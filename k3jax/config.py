@@ -110,8 +110,8 @@ class AttnResConfig:
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
   """MoonViT-V2, the vision tower and projector (k3jax.vision, docs/vision.md). The defaults are
-  a tower small enough for CPU tests; K2.5's released values are noted beside each field
-  (``vt_*``, ``media_proc_cfg``)."""
+  K3's settings with a tower small enough for CPU tests; the released K3 and K2.5 values are
+  noted beside the fields (their ``vision_config`` and ``media_proc_cfg``)."""
   patch_size: int = 14  # pixels per patch side (14)
   channels: int = 3
   hidden_size: int = 64  # tower width (K2.5 1152, K3 1024)
@@ -131,7 +131,8 @@ class VisionConfig:
   patch_bias: bool = False  # patch_embed.proj bias (K2.5 true, K3 false)
   attn_bias: bool = False  # wqkv / wo biases (K2.5 true, K3 false)
   mlp_bias: bool = False  # fc0 / fc1 biases (K2.5 true, K3 false)
-  # Video: "joint" attends over all patches of a chunk's frames at once (K2.5's tower);
+  # Video: "joint" attends over all patches of a chunk's frames at once (the public K2.5 and K3
+  # code; converted checkpoints);
   # "divided" runs a spatial pass within each frame, then a temporal pass across frames at each
   # patch position, both with the layer's attention weights (SPEC section 6, unconfirmed).
   video_attention: str = "divided"
@@ -156,7 +157,7 @@ class VisionConfig:
   side_limit: int = 512
   # Hard limits: an item with more patches after resizing, or an input with more pixels, is
   # refused (static shapes in training; decoding bombs in serving). The resize rule can exceed
-  # in_patch_limit by its rounding and padding (at most a few thousand patches): the default
+  # in_patch_limit by its rounding and padding (to about 67100 at the defaults): the default
   # leaves that room.
   max_patches: int = 65536 + 4096
   max_pixels: int = 7168 * 7168  # K3's processor: (side_limit * patch_size) ** 2

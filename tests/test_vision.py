@@ -612,3 +612,13 @@ def test_rgba_on_the_chessboard_or_dropped():
   opaque[..., 3] = 255
   np.testing.assert_array_equal(vision.preprocess(opaque, cfg).patches,
                                 vision.preprocess(rgba[..., :3].copy(), cfg).patches)
+
+
+def test_default_max_patches_holds_every_resized_image():
+  """The default hard limit leaves room for the resize rule's rounding and padding: no image up
+  to max_pixels is refused for its patch count."""
+  cfg = VisionConfig()
+  side = int(cfg.max_pixels ** 0.5)
+  worst = max(vision.resize_plan(h, w, cfg).num_patches
+              for h in range(1, side + 1, 151) for w in range(1, side + 1, 149))
+  assert 65536 < worst <= cfg.max_patches
