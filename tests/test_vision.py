@@ -622,3 +622,23 @@ def test_default_max_patches_holds_every_resized_image():
   worst = max(vision.resize_plan(h, w, cfg).num_patches
               for h in range(1, side + 1, 151) for w in range(1, side + 1, 149))
   assert 65536 < worst <= cfg.max_patches
+
+
+def test_preprocess_matches_the_reference_processor():
+  """Images scaled by the patch limit, by the side limit and not at all, and a 3-frame chunk
+  (the per-frame limit), through the K2.5 processor's functions (tools/make_vision_golden.py):
+  the same patches bit for bit, the same grid and token count."""
+  ref = np.load(GOLDEN / "processor.npz")
+  cfg = VisionConfig(patch_size=4, in_patch_limit=64, frame_patch_limit=32, side_limit=16,
+                     image_mean=(0.48, 0.46, 0.41), image_std=(0.27, 0.26, 0.28))
+  scaled = set()
+  for i in range(4):
+    image = ref[f"image_{i}"]
+    item = vision.preprocess(image, cfg)
+    want = vision.from_patches(ref[f"pixel_values_{i}"], tuple(ref[f"grid_{i}"]), cfg)
+    assert item.grid == want.grid and item.num_tokens == int(ref[f"tokens_{i}"])
+    np.testing.assert_array_equal(item.patches, want.patches)
+    np.testing.assert_array_equal(item.positions, want.positions)
+    shape = image.shape[-3:-1]
+    scaled.add(item.grid[1] * 4 < shape[0] or item.grid[2] * 4 < shape[1])
+  assert scaled == {True, False}

@@ -4,7 +4,8 @@ Runs in its own environment, not the project venv (torch is not a k3jax dependen
 
     python3.12 -m venv /tmp/visvenv
     /tmp/visvenv/bin/pip install torch transformers safetensors numpy
-    /tmp/visvenv/bin/python tools/make_vision_golden.py --reference PATH [--out tests/golden]
+    /tmp/visvenv/bin/python tools/make_vision_golden.py --reference PATH --processor PATH \
+        [--out tests/golden]
 
 The reference (``--reference``) is the Kimi K3 vision modeling file, the public K3 loaders'
 MoonViT3d: ``nemo_automodel/components/models/kimi_k3/vision.py`` of NVIDIA-NeMo/Automodel
@@ -31,7 +32,16 @@ and writes under ``OUT/moonvit_tiny/``:
 - ``{k3,k25}/vision_config.json``: the tower's config fields (the release's names);
 - ``io.npz``: ``pixel_values [N, 3, p, p]`` and ``grid_thws [n, 3]`` (the processor's format),
   and per tower ``{name}_tower [tokens, 4, D]`` (after the temporal pool) and
-  ``{name}_projected [tokens, text_hidden]``.
+  ``{name}_projected [tokens, text_hidden]``;
+- ``processor.npz``: uint8 images (``image_i``: three images scaled by the patch limit, the
+  side limit or not at all, and a 3-frame video chunk) and what the reference processor makes of
+  them (``pixel_values_i``, ``grid_i``, ``tokens_i``) under ``PROCESSOR``'s settings.
+
+The processor (``--processor``) is Kimi K2.5's ``media_utils.py`` (moonshotai/Kimi-K2.5 on the
+Hugging Face Hub; K3's image processor applies the same rule): its ``navit_resize_image``,
+``navit_resize_video``, ``image_to_np``, ``normalize`` and ``navit_patchify``, called in the order
+of ``KimiK25VisionProcessor.preprocess`` (PIL bicubic resize, zero padding right and bottom,
+normalise, patchify; a video chunk's frames each resized by the per-frame limit).
 
 Patches are 4 x 4 pixels and the towers 2 layers of width 32-40 to keep the files small.
 """
@@ -68,8 +78,14 @@ COMMON = dict(patch_size=PATCH, init_pos_emb_height=8, init_pos_emb_width=8, ini
               merge_type="sd2_tpool", mlp_type="mlp2", projector_ln_eps=1e-5, text_hidden_size=24)
 
 
-def load_reference(path: Path):
-  spec = importlib.util.spec_from_file_location("k3_vision_reference", path)
+PROCESSOR = dict(patch_size=PATCH, merge_kernel_size=2, in_patch_limit=64,
+                 in_patch_limit_each_frame=32, patch_limit_on_one_side=16,
+                 image_mean=[0.48, 0.46, 0.41], image_std=[0.27, 0.26, 0.28])
+IMAGES = [(31, 45), (120, 200), (20, 300), (3, 40, 60)]  # (height, width) or (frames, h, w)
+
+
+def load_module(path: Path, name: str):
+  spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -101,12 +117,42 @@ def build(ref, fields: dict):
   return tower.eval(), projector.eval()
 
 
+def processed(media, rng) -> dict[str, np.ndarray]:
+  """Random uint8 images of ``IMAGES`` and the reference processor's output for each."""
+  from PIL import Image
+  c = PROCESSOR
+  out = {}
+  for i, shape in enumerate(IMAGES):
+    frames = rng.integers(0, 256, (1,) * (3 - len(shape)) + shape + (3,), dtype=np.uint8)
+    h, w = frames.shape[1:3]
+    if len(shape) == 2:
+      plan = media.navit_resize_image(w, h, c["patch_size"], c["merge_kernel_size"],
+                                      c["in_patch_limit"], c["patch_limit_on_one_side"], None)
+    else:  # a video chunk: every frame sampled (sample_fps inf), the per-frame limit
+      plan = media.navit_resize_video(w, h, len(frames), 1.0, float("inf"), c["patch_size"],
+                                      c["merge_kernel_size"], c["in_patch_limit_each_frame"],
+                                      c["patch_limit_on_one_side"], None, None, None)
+    resized = [np.pad(media.image_to_np(Image.fromarray(f), (plan["new_width"], plan["new_height"]),
+                                        "resize"),
+                      ((0, plan["pad_height"]), (0, plan["pad_width"]), (0, 0)))
+               for f in frames]
+    pixels = media.normalize(np.stack(resized), np.array(c["image_mean"]),
+                             1.0 / np.array(c["image_std"]))
+    patches = media.navit_patchify(pixels, c["patch_size"])
+    out[f"image_{i}"] = frames if len(shape) == 3 else frames[0]
+    out[f"pixel_values_{i}"] = patches["pixel_values"]
+    out[f"grid_{i}"] = patches["grid_thw"]
+    out[f"tokens_{i}"] = np.array(plan["num_tokens"])
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--reference", type=Path, required=True, help="the K3 vision modeling file")
+  ap.add_argument("--processor", type=Path, required=True, help="K2.5's media_utils.py")
   ap.add_argument("--out", type=Path, default=Path("tests/golden"))
   args = ap.parse_args()
-  ref = load_reference(args.reference)
+  ref = load_module(args.reference, "k3_vision_reference")
   torch.manual_seed(SEED)
   rng = np.random.default_rng(SEED)
   n = sum(t * h * w for t, h, w in GRIDS)
@@ -128,6 +174,7 @@ def main():
     save_file(weights, out / name / "model.safetensors")
     (out / name / "vision_config.json").write_text(json.dumps({**COMMON, **fields}, indent=1) + "\n")
   np.savez(out / "io.npz", **io)
+  np.savez(out / "processor.npz", **processed(load_module(args.processor, "k25_media_utils"), rng))
   digest = hashlib.sha256(args.reference.read_bytes()).hexdigest()
   print(f"wrote {out} from {args.reference} (sha256 {digest})")
 
