@@ -125,8 +125,10 @@ def test_expert_mlp_pallas_equals_xla_values_and_grads():
   assert np.all(np.asarray(g_p[3][4], np.float32) == 0)  # the expert without tokens
 
 
-def test_expert_mlp_matches_numpy_loop():
-  x, ids, wts, wgu, wdn = small_mlp(seed=1)
+@pytest.mark.parametrize("t,e,k", [(37, 5, 2), (3, 32, 2), (1, 16, 4)])
+def test_expert_mlp_matches_numpy_loop(t, e, k):
+  """The grouped path, and the gathered one of few token-expert pairs (4 * t * k <= e)."""
+  x, ids, wts, wgu, wdn = small_mlp(seed=1, t=t, e=e, k=k)
   y = moe.expert_mlp(x, ids, wts, wgu, wdn, glu, implementation="xla")
   xf, wgu64, wdn64 = (np.asarray(a, np.float64) for a in (x, wgu, wdn))
   f = wdn.shape[1]
@@ -139,6 +141,26 @@ def test_expert_mlp_matches_numpy_loop():
       act = 4 * np.tanh(a / 4) / (1 + np.exp(-a)) * 25 * np.tanh(b / 25)
       ref[n] += float(wts[n, j]) * (act @ wdn64[e])
   assert rel_err(y, ref) < 2e-2
+
+
+def test_gathered_experts_gradients_match_a_dense_formulation():
+  """Few pairs take the gathered path; its gradients (tokens, routing weights, both expert
+  stacks, including experts no token picked) equal a one-hot dense formulation's."""
+  x, ids, wts, wgu, wdn = (a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a
+                           for a in small_mlp(seed=3, t=2, e=16, k=2))
+  probe = jnp.sin(jnp.arange(x.shape[1], dtype=jnp.float32))
+
+  def dense(x, wts, wgu, wdn):
+    onehot = jax.nn.one_hot(ids, wgu.shape[0], dtype=jnp.float32)  # [N, k, E]
+    h = glu(jnp.einsum("nd,nke,edf->nkf", x, onehot, wgu))
+    return jnp.einsum("nk,nkf,nke,efd->nd", wts, h, onehot, wdn)
+
+  loss = lambda fn: jax.grad(lambda *a: jnp.sum(fn(*a) * probe), argnums=(0, 1, 2, 3))
+  got = jax.jit(loss(lambda *a: moe.expert_mlp(a[0], ids, *a[1:], glu, implementation="xla")))(
+      x, wts, wgu, wdn)
+  want = jax.jit(loss(dense))(x, wts, wgu, wdn)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def test_permutation_roundtrip_and_sparse_gradient():

@@ -50,7 +50,16 @@ def expert_mlp(x, expert_ids, weights, w_gate_up, w_down, activation, *, impleme
   pairs by expert (stable), runs the GLU with two grouped matmuls and scatters back with the
   routing weights. Returns ``[N, D]``. ``implementation`` picks the grouped matmuls' kernels and
   the permutation's (:func:`permute`'s gather, :func:`unpermute`'s backward).
+
+  With fewer pairs than a quarter of the experts (decoding a few requests) each pair's expert
+  weights are gathered and applied directly (:func:`reference.gathered_mlp`): a handful of
+  kernels instead of the sort, the padded grouped matmuls and the scatter back, reading about
+  as many weights (few pairs share an expert).
   """
+  n, k = expert_ids.shape
+  if 4 * n * k <= w_gate_up.shape[0]:
+    with jax.named_scope("gathered_experts"):
+      return reference.gathered_mlp(x, expert_ids, weights, w_gate_up, w_down, activation)
   with jax.named_scope("permute"):
     xs, group_sizes, order = permute(x, expert_ids, w_gate_up.shape[0],
                                      implementation=implementation)

@@ -20,6 +20,18 @@ def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None):
   return out
 
 
+def gathered_mlp(x, expert_ids, weights, w_gate_up, w_down, activation):
+  """Routed experts by gathering each token-expert pair's weights: ``x [N, D]``, expert_ids and
+  weights ``[N, k]``, ``w_gate_up [E, D, 2F]``, ``w_down [E, F, D]`` -> ``[N, D]`` (see
+  ``pallas_kernels.moe.expert_mlp``; for few pairs)."""
+  n, k = expert_ids.shape
+  acc = jnp.promote_types(x.dtype, jnp.float32)
+  gu = jnp.einsum("nd,nkdf->nkf", x, w_gate_up[expert_ids], preferred_element_type=acc)
+  h = activation(gu.astype(x.dtype)).astype(x.dtype)
+  y = jnp.einsum("nkf,nkfd->nkd", h, w_down[expert_ids], preferred_element_type=acc)
+  return jnp.einsum("nkd,nk->nd", y, weights.astype(acc)).astype(x.dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _expand(x, order, inverse, k):
   """``x [N, D]`` -> ``[N*k, D]``: row r is token ``order[r] // k``."""
