@@ -280,6 +280,10 @@ class DataConfig:
   seed: int = 0
   shuffle: bool = True
   prefetch: int = 2  # batches prepared ahead in a background thread (0: none)
+  # image-text data (model.vision set; k3jax.vision_data): the text standing for an image in a
+  # document, and the vision patches of one packed row (0: model.vision.max_patches)
+  image_marker: str = "<image>"
+  max_patches: int = 0
   # A resume whose data settings (k3jax.train.DATA_KEYS) differ from its checkpoint's is refused unless this
   # is true: then the new data starts from its beginning instead of the saved iterator position.
   reset_iterator: bool = False
@@ -629,6 +633,8 @@ def validate(cfg: Config) -> None:
     _validate_vision(m)
 
   _check(cfg.data.seq_len > 0, "data.seq_len", "must be positive")
+  _check(bool(cfg.data.image_marker), "data.image_marker", "must not be empty")
+  _check(cfg.data.max_patches >= 0, "data.max_patches", "must be >= 0 (0: model.vision.max_patches)")
   _check(0.0 <= cfg.data.eval_fraction < 1.0, "data.eval_fraction", "must be in [0, 1)")
   _check(cfg.data.prefetch >= 0, "data.prefetch", "must be >= 0")
   t = cfg.train

@@ -41,7 +41,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from k3jax import storage
+from k3jax import storage, vision_data
 from k3jax.config import Config, ConfigError
 from k3jax.tokenizer import HFTokenizer, Tokenizer, make_tokenizer
 
@@ -376,6 +376,7 @@ class Data:
                       f"model.vocab_size={m.vocab_size}")
     check_special_ids(cfg, self.tokenizer)
     self.sft = cfg.train.mode == "sft"
+    self.vision = m.vision is not None and not self.sft
     if self.sft:  # conversations, trained on their assistant tokens (k3jax.posttrain.sft)
       from k3jax.posttrain import sft
       try:
@@ -384,6 +385,12 @@ class Data:
                                 seed=cfg.data.seed)
       except sft.ChatError as e:
         raise DataError(str(e)) from e
+    elif self.vision:  # image-text documents, or text ones (k3jax.vision_data)
+      files = [] if cfg.data.source in ("stdlib", vision_data.SYNTHETIC) else \
+          _expand(cfg.data.source)[0]
+      self.source = vision_data.open_source(cfg, files, self.tokenizer) or open_source(
+          cfg.data.source, cfg.data.text_field, process_index=process_index,
+          process_count=process_count)
     else:
       self.source = open_source(cfg.data.source, cfg.data.text_field, process_index=process_index,
                                 process_count=process_count)
@@ -415,6 +422,8 @@ class Data:
     if self.sft:
       from k3jax.posttrain.sft import ChatEncode
       self._encode = ChatEncode(self.tokenizer, m.bos_token_id, m.eos_token_id)
+    elif self.vision:
+      self._encode = vision_data.EncodeImages(self.tokenizer, cfg)
     else:
       self._encode = _Encode(self.tokenizer, m.bos_token_id, m.eos_token_id)
     self._to_batch = _ToBatch(m.pad_token_id)
@@ -443,10 +452,16 @@ class Data:
     if split == "train" and self.cfg.data.shuffle:
       ds = ds.shuffle(seed=seed)
     ds = ds.repeat(None).map(self._encode).to_iter_dataset()
-    ds = grain.experimental.ConcatThenSplitIterDataset(
-        ds, length_struct={k: seq_len for k in ("input_ids", "targets")
-                           + (("loss_mask",) if self.sft else ())})
-    ds = ds.map(self._to_batch).batch(self.local_batch, drop_remainder=True)
+    if self.vision:  # images stay whole in a row; rows carry their vision arrays
+      ds = vision_data.PackImages(ds, seq_len, vision_data.row_patches(self.cfg),
+                                  self.cfg.model.pad_token_id)
+      ds = ds.map(vision_data.RowArrays(self.cfg))
+    else:
+      ds = grain.experimental.ConcatThenSplitIterDataset(
+          ds, length_struct={k: seq_len for k in ("input_ids", "targets")
+                             + (("loss_mask",) if self.sft else ())})
+      ds = ds.map(self._to_batch)
+    ds = ds.batch(self.local_batch, drop_remainder=True)
     if self.cfg.data.prefetch:  # a background thread; the saved state stays that of the consumer
       ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=self.cfg.data.prefetch)
     return ds
