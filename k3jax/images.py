@@ -22,6 +22,8 @@ import warnings
 import numpy as np
 from PIL import Image, ImageOps
 
+from k3jax.vision import VisionError
+
 
 FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")
 # the default bound on width x height checked from the header (about 8192 x 8192)
@@ -29,7 +31,7 @@ MAX_PIXELS = 1 << 26
 MAX_FRAMES = 64
 
 
-class ImageError(ValueError):
+class ImageError(VisionError):
   """Image bytes or a URL that cannot be used (the message says why)."""
 
 

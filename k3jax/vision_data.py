@@ -284,8 +284,7 @@ class TarShards:
         text = read("txt").decode("utf-8")
       except UnicodeDecodeError as e:
         raise _error(f"{where}.txt: not UTF-8 text ({e})") from e
-    exts = sorted(e for e in members if e.endswith(IMAGE_SUFFIXES) and
-                  f".{e.rsplit('.', 1)[-1]}" in IMAGE_SUFFIXES)
+    exts = sorted(e for e in members if f".{e}".endswith(IMAGE_SUFFIXES))
     refs = tuple(ImageRef(path, *members[e]) for e in exts)
     if refs and self.marker not in text:
       text = self.marker * len(refs) + text
@@ -440,7 +439,7 @@ class _PackIterator(grain.DatasetIterator):
       row["segment_ids"][sl] = segment
       row["positions"][sl] = np.arange(take)
       fill += take
-      self._cursor = c + take
+      self._cursor = int(c + take)
     row["items"] = items
     return row
 

@@ -133,3 +133,195 @@ def test_synthetic_set_is_deterministic_and_varied():
   assert len(shapes) > 5 and any(h != w for h, w in shapes) and 0 < texts < 20
   assert SyntheticImages(64, seed=4)[0]["text"] != a[0]["text"] or \
       not np.array_equal(SyntheticImages(64, seed=4)[0]["images"][0], a[0]["images"][0])
+
+
+# ------------------------------------------------------------------------------ the pipeline
+
+import json
+import tarfile
+
+from k3jax import config, data, vision
+from k3jax.vision_data import VISION_PREFIX
+
+BOS, EOS, PAD, IMG = 256, 257, 258, 259
+SEQ, ROW_PATCHES = 64, 96
+
+
+def vl_cfg(source, *overrides):
+  return config.from_dict({
+      "data": {"source": str(source), "eval_fraction": 0.0, "seq_len": SEQ,
+               "max_patches": ROW_PATCHES, "prefetch": 0},
+      "model": {"vocab_size": 320, "bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD,
+                "vision": {"image_token_id": IMG, "max_patches": 64, "in_patch_limit": 64}},
+      "train": {"batch_size": 2}}, list(overrides))
+
+
+def take_rows(d, n, split="train"):
+  it = iter(d.dataset(split, SEQ))
+  return [next(it) for _ in range(n)]
+
+
+def check_vl_rows(batches, cfg):
+  """Row invariants: text as the text pipeline's; every image's placeholder run whole inside
+  one segment of one row, its visual tokens the row's, placeholders never trained on."""
+  v = cfg.model.vision
+  for b in batches:
+    assert b["input_ids"].shape == (2, SEQ) and b[VISION_PREFIX + "patches"].shape[:2] == \
+        (2, ROW_PATCHES)
+    for r in range(2):
+      inp, tgt, w = b["input_ids"][r], b["targets"][r], b["weights"][r]
+      seg = b["segment_ids"][r]
+      np.testing.assert_array_equal(w, ((seg > 0) & (tgt != IMG)).astype(np.float32))
+      real = seg > 0
+      assert int(np.sum(inp[real] == IMG)) == int(b[VISION_PREFIX + "num_tokens"][r])
+      for s in np.unique(seg[real]):
+        idx = np.nonzero(seg == s)[0]
+        np.testing.assert_array_equal(inp[idx][1:], tgt[idx][:-1])
+      # a run of placeholders never touches a row's edge unless the document goes on past it
+      assert b[VISION_PREFIX + "segment_ids"][r].max() <= ROW_PATCHES
+
+
+def synthetic_runs(cfg, i):
+  """(text ids, placeholder run lengths) of synthetic document ``i``."""
+  from k3jax.synthetic_images import SyntheticImages
+  doc = SyntheticImages(seed=cfg.data.seed, grid=28)[i]
+  return doc, [vision.num_tokens(x.shape[0], x.shape[1], cfg.model.vision) for x in doc["images"]]
+
+
+def test_synthetic_pipeline_keeps_images_whole_and_masks_them():
+  cfg = vl_cfg("synthetic_images", "data.shuffle=false")
+  d = data.Data(cfg)
+  batches = take_rows(d, 6)
+  check_vl_rows(batches, cfg)
+  # the rows, joined, are the documents in order: text bytes and whole placeholder runs
+  stream = []
+  for b in batches:
+    for r in range(2):
+      seg = b["segment_ids"][r]
+      stream += b["input_ids"][r][seg > 0].tolist()
+  want = []
+  for i in range(40):
+    doc, runs = synthetic_runs(cfg, i)
+    parts = doc["text"].split("<image>")
+    want += [BOS] + list(parts[0].encode())
+    for n, part in zip(runs, parts[1:]):
+      want += [IMG] * n + list(part.encode())
+  # images that do not fit a row's rest move to the next row with their text: the order holds
+  assert stream == want[:len(stream)]
+  assert sum(np.sum(b["input_ids"] == IMG) for b in batches) > 0
+
+
+def write_png(path, h, w, seed=0):
+  path.write_bytes(png(rand_pixels(h, w, seed)))
+  return path.name
+
+
+@pytest.fixture
+def jsonl_corpus(tmp_path):
+  (tmp_path / "img").mkdir()
+  a = "img/" + write_png(tmp_path / "img" / "a.png", 28, 56)
+  b = "img/" + write_png(tmp_path / "img" / "b.png", 60, 30, seed=1)  # resized to the grid
+  f0, f1 = (write_png(tmp_path / f"f{i}.png", 28, 28, seed=2 + i) for i in range(2))
+  gif = io.BytesIO()
+  Image.fromarray(rand_pixels(28, 28, 5)).save(gif, format="GIF", save_all=True,
+                                                append_images=[Image.fromarray(rand_pixels(28, 28, 6))])
+  (tmp_path / "clip.gif").write_bytes(gif.getvalue())
+  lines = [
+      {"text": "one <image> two", "images": [a]},
+      {"text": "plain text only"},
+      {"text": "<image> and <image> end", "images": [b, images.data_url(png(rand_pixels(28, 28)))]},
+      {"text": "video <image> gif <image>.", "images": [[f0, f1], "clip.gif"]},
+      {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is "},
+                                                 {"type": "image_url", "image_url": {"url": a}}]},
+                    {"role": "assistant", "content": "a picture"}]},
+  ]
+  (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+  return tmp_path
+
+
+def test_jsonl_images_videos_chats(jsonl_corpus):
+  cfg = vl_cfg(jsonl_corpus / "docs.jsonl", "data.shuffle=false")
+  d = data.Data(cfg)
+  src = d.source
+  assert len(src) == 5
+  encoded = [d._encode(src[i]) for i in range(5)]
+  v = cfg.model.vision
+  assert [len(e["items"]) for e in encoded] == [1, 0, 2, 2, 1]
+  assert [it.grid[0] for it in encoded[3]["items"]] == [2, 2]  # two videos of two frames
+  e = encoded[0]
+  n = vision.num_tokens(28, 56, v)
+  want = [BOS] + list(b"one ") + [IMG] * n + list(b" two")
+  assert e["input_ids"].tolist() == want and e["targets"].tolist() == want[1:] + [EOS]
+  assert e["spans"].tolist() == [[5, n]]
+  np.testing.assert_array_equal(e["weights"], (e["targets"] != IMG).astype(np.float32))
+  chat = encoded[4]["input_ids"].tolist()
+  text = bytes(t for t in chat if t < 256).decode()
+  assert text == "user: what is \nassistant: a picture" and chat.count(IMG) == n
+  check_vl_rows(take_rows(d, 4), cfg)
+
+
+def test_tar_shards(tmp_path):
+  tar_path = tmp_path / "shard-000.tar"
+  with tarfile.open(tar_path, "w") as tar:
+    def add(name, payload):
+      info = tarfile.TarInfo(name)
+      info.size = len(payload)
+      tar.addfile(info, io.BytesIO(payload))
+    add("s1.png", png(rand_pixels(28, 28)))
+    add("s1.txt", b"a caption")
+    add("s2.json", json.dumps({"text": "x <image> y <image>"}).encode())
+    add("s2.0.png", png(rand_pixels(28, 56, 1)))
+    add("s2.1.jpg", png(rand_pixels(28, 28, 2), format="JPEG"))
+    add("s3.txt", "text only é".encode())
+  cfg = vl_cfg(tar_path)
+  d = data.Data(cfg)
+  docs = {k.split(":")[1]: d.source[i] for i, k in enumerate(d.source.keys)}
+  assert docs["s1"].text == "<image>a caption" and len(docs["s1"].images) == 1
+  assert docs["s2"].text == "x <image> y <image>" and len(docs["s2"].images) == 2
+  assert docs["s3"].images == ()
+  check_vl_rows(take_rows(d, 3), cfg)
+
+
+def test_bad_records_name_the_file_and_record(tmp_path):
+  write_png(tmp_path / "ok.png", 28, 28)
+  (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+  cases = [
+      ({"text": "<image> <image>", "images": ["ok.png"]}, "docs.jsonl:1: the text holds 2 image"),
+      ({"text": "<image>", "images": ["missing.png"]}, "docs.jsonl:1: image file .*missing.png"),
+      ({"text": "<image>", "images": ["http://x/y.png"]}, "docs.jsonl:1: image .* web URL"),
+      ({"text": 3}, "docs.jsonl:1: no string field 'text'"),
+  ]
+  for record, match in cases:
+    (tmp_path / "docs.jsonl").write_text(json.dumps(record) + "\n")
+    with pytest.raises(data.DataError, match=match):
+      data.Data(vl_cfg(tmp_path / "docs.jsonl"))
+  # found when the worker decodes it: the error names the line and the image, training stops
+  (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "a <image>", "images": ["bad.png"]}))
+  with pytest.raises(data.DataError, match=r"docs.jsonl:1: image 0: not an image"):
+    take_rows(data.Data(vl_cfg(tmp_path / "docs.jsonl")), 1)
+  big = tmp_path / "big.png"
+  write_png(big, 28 * 8, 28 * 8)  # 256 patches: over the row's 96
+  (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "<image>", "images": ["big.png"]}))
+  take_rows(data.Data(vl_cfg(tmp_path / "docs.jsonl")), 1)  # scaled down to in_patch_limit
+  with pytest.raises(data.DataError, match="docs.jsonl:1: image 0: .*max_patches=64"):
+    take_rows(data.Data(vl_cfg(tmp_path / "docs.jsonl", "model.vision.in_patch_limit=1024")), 1)
+  with pytest.raises(data.DataError, match="cannot fit one row of 64 tokens and 96 patches"):
+    take_rows(data.Data(vl_cfg(tmp_path / "docs.jsonl", "model.vision.max_patches=256",
+                               "model.vision.in_patch_limit=256")), 1)
+
+
+def test_iterator_state_resumes_mid_document():
+  cfg = vl_cfg("synthetic_images")
+  d = data.Data(cfg)
+  it = iter(d.dataset("train", SEQ, seed=1))
+  for _ in range(3):
+    next(it)
+  state = it.get_state()
+  assert state["cursor"] > 0  # the next row starts inside a document
+  want = [next(it) for _ in range(3)]
+  again = iter(d.dataset("train", SEQ, seed=1))
+  again.set_state(json.loads(json.dumps(state)))
+  for a, b in zip(want, [next(again) for _ in range(3)]):
+    assert set(a) == set(b)
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k])
