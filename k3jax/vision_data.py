@@ -48,6 +48,7 @@ from k3jax import images as images_lib
 from k3jax import storage, vision
 from k3jax.config import Config
 from k3jax.tokenizer import Tokenizer, apply_chat_template
+from k3jax.vision_prompt import interleave, preprocess
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".bmp")
 SYNTHETIC = "synthetic_images"
@@ -108,14 +109,6 @@ def load_pixels(image, max_pixels: int) -> np.ndarray:
                                     for f in image])
   frames = images_lib.decode_frames(image.read(), max_pixels=max_pixels)
   return frames[0] if len(frames) == 1 else frames
-
-
-def preprocess(pixels: np.ndarray, cfg) -> list:
-  """The :class:`k3jax.vision.VisionItem` s of an image (one) or a video (one per chunk of
-  ``cfg.pos_emb_frames`` frames, each with its own run of placeholders)."""
-  if pixels.ndim == 4:
-    return [vision.preprocess(chunk, cfg) for chunk in vision.video_chunks(pixels, cfg)]
-  return [vision.preprocess(pixels, cfg)]
 
 
 def _check_markers(text: str, n_images: int, marker: str, where: str) -> None:
@@ -315,7 +308,7 @@ def open_source(cfg: Config, files, tokenizer: Tokenizer):
 
 class EncodeImages:
   """Document -> ``{"input_ids", "targets", "weights": [n], "spans": [k, 2] (start, length of
-  each image's placeholder run in input_ids), "items": [VisionItem]}``; text documents (str or
+  each image's placeholder run in input_ids, after bos), "items": [VisionItem]}``; text documents (str or
   pre-tokenised ids) have no images."""
 
   def __init__(self, tokenizer: Tokenizer, cfg: Config):
@@ -343,22 +336,12 @@ class EncodeImages:
         per_image.append(preprocess(load_pixels(image, self.vision.max_pixels), self.vision))
       except (vision.VisionError, images_lib.ImageError) as e:
         raise _error(f"{where}: image {k}: {e}") from None
-    x, spans, items = [np.asarray([self.bos], np.int32)], [], []
-    at = 1
-    for k, piece in enumerate(pieces):
-      for item in per_image[k - 1] if k else ():
-        spans.append((at, item.num_tokens))
-        items.append(item)
-        x.append(np.full(item.num_tokens, self.vision.image_token_id, np.int32))
-        at += item.num_tokens
-      x.append(piece)
-      at += len(piece)
-    x.append(np.asarray([self.eos], np.int32))
-    x = np.concatenate(x)
+    body, spans, items = interleave(pieces, per_image, self.vision.image_token_id)
+    x = np.concatenate([[self.bos], body, [self.eos]]).astype(np.int32)
     targets = x[1:]
     return {"input_ids": x[:-1], "targets": targets,
             "weights": (targets != self.vision.image_token_id).astype(np.float32),
-            "spans": np.asarray(spans, np.int32).reshape(-1, 2), "items": items,
+            "spans": np.asarray(spans, np.int32).reshape(-1, 2) + np.int32([1, 0]), "items": items,
             "where": where}
 
 

@@ -8,7 +8,7 @@ the server does not know are ignored, as OpenAI's own clients send some (``user`
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 
@@ -78,14 +78,31 @@ class TextPart(_Body):
   text: str
 
 
+class ImageURL(_Body):
+  url: str
+  detail: str = "auto"  # accepted and ignored: images run at their native resolution
+
+
+class ImagePart(_Body):
+  type: Literal["image_url"]
+  image_url: ImageURL
+
+
 class ChatMessage(_Body):
   role: str
-  content: str | list[TextPart] | None = None
+  content: str | list[Annotated[TextPart | ImagePart, pydantic.Field(discriminator="type")]] | \
+      None = None
 
-  def text(self) -> str:
+  def text(self, marker: str = "") -> str:
+    """The message's text, ``marker`` standing for each image part."""
     if isinstance(self.content, list):
-      return "".join(p.text for p in self.content)
+      return "".join(p.text if isinstance(p, TextPart) else marker for p in self.content)
     return self.content or ""
+
+  def image_urls(self) -> list[str]:
+    if not isinstance(self.content, list):
+      return []
+    return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
 
 
 class ChatCompletionRequest(_Request):
