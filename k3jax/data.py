@@ -376,7 +376,7 @@ class Data:
                       f"model.vocab_size={m.vocab_size}")
     check_special_ids(cfg, self.tokenizer)
     self.sft = cfg.train.mode == "sft"
-    self.vision = m.vision is not None and not self.sft
+    self.vision = vision_data.row_patches(cfg) > 0
     if self.sft:  # conversations, trained on their assistant tokens (k3jax.posttrain.sft)
       from k3jax.posttrain import sft
       try:

@@ -51,7 +51,8 @@ DEFAULT_CONFIG = "k3_tiny"
 # The settings that decide which rows the data iterator yields: a resume that changes one of them
 # is refused unless data.reset_iterator=true (the saved iterator position means nothing then).
 DATA_KEYS = ("data.source", "data.tokenizer", "data.text_field", "data.seq_len",
-             "data.eval_fraction", "data.seed", "data.shuffle", "train.batch_size")
+             "data.eval_fraction", "data.seed", "data.shuffle", "train.batch_size",
+             "data.image_marker", "data.max_patches")
 
 
 class TrainError(RuntimeError):
@@ -91,6 +92,12 @@ def data_settings(cfg: config_lib.Config) -> dict:
   tree = config_lib.to_dict(cfg)
   settings = {k: tree[k.split(".")[0]][k.split(".")[1]] for k in DATA_KEYS}
   return json.loads(json.dumps({**settings, "processes": jax.process_count()}))
+
+
+def vision_spec(cfg: config_lib.Config) -> dict:
+  """:func:`k3jax.train_step.batch_spec`'s vision arguments for ``cfg`` (none for a text model)."""
+  patches = data_lib.vision_data.row_patches(cfg)
+  return {"vision": cfg.model.vision, "patches": patches} if patches else {}
 
 
 def check_layout(cfg: config_lib.Config, num_devices: int) -> None:
@@ -315,7 +322,7 @@ def _train(cfg: config_lib.Config, run_dir: storage.AnyPath, progress: bool) -> 
         if stage.seq_len not in compiled:
           compiled[stage.seq_len], report = step_lib.compile_train_step(
               step_fn, state, step_lib.batch_spec(cfg.train.batch_size, stage.seq_len,
-                                                  batch_sharding))
+                                                  batch_sharding, **vision_spec(cfg)))
           compile_s = report.total_s
           mem = report.memory
           temps = "" if mem is None else f"; {mem.temp_size_in_bytes / 2**30:.1f} GiB of " \

@@ -31,7 +31,8 @@ import optax
 from flax import nnx
 
 from k3jax import losses, router
-from k3jax.config import Config, TrainConfig
+from k3jax.config import Config, TrainConfig, VisionConfig
+from k3jax.vision_prompt import VISION_PREFIX, batch_vision
 
 Batch = dict[str, jax.Array]
 
@@ -45,7 +46,8 @@ def _loss(graphdef, params, biases, batch: Batch, train: TrainConfig = TrainConf
   head's logits are formed ``train.loss_chunk`` tokens at a time (stored in bf16 when
   ``train.bf16_logits``)."""
   model = nnx.merge(graphdef, params, biases)
-  h, aux = model.hidden(batch["input_ids"], segment_ids=batch["segment_ids"])
+  h, aux = model.hidden(batch["input_ids"], segment_ids=batch["segment_ids"],
+                        vision=batch_vision(batch))
   with jax.named_scope("lm_head_loss"):
     loss_sum, weight_sum = losses.cross_entropy(h, model.lm_head.kernel[...], batch["targets"],
                                                 batch["weights"], chunk_size=train.loss_chunk,
@@ -148,18 +150,38 @@ def jit_train_step(step_fn: Callable, *, donate: bool, state=None) -> Callable:
   return jax.jit(step_fn, donate_argnums=(0, 1, 2) if donate else (), out_shardings=out)
 
 
-def batch_spec(batch: int, seq_len: int, sharding=None) -> dict[str, jax.ShapeDtypeStruct]:
+def batch_spec(batch: int, seq_len: int, sharding=None, *, vision: VisionConfig | None = None,
+               patches: int = 0) -> dict[str, jax.ShapeDtypeStruct]:
   """The step's abstract batch: ``input_ids``, ``targets``, ``segment_ids``, ``positions`` int32
-  and ``weights`` float32, each ``[batch, seq_len]`` laid out by ``sharding``."""
-  return {k: jax.ShapeDtypeStruct((batch, seq_len), jnp.float32 if k == "weights" else jnp.int32,
-                                  sharding=sharding)
-          for k in ("input_ids", "targets", "segment_ids", "positions", "weights")}
+  and ``weights`` float32, each ``[batch, seq_len]`` laid out by ``sharding``; with ``vision``,
+  the rows' vision arrays of ``patches`` patches (:func:`k3jax.vision.batch`, keys
+  ``vision_<name>``, rows split as the batch's)."""
+  out = {k: jax.ShapeDtypeStruct((batch, seq_len), jnp.float32 if k == "weights" else jnp.int32,
+                                 sharding=sharding)
+         for k in ("input_ids", "targets", "segment_ids", "positions", "weights")}
+  if vision is not None:
+    from k3jax.vision import batch as vision_batch
+    rows = _rows_only(sharding)
+    out.update({VISION_PREFIX + k: jax.ShapeDtypeStruct((batch,) + v.shape[1:], v.dtype,
+                                                        sharding=rows)
+                for k, v in vision_batch([], patches, cfg=vision).items()})
+  return out
+
+
+def _rows_only(sharding):
+  """``sharding`` of ``[B, T]`` arrays -> the one that splits only the rows (vision arrays)."""
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return sharding
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(sharding.spec[0]))
 
 
 def place_batch(batch: dict, sharding) -> dict:
   """This process's rows -> global ``[B, T]`` arrays laid out by ``sharding``
-  (:func:`sharding.batch_sharding`)."""
-  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+  (:func:`sharding.batch_sharding`); vision arrays split by rows only."""
+  rows = _rows_only(sharding)
+  return {k: jax.make_array_from_process_local_data(rows if k.startswith(VISION_PREFIX)
+                                                    else sharding, v)
+          for k, v in batch.items()}
 
 
 def trace_train_step(jitted: Callable, state, batch: dict[str, jax.ShapeDtypeStruct]):

@@ -48,11 +48,10 @@ from k3jax import images as images_lib
 from k3jax import storage, vision
 from k3jax.config import Config
 from k3jax.tokenizer import Tokenizer, apply_chat_template
-from k3jax.vision_prompt import interleave, preprocess
+from k3jax.vision_prompt import VISION_PREFIX, interleave, preprocess
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".bmp")
 SYNTHETIC = "synthetic_images"
-VISION_PREFIX = "vision_"  # batch keys of the vision arrays: vision_<name of k3jax.vision.batch>
 
 
 def _error(message: str) -> Exception:
@@ -428,7 +427,10 @@ class _PackIterator(grain.DatasetIterator):
 
 
 def row_patches(cfg: Config) -> int:
-  """Vision patches of one packed row: ``data.max_patches``, or ``model.vision.max_patches``."""
+  """Vision patches of one packed row: ``data.max_patches``, or ``model.vision.max_patches``;
+  0 when the rows carry no images (a text model, or SFT's chat data)."""
+  if cfg.model.vision is None or cfg.train.mode == "sft":
+    return 0
   return cfg.data.max_patches or cfg.model.vision.max_patches
 
 

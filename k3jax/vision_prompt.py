@@ -16,6 +16,15 @@ import numpy as np
 from k3jax import vision
 from k3jax.config import VisionConfig
 
+# training batches carry k3jax.vision.batch's arrays under these keys: vision_<name>
+VISION_PREFIX = "vision_"
+
+
+def batch_vision(batch: dict) -> dict | None:
+  """The vision arrays of a training batch (keys without :data:`VISION_PREFIX`), or None."""
+  out = {k[len(VISION_PREFIX):]: v for k, v in batch.items() if k.startswith(VISION_PREFIX)}
+  return out or None
+
 
 def preprocess(pixels: np.ndarray, cfg: VisionConfig) -> list[vision.VisionItem]:
   """The items of an image (one) or a video (one per chunk of ``cfg.pos_emb_frames`` frames,

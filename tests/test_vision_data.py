@@ -141,7 +141,7 @@ import json
 import tarfile
 
 from k3jax import config, data, vision
-from k3jax.vision_data import VISION_PREFIX
+from k3jax.vision_prompt import VISION_PREFIX
 
 BOS, EOS, PAD, IMG = 256, 257, 258, 259
 SEQ, ROW_PATCHES = 64, 96

@@ -24,6 +24,8 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
+from k3jax import images as images_lib
+from k3jax import vision_prompt
 from k3jax import tokenizer as tokenizer_lib
 from k3jax.generate import encode_prompt
 from k3jax.serve import protocol
@@ -31,7 +33,10 @@ from k3jax.serve.metrics import ServerMetrics
 from k3jax.serve.protocol import APIError
 from k3jax.serve.text_stream import TextStream
 from k3jax.serve.types import RequestError, SamplingParams, TokenOutput
+from k3jax.vision import VisionError
 
+# stands for an image part in the chat template's text, split off again before tokenising
+IMAGE_MARKER = "\ufffcimage\ufffc"
 # choice i of a request with seed s samples with seed (s + i * SEED_STRIDE) mod 2**31: choice 0
 # keeps the request's seed, the others differ from it and from each other
 SEED_STRIDE = 0x9E3779B1
@@ -45,6 +50,7 @@ class _Choice:
   prompt: list[int]
   params: SamplingParams
   text: TextStream
+  images: list = ()  # vision items of the prompt's placeholders, in order
   rid: int | None = None
   tokens: int = 0
   cached_tokens: int = 0
@@ -75,7 +81,9 @@ class _Run:
   def submit(self) -> None:
     try:
       for c in self.choices:
-        c.rid = self.server.engine.submit(c.prompt, c.params, functools.partial(self._on_output, c))
+        extra = {"images": c.images} if c.images else {}
+        c.rid = self.server.engine.submit(c.prompt, c.params, functools.partial(self._on_output, c),
+                                          **extra)
     except RequestError as e:
       self.cancel()
       raise APIError(str(e)) from None
@@ -165,10 +173,35 @@ class _Server:
   def text_prompt(self, text: str) -> list[int]:
     return encode_prompt(text, self.tokenizer, self.engine.cfg.bos_token_id, chat=False)
 
+  def image_prompt(self, text: str, urls: list[str]) -> tuple[list[int], list]:
+    """The prompt of a chat with images: ``text`` holds :data:`IMAGE_MARKER` where each image of
+    ``urls`` (data URLs) goes. Returns (ids with each image's placeholder run, the images'
+    vision items in order); a bad image is an :class:`APIError` (400) saying which and why."""
+    cfg = self.engine.cfg.vision
+    if cfg is None:
+      raise APIError(f"the model {self.model_name!r} takes no images (it has no vision tower)",
+                     param="messages")
+    per_image = []
+    for k, url in enumerate(urls):
+      try:
+        per_image.append(vision_prompt.preprocess(images_lib.from_url(url, max_pixels=cfg.max_pixels),
+                                                  cfg))
+      except VisionError as e:  # images_lib.ImageError too
+        raise APIError(f"image {k} of the messages: {e}", param="messages") from None
+    pieces = text.split(IMAGE_MARKER)
+    if len(pieces) != len(urls) + 1:
+      raise APIError(f"the messages' text holds the reserved image marker {IMAGE_MARKER!r}",
+                     param="messages")
+    ids, _, items = vision_prompt.interleave(
+        [self.text_prompt(pieces[0])] + [self.tokenizer.encode(p) for p in pieces[1:]], per_image,
+        cfg.image_token_id)
+    return ids.tolist(), items
+
   def choices(self, req, prompts: list[list[int]], max_tokens: int | None,
-              logprobs: int | None) -> list[_Choice]:
+              logprobs: int | None, images: list = ()) -> list[_Choice]:
     """``req.n`` choices per prompt, each prompt checked by the engine before any is submitted;
-    ``logprobs``: alternatives per token (None: no logprobs)."""
+    ``logprobs``: alternatives per token (None: no logprobs); ``images``: the vision items of
+    the (one) prompt's placeholders."""
     vocab = self.engine.cfg.vocab_size
     stop = protocol.stop_strings(req)
     out = []
@@ -184,10 +217,11 @@ class _Server:
                                 logprobs=logprobs or 0)
         if i == 0:
           try:
-            self.engine.validate(prompt, params)
+            self.engine.validate(prompt, params, **({"images": images} if images else {}))
           except RequestError as e:
             raise APIError(str(e)) from None
-        out.append(_Choice(len(out), prompt, params, TextStream(self.tokenizer, stop)))
+        out.append(_Choice(len(out), prompt, params, TextStream(self.tokenizer, stop),
+                           images=images))
     return out
 
   def usage(self, prompts: list[list[int]], choices: list[_Choice]) -> dict[str, Any]:
@@ -347,11 +381,17 @@ def make_app(engine, tokenizer: tokenizer_lib.Tokenizer, *, model_name: str) -> 
   async def chat_completions(request: fastapi.Request):
     arrived = time.monotonic()
     req = server.parse(protocol.ChatCompletionRequest, await request.body())
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    prompt = server.text_prompt(tokenizer_lib.apply_chat_template(tokenizer, messages))
+    urls = [u for m in req.messages for u in m.image_urls()]
+    marker = IMAGE_MARKER if urls else ""
+    messages = [{"role": m.role, "content": m.text(marker)} for m in req.messages]
+    text = tokenizer_lib.apply_chat_template(tokenizer, messages)
+    if urls:  # decoding and patching off the event loop
+      prompt, items = await asyncio.to_thread(server.image_prompt, text, urls)
+    else:
+      prompt, items = server.text_prompt(text), []
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    choices = server.choices(req, [prompt], max_tokens, logprobs)
+    choices = server.choices(req, [prompt], max_tokens, logprobs, images=items)
     return await server.respond(request, req, [prompt], choices, arrived, chat=True,
                                 logprobs=req.logprobs)
 

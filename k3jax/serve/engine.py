@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 import sharding
+from k3jax import vision, vision_prompt
 from k3jax.config import ConfigError, MeshConfig, ServeConfig
 from k3jax.generate import GenerateError, check_decoding
 from k3jax.model import K3Model
@@ -82,6 +83,13 @@ class _Request:
   pages: list[int] = dataclasses.field(default_factory=list)  # page of each page-size span
   blocks: list[Block] = dataclasses.field(default_factory=list)  # its prefix-index blocks, in order
   cached: int = 0  # prompt tokens of the first admission served from the prefix cache
+  # images: their vision items (in placeholder order); keys: what the prefix index hashes per
+  # token (an image's placeholders by the image's digest); before[p]: placeholders before p;
+  # visual: the items' visual tokens [M, d] on device while prompt placeholders remain to prefill
+  images: tuple = ()
+  keys: list = dataclasses.field(default_factory=list)
+  before: np.ndarray | None = None
+  visual: jax.Array | None = None
 
   @property
   def generated(self) -> int:
@@ -131,6 +139,13 @@ class Engine:
                                    mesh_lib.pure_shardings(self._pools, self.mesh, names))
       self._rows = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     self._steps: dict[tuple[bool, int, int], Callable] = {}
+    # prefill steps of a model with a vision tower take each row's visual tokens [M, d]
+    self._visual_shape = self._no_visual = self._encoder = None
+    if self.cfg.vision is not None:
+      m = self.cfg.vision.max_patches // self.cfg.vision.merge
+      self._visual_shape = (m, self.cfg.hidden_size, self.cfg.cdtype)
+      self._no_visual = jax.device_put(jnp.zeros((m, self.cfg.hidden_size), self.cfg.cdtype),
+                                       self._rows)
     self._copy = jax.jit(step_lib.copy_slots, donate_argnums=0)
     self._copy_width = 2 * max(serve.max_batch, serve.prefill_rows)
     self.stats = EngineStats(pages_total=self.pages.total, slots_total=self.slots.total)
@@ -149,8 +164,9 @@ class Engine:
 
   # ------------------------------------------------------------------------------ requests
 
-  def validate(self, prompt, params: SamplingParams) -> None:
-    """Raises :class:`RequestError` naming what makes the request impossible to run."""
+  def validate(self, prompt, params: SamplingParams, images=()) -> None:
+    """Raises :class:`RequestError` naming what makes the request impossible to run; ``images``:
+    the vision items of the prompt's image placeholders, in order."""
     try:
       check_decoding(max_new_tokens=params.max_tokens, temperature=params.temperature,
                      top_p=params.top_p, top_k=params.top_k)
@@ -167,6 +183,7 @@ class Engine:
       raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
     if any(not 0 <= t < vocab for t in params.stop_token_ids):
       raise RequestError(f"stop token ids must lie in [0, {vocab})")
+    self._validate_images(prompt, images)
     total = len(prompt) + params.max_tokens
     if total > self.max_model_len:
       raise RequestError(
@@ -177,15 +194,41 @@ class Engine:
       raise RequestError(f"the request needs {need} cache pages of {self.serve.page_size} tokens "
                          f"and the cache holds {self.pages.total} (serve.num_pages)")
 
-  def submit(self, prompt, params: SamplingParams, callback: Callable[[TokenOutput], None]) -> int:
-    """Queues a request (any thread); returns its id. Its outputs reach ``callback``."""
-    self.validate(prompt, params)
+  def _validate_images(self, prompt, images) -> None:
+    v = self.cfg.vision
+    if v is None:
+      if images:
+        raise RequestError("this model takes no images (it has no vision tower)")
+      return
+    if len(prompt) and int(prompt[-1]) == v.image_token_id:
+      raise RequestError("the prompt must not end with an image placeholder (text follows it)")
+    slots = sum(int(t) == v.image_token_id for t in prompt)
+    tokens = sum(item.num_tokens for item in images)
+    if slots != tokens:
+      raise RequestError(f"the prompt holds {slots} image placeholders (id {v.image_token_id}) "
+                         f"for images of {tokens} visual tokens")
+    patches = sum(item.num_patches for item in images)
+    if patches > v.max_patches:
+      raise RequestError(f"the request's images have {patches} patches, more than "
+                         f"model.vision.max_patches={v.max_patches} per request")
+
+  def submit(self, prompt, params: SamplingParams, callback: Callable[[TokenOutput], None],
+             images=()) -> int:
+    """Queues a request (any thread); returns its id. Its outputs reach ``callback``.
+    ``images``: the vision items of the prompt's image placeholders, in order."""
+    self.validate(prompt, params, images)
     stop = set(params.stop_token_ids)
     if not params.ignore_eos:
       stop.add(self.cfg.eos_token_id)
     r = _Request(next(self._ids), tuple(int(t) for t in prompt), params, callback,
                  secrets.randbits(32) if params.seed is None else params.seed, frozenset(stop))
     r.tokens = list(r.prompt)
+    r.keys = list(r.prompt)
+    if images:
+      v = self.cfg.vision
+      r.images = tuple(images)
+      r.keys = vision_prompt.prefix_keys(r.prompt, r.images, v.image_token_id)
+      r.before = np.concatenate([[0], np.cumsum(np.asarray(r.prompt) == v.image_token_id)])
     with self._wake:
       self._inbox.append(r)
       self._wake.notify()
@@ -317,7 +360,8 @@ class Engine:
   def _lower(self, decode: bool, n: int, t: int):
     with self._scope():
       return step_lib.lower(self._graphdef, self._params, self._pools, decode=decode, rows=n,
-                            tokens=t, table_width=self.table_width, row_sharding=self._rows)
+                            tokens=t, table_width=self.table_width, row_sharding=self._rows,
+                            visual=None if decode else self._visual_shape)
 
   def _compiled(self, decode: bool, n: int, t: int):
     key = (decode, n, t)
@@ -340,6 +384,8 @@ class Engine:
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
       for s, c in zip(todo, pool.map(lambda low: low.compile(), lowered)):
         self._steps[s] = c
+    if self.cfg.vision is not None:
+      self._compile_encoder()
     secs = time.perf_counter() - t0
     log.info("compiled %d step shapes in %.1f s (%d at a time)", len(todo), secs, workers)
     return secs
@@ -400,7 +446,7 @@ class Engine:
         return
       self.waiting.popleft()
       r.slot = slot
-      chain, hit = (self.index.lookup(r.tokens) if self.serve.prefix_cache else ([], Hit()))
+      chain, hit = (self.index.lookup(r.keys) if self.serve.prefix_cache else ([], Hit()))
       for p in hit.pages:
         self.pages.incref(p)
       r.pages, r.computed = list(hit.pages), hit.length
@@ -414,6 +460,8 @@ class Engine:
         self._restores.append((0, slot))  # a fresh state: zeros
       if r.generated == 0:
         r.cached = hit.length
+      if r.images and r.before[hit.length] < r.before[-1]:  # placeholders left to prefill
+        r.visual = self._encode_images(r)
       self.running.append(r)
 
   def _reserve(self, r: _Request, end: int) -> bool:
@@ -460,6 +508,7 @@ class Engine:
     self.stats.preemptions += 1
 
   def _release(self, r: _Request) -> None:
+    r.visual = None
     for p in r.pages:
       self.pages.decref(p)
     r.pages = []
@@ -522,9 +571,45 @@ class Engine:
     args = (tokens, starts, nvalid, table, slots, temp, top_p, top_k, seeds, counters)
     if self._rows is not None:
       args = jax.device_put(args, self._rows)
+    if self._visual_shape is not None and not decode:
+      args = (*args, self._vision_inputs(rows, n))
     with self._scope():
       self._pools, *out = fn(self._params, self._pools, *args)
     return [c for _, _, c in rows], out
+
+  # ------------------------------------------------------------------------------ images
+
+  def _compile_encoder(self) -> None:
+    if self._encoder is None:
+      example = vision.batch([], self.cfg.vision.max_patches, cfg=self.cfg.vision)
+      with self._scope():
+        self._encoder = step_lib.lower_encoder(self._graphdef, self._params, example,
+                                               self._rows).compile()
+
+  def _encode_images(self, r: _Request) -> jax.Array:
+    """The visual tokens ``[M, d]`` of ``r``'s images, on device (run once per admission)."""
+    self._compile_encoder()
+    arrays = vision.batch(list(r.images), self.cfg.vision.max_patches)
+    if self._rows is not None:
+      arrays = jax.device_put(arrays, self._rows)
+    with self._scope():
+      return self._encoder(self._params, arrays)[0]
+
+  def _vision_inputs(self, rows, n: int) -> dict:
+    """A prefill step's ``vision`` input: each row's visual tokens, their count and the
+    placeholders before its chunk (zeros for rows without images)."""
+    count, offset = np.zeros(n, np.int32), np.zeros(n, np.int32)
+    visual = [self._no_visual] * n
+    for i, (r, start, _) in enumerate(rows):
+      if r.visual is not None:
+        visual[i], count[i] = r.visual, int(r.before[-1])
+        offset[i] = r.before[min(start, len(r.prompt))]
+    extra = (count, offset)
+    if self._rows is not None:
+      extra = jax.device_put(extra, self._rows)
+    with self._scope():
+      stacked = jnp.stack(visual)
+    return {"visual_tokens": stacked, "num_tokens": extra[0], "token_offset": extra[1]}
 
   def _advance(self, r: _Request, count: int, out) -> list[tuple[_Request, TokenOutput]]:
     """Books ``count`` computed tokens of ``r`` (registering a completed block) and, when its
@@ -534,8 +619,10 @@ class Engine:
     self._register(r)
     if r.computed < len(r.tokens):
       return []
+    r.visual = None if r.computed >= len(r.prompt) else r.visual  # every placeholder is in
     t = int(tok)
     r.tokens.append(t)
+    r.keys.append(t)
     self.stats.generation_tokens += 1
     if r.generated == 1:
       self.stats.prompt_tokens += len(r.prompt)
@@ -559,7 +646,7 @@ class Engine:
     i = r.computed // bs - 1
     if not self.serve.prefix_cache or r.computed % bs or len(r.blocks) != i:
       return
-    tokens = r.tokens[i * bs:(i + 1) * bs]
+    tokens = r.keys[i * bs:(i + 1) * bs]
     parent = r.blocks[-1] if r.blocks else None
     per = bs // self.serve.page_size
     block = self.index.insert(chain_key(parent.key if parent else 0, tokens), parent, tokens,

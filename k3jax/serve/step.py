@@ -67,25 +67,30 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temper
 
 
 def forward(model: K3Model, pools: list[dict], tokens, starts, nvalid, page_table, slots, *,
-            decode: bool):
+            decode: bool, vision: dict | None = None):
   """tokens ``[N, T]`` continuing the cached requests -> (float32 logits ``[N, V]`` after each
-  row's last real token, updated pools)."""
+  row's last real token, updated pools). ``vision``: the rows' visual tokens for the image
+  placeholders among ``tokens`` (:meth:`K3Model.hidden`'s ``visual_tokens``, ``num_tokens``,
+  ``token_offset``)."""
   t = tokens.shape[1]
   cache = [dict(p, page_table=page_table) if "pages" in p else dict(p, slots=slots) for p in pools]
   valid = None if decode else jnp.arange(t)[None, :] < nvalid[:, None]
-  h, aux = model.hidden(tokens, valid=valid, cache=cache, decode=decode, lengths=starts + t)
+  h, aux = model.hidden(tokens, valid=valid, cache=cache, decode=decode, lengths=starts + t,
+                        vision=vision)
   last = jnp.take_along_axis(h, (nvalid - 1)[:, None, None], axis=1)[:, 0]
   pools = [{k: v for k, v in c.items() if k not in _ROW_KEYS} for c in aux["cache"]]
   return model.logits(last), pools
 
 
 def step(graphdef, decode: bool, params, pools, tokens, starts, nvalid, page_table, slots,
-         temperature, top_p, top_k, seeds, counters):
-  """One engine step (jit with ``graphdef`` and ``decode`` bound, pools donated). Returns
-  (pools, tokens ``[N]``, their logprobs ``[N]``, top ids ``[N, TOP_LOGPROBS]`` and their
-  logprobs): logprobs of the model's distribution, before temperature and filtering."""
+         temperature, top_p, top_k, seeds, counters, vision=None):
+  """One engine step (jit with ``graphdef`` and ``decode`` bound, pools donated); ``vision``
+  as :func:`forward`'s (prefill steps of a model with a vision tower). Returns (pools, tokens
+  ``[N]``, their logprobs ``[N]``, top ids ``[N, TOP_LOGPROBS]`` and their logprobs): logprobs
+  of the model's distribution, before temperature and filtering."""
   model = nnx.merge(graphdef, params)
-  logits, pools = forward(model, pools, tokens, starts, nvalid, page_table, slots, decode=decode)
+  logits, pools = forward(model, pools, tokens, starts, nvalid, page_table, slots, decode=decode,
+                          vision=vision)
   tok = sample_rows(logits, seeds, counters, temperature, top_p, top_k)
   lp = jax.nn.log_softmax(logits, axis=-1)
   top_lp, top_ids = jax.lax.top_k(lp, TOP_LOGPROBS)
@@ -93,19 +98,43 @@ def step(graphdef, decode: bool, params, pools, tokens, starts, nvalid, page_tab
   return pools, tok, chosen, top_ids.astype(jnp.int32), top_lp
 
 
+def _spec(tree):
+  """Arrays (or specs) -> ``ShapeDtypeStruct`` s with their shardings."""
+  return jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), tree)
+
+
 def lower(graphdef, params, pools, *, decode: bool, rows: int, tokens: int, table_width: int,
-          row_sharding=None):
+          row_sharding=None, visual: tuple | None = None):
   """:func:`step` for ``rows`` rows of ``tokens`` tokens, jitted (pools donated) and lowered for
   ``params`` and ``pools`` as they are laid out (arrays or ``ShapeDtypeStruct``s with shardings:
-  compile-only devices too) and per-row inputs placed by ``row_sharding``."""
-  spec = lambda tree: jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), tree)
+  compile-only devices too) and per-row inputs placed by ``row_sharding``; ``visual``: (visual
+  tokens per row ``M``, width ``d``, dtype) of the prefill steps of a model with a vision
+  tower."""
   row = lambda dt, *s: jax.ShapeDtypeStruct(s, dt, sharding=row_sharding)
   i32, f32, n = jnp.int32, jnp.float32, rows
   fn = jax.jit(functools.partial(step, graphdef, decode), donate_argnums=1)
-  return fn.lower(spec(params), spec(pools), row(i32, n, tokens), row(i32, n), row(i32, n),
+  vision = None
+  if visual is not None:
+    m, d, dtype = visual
+    vision = {"visual_tokens": row(dtype, n, m, d), "num_tokens": row(i32, n),
+              "token_offset": row(i32, n)}
+  return fn.lower(_spec(params), _spec(pools), row(i32, n, tokens), row(i32, n), row(i32, n),
                   row(i32, n, table_width), row(i32, n), row(f32, n), row(f32, n), row(i32, n),
-                  row(jnp.uint32, n), row(i32, n))
+                  row(jnp.uint32, n), row(i32, n), vision)
+
+
+def encode_images(graphdef, params, arrays: dict) -> jax.Array:
+  """The vision tower and projector over :func:`k3jax.vision.batch`'s arrays -> visual tokens
+  ``[B, M, d]`` (jit with ``graphdef`` bound)."""
+  return nnx.merge(graphdef, params).encode_images(arrays)
+
+
+def lower_encoder(graphdef, params, arrays: dict, row_sharding=None):
+  """:func:`encode_images` jitted and lowered for ``params`` as laid out and ``arrays`` shaped
+  as the example given (one request's images: ``B = 1``)."""
+  rows = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=row_sharding) for k, v in arrays.items()}
+  return jax.jit(functools.partial(encode_images, graphdef)).lower(_spec(params), rows)
 
 
 def copy_slots(pools: list[dict], src: jax.Array, dst: jax.Array, zero: jax.Array) -> list[dict]:
