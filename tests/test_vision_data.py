@@ -325,3 +325,31 @@ def test_iterator_state_resumes_mid_document():
     assert set(a) == set(b)
     for k in a:
       np.testing.assert_array_equal(a[k], b[k])
+
+
+# ------------------------------------------------------------------------------ training
+
+
+@pytest.mark.slow
+def test_k3_tiny_vl_trains_text_and_images_with_the_tower(tmp_path, root):
+  """The preset's pipeline through train.py on a smaller model: the loss falls, and every
+  weight of the tower and projector gets a gradient from the text loss (they train jointly)."""
+  import jax
+
+  import sharding
+  from k3jax import metrics, train, train_state, train_step
+  from test_train import SMALL
+  cfg = config.load(root / "configs" / "k3_tiny_vl.yaml",
+                    [*SMALL, "train.steps=8", "data.max_patches=128", "optimizer.lr=3e-3"])
+  d = data.Data(cfg)
+  batch = next(iter(d.dataset("train", cfg.data.seq_len)))
+  assert batch[VISION_PREFIX + "num_tokens"].sum() > 0 and (batch["input_ids"] != IMG).any()
+  state = train_state.init_train_state(cfg, sharding.make_mesh(cfg.mesh))
+  grads = jax.grad(lambda p: train_step._loss(state.graphdef, p, state.biases, batch,
+                                              cfg.train)[0])(state.params)
+  for path, g in jax.tree_util.tree_flatten_with_path(
+      {k: grads[k] for k in ("vision_tower", "mm_projector")})[0]:
+    assert np.isfinite(g).all() and np.abs(g).max() > 0, jax.tree_util.keystr(path)
+  train.train(cfg, tmp_path / "run", progress=False)
+  losses = [r["loss"] for r in metrics.read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+  assert len(losses) == 8 and losses[-1] < losses[0] - 1.0, losses
