@@ -48,8 +48,11 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
       img = Image.open(io.BytesIO(bytes(data)), formats=FORMATS)
   except Image.DecompressionBombError as e:
     raise ImageError(f"the image is too large to decode ({e})") from None
-  except (Image.UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-    raise ImageError(f"not an image in a supported format ({', '.join(FORMATS)}): {e}") from None
+  except Image.UnidentifiedImageError:
+    raise ImageError(f"not an image in a supported format ({', '.join(FORMATS)}), or its header "
+                     "is corrupt") from None
+  except (OSError, SyntaxError, ValueError) as e:
+    raise ImageError(f"the image's header is corrupt: {e}") from None
   w, h = img.size
   if w <= 0 or h <= 0:
     raise ImageError(f"the image has zero size ({w}x{h})")

@@ -13,6 +13,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import uvicorn
@@ -415,6 +416,108 @@ def test_served_disconnect_cancels(served):
       assert time.monotonic() < deadline
       time.sleep(0.05)
     assert metric(http, "k3jax_generation_tokens_total") - before < 200
+
+
+# ------------------------------------------------------------------------------ images
+
+IMG = 259  # k3_tiny_vl's model.vision.image_token_id
+VL = ("serve.max_batch=2", "serve.prefill_rows=1", "serve.block_size=32", "serve.page_size=16",
+      "serve.max_model_len=256", "serve.num_pages=20", "serve.model_name=" + MODEL)
+
+
+def image_url(h, w, seed):
+  from k3jax import images
+  pixels = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+  return images.data_url(images.encode_png(pixels)), pixels
+
+
+def image_chat(url, text="what is this? "):
+  return [{"role": "user", "content": [{"type": "text", "text": text},
+                                       {"type": "image_url", "image_url": {"url": url}}]}]
+
+
+def test_image_parts_refused_by_a_text_model_and_bad_urls(fake):
+  with httpx.Client(base_url=fake.url, timeout=60) as http:
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": image_chat(
+        image_url(28, 28, 0)[0])})
+    assert r.status_code == 400 and "takes no images" in r.json()["error"]["message"], r.text
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": "not an object"}]}]})
+    assert r.status_code == 400, r.text
+
+
+@pytest.fixture(scope="module")
+def served_vl(root, tmp_path_factory):
+  """``python serve.py --config k3_tiny_vl`` (random weights, seed 0) on a free port."""
+  log = tmp_path_factory.mktemp("serve_vl") / "stderr.txt"
+  with open(log, "w") as err:
+    proc = subprocess.Popen([sys.executable, "serve.py", "--config", "k3_tiny_vl", "--port", "0",
+                             *VL], cwd=root, stdout=subprocess.PIPE, stderr=err, text=True)
+  line = proc.stdout.readline()
+  if not line.startswith(f"serving {MODEL} at http://127.0.0.1:"):
+    proc.kill()
+    pytest.fail(f"serve.py did not start: {line!r}\n{log.read_text()[-3000:]}")
+  url = line.split()[-1]
+  yield openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300), url[:-len("/v1")]
+  proc.send_signal(signal.SIGINT)
+  assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+
+
+def reference_greedy(root, pixels, text: str, n: int) -> str:
+  """Greedy text of k3_tiny_vl's seed-0 model for a one-image chat, by full forwards (no
+  cache), the prompt built here: bos, the plain template, the image's placeholders."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from k3jax import config, vision
+  from k3jax.model import K3Model
+  cfg = config.load(root / "configs" / "k3_tiny_vl.yaml")
+  v = cfg.model.vision
+  model = K3Model(cfg.model, rngs=nnx.Rngs(0))
+  item = vision.preprocess(pixels, v)
+  seq = [BOS] + list(f"user: {text}".encode()) + [IMG] * item.num_tokens + list(
+      b"\nassistant: ")
+  arrays = {k: jnp.asarray(x) for k, x in vision.batch([item], v.max_patches).items()}
+  forward = nnx.jit(lambda m, ids: m(ids, vision=arrays))
+  start = len(seq)
+  seq = np.asarray(seq + [0] * n)  # one shape: causal, so the tail changes nothing before it
+  for i in range(start, start + n):
+    seq[i] = int(jnp.argmax(forward(model, jnp.asarray(seq[None]))[0, i - 1]))
+  return ByteTokenizer().decode(seq[start:].tolist())
+
+
+@pytest.mark.slow
+def test_served_images_prefix_cache_and_bad_images(served_vl, root):
+  """A chat with an image through the openai client equals the model's own greedy output; the
+  same image again reuses the cached prefix, another image with the same placeholder ids does
+  not (past the text before it); bad images are 400s and the server keeps serving."""
+  from test_vision_data import png, with_ihdr_size
+  from k3jax import images
+  client, url = served_vl
+  # bos + "user: " + text: 41 tokens before the image's 12 (112 x 84 pixels: 8 x 6 patches): one
+  # whole block of 32 before it, the second block (to 64) holds it
+  text = "what is in this picture? Tell me. "
+  first_url, pixels = image_url(112, 84, 1)
+  ask = lambda u: client.chat.completions.create(model=MODEL, messages=image_chat(u, text),
+                                                 max_tokens=8, temperature=0)
+  first, again, other = ask(first_url), ask(first_url), ask(image_url(112, 84, 2)[0])
+  assert first.choices[0].message.content == reference_greedy(root, pixels, text, 8)
+  assert again.choices[0].message.content == first.choices[0].message.content
+  assert first.usage.prompt_tokens == again.usage.prompt_tokens == 41 + 12 + len("\nassistant: ")
+  assert again.usage.prompt_tokens_details.cached_tokens == 64  # through the image
+  assert other.usage.prompt_tokens_details.cached_tokens == 32  # the text before it only
+  good = png(np.zeros((28, 28, 3), np.uint8))
+  bad = {"corrupt": (images.data_url(good[:40]), "corrupt"),
+         "empty": ("data:image/png;base64,", "empty"),
+         "huge": (images.data_url(with_ihdr_size(good, 9000, 9000)), "more than the limit"),
+         "web": ("https://example.com/cat.png", "not fetched"),
+         "not base64": ("data:image/png;base64,***", "malformed")}
+  with httpx.Client(base_url=url, timeout=60) as http:
+    for name, (u, why) in bad.items():
+      r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": image_chat(u)})
+      assert r.status_code == 400 and why in r.json()["error"]["message"], (name, r.text)
+  r = client.chat.completions.create(model=MODEL, messages=image_chat(first_url), max_tokens=2)
+  assert r.usage.completion_tokens >= 1
 
 
 def test_command_line_errors_before_any_work(capsys):

@@ -121,7 +121,7 @@ def lower(graphdef, params, pools, *, decode: bool, rows: int, tokens: int, tabl
               "token_offset": row(i32, n)}
   return fn.lower(_spec(params), _spec(pools), row(i32, n, tokens), row(i32, n), row(i32, n),
                   row(i32, n, table_width), row(i32, n), row(f32, n), row(f32, n), row(i32, n),
-                  row(jnp.uint32, n), row(i32, n), vision)
+                  row(jnp.uint32, n), row(i32, n), *(() if vision is None else (vision,)))
 
 
 def encode_images(graphdef, params, arrays: dict) -> jax.Array:
