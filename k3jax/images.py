@@ -1,8 +1,9 @@
 """Image bytes -> uint8 RGB pixels, for the data pipeline and the server.
 
 :func:`decode` turns the bytes of a PNG, JPEG, GIF, WebP or BMP file into ``[H, W, 3]`` uint8
-RGB: the EXIF orientation applied, palette, greyscale and 16-bit images converted, transparency
-composited over white. :func:`decode_frames` keeps every frame of an animated GIF/WebP (a short
+RGB: the EXIF orientation applied, palette, greyscale and 16-bit images converted; an image with
+transparency stays ``[H, W, 4]`` RGBA, which :func:`k3jax.vision.preprocess` composites as the
+reference processor does (``model.vision.alpha``). :func:`decode_frames` keeps every frame of an animated GIF/WebP (a short
 video, ``[F, H, W, 3]``). :func:`from_url` reads an OpenAI ``image_url``: a ``data:`` URL with
 base64 bytes; ``http(s)`` URLs are refused (k3jax fetches nothing over the network).
 
@@ -62,8 +63,13 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
   return img
 
 
-def _rgb(img: Image.Image) -> np.ndarray:
-  """The current frame of ``img`` as ``[H, W, 3]`` uint8 RGB (transparency over white)."""
+def _has_alpha(img: Image.Image) -> bool:
+  return img.mode in ("RGBA", "LA", "PA", "La", "RGBa") or "transparency" in img.info
+
+
+def _pixels(img: Image.Image, alpha: bool) -> np.ndarray:
+  """The current frame of ``img`` as ``[H, W, 3]`` uint8 RGB, or ``[H, W, 4]`` RGBA when
+  ``alpha`` (the vision processor composites transparency its own way)."""
   if img.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16/32-bit greyscale: keep the top 8 bits
     a = np.asarray(img, np.int64)
     scale = 257 if img.mode.startswith("I;16") else max(1, int(a.max()) // 255 + 1)
@@ -72,12 +78,7 @@ def _rgb(img: Image.Image) -> np.ndarray:
   if img.mode == "F":
     grey = np.clip(np.asarray(img, np.float32), 0, 255).astype(np.uint8)
     return np.repeat(grey[..., None], 3, axis=-1)
-  if img.mode == "P" and "transparency" in img.info or img.mode in ("RGBA", "LA", "PA", "La",
-                                                                     "RGBa"):
-    rgba = img.convert("RGBA")
-    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-    img = Image.alpha_composite(white, rgba)
-  return np.asarray(img.convert("RGB"), np.uint8)
+  return np.asarray(img.convert("RGBA" if alpha else "RGB"), np.uint8)
 
 
 def _load(img: Image.Image):
@@ -90,34 +91,34 @@ def _load(img: Image.Image):
 
 
 def decode(data: bytes, *, max_pixels: int = MAX_PIXELS) -> np.ndarray:
-  """The bytes of one image -> ``[H, W, 3]`` uint8 RGB, EXIF orientation applied (the first
-  frame of an animation)."""
+  """The bytes of one image -> ``[H, W, 3]`` uint8 RGB (``[H, W, 4]`` RGBA for an image with
+  transparency), EXIF orientation applied (the first frame of an animation)."""
   img = _open(data, max_pixels)
   _load(img)
   try:
     img = ImageOps.exif_transpose(img)
   except (OSError, SyntaxError, ValueError) as e:  # a broken EXIF block
     raise ImageError(f"the {img.format} image has a corrupt EXIF block: {e}") from None
-  return _rgb(img)
+  return _pixels(img, _has_alpha(img))
 
 
 def decode_frames(data: bytes, *, max_pixels: int = MAX_PIXELS,
                   max_frames: int = MAX_FRAMES) -> np.ndarray:
   """Every frame of an image file (an animated GIF or WebP: a short video) -> ``[F, H, W, 3]``
-  uint8 RGB; a still image gives ``F = 1``."""
+  uint8 RGB (``[F, H, W, 4]`` with transparency); a still image gives ``F = 1``."""
   img = _open(data, max_pixels)
   n = getattr(img, "n_frames", 1)
   if n > max_frames:
     raise ImageError(f"the {img.format} animation has {n} frames, more than the limit of "
                      f"{max_frames}")
-  frames = []
+  frames, alpha = [], _has_alpha(img)
   for i in range(n):
     try:
       img.seek(i)
     except EOFError as e:
       raise ImageError(f"the {img.format} animation is truncated at frame {i}: {e}") from None
     _load(img)
-    frames.append(_rgb(img))
+    frames.append(_pixels(img, alpha))
   return np.stack(frames)
 
 

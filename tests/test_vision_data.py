@@ -41,16 +41,17 @@ def test_decode_png_jpeg_roundtrip_and_modes():
   g16 = (np.arange(12, dtype=np.uint16).reshape(3, 4) * 5000)
   np.testing.assert_array_equal(images.decode(png(g16)),
                                 np.repeat((g16 // 257).astype(np.uint8)[..., None], 3, -1))
-  # transparency composited over white: alpha 0 -> white, alpha 255 -> the colour
-  rgba = np.zeros((2, 2, 4), np.uint8)
-  rgba[0, 0] = (10, 20, 30, 255)
-  out = images.decode(png(rgba))
-  np.testing.assert_array_equal(out[0, 0], (10, 20, 30))
-  np.testing.assert_array_equal(out[1, 1], (255, 255, 255))
+  # transparency is kept (RGBA) for the vision processor to composite
+  rgba = np.random.default_rng(1).integers(0, 256, (2, 3, 4), dtype=np.uint8)
+  np.testing.assert_array_equal(images.decode(png(rgba)), rgba)
   pal = Image.fromarray(x).convert("P", palette=Image.Palette.ADAPTIVE, colors=8)
   b = io.BytesIO()
   pal.save(b, format="PNG")
   np.testing.assert_array_equal(images.decode(b.getvalue()), np.asarray(pal.convert("RGB")))
+  pal.info["transparency"] = 0
+  b = io.BytesIO()
+  pal.save(b, format="PNG", transparency=0)
+  np.testing.assert_array_equal(images.decode(b.getvalue()), np.asarray(pal.convert("RGBA")))
 
 
 def test_decode_applies_exif_orientation():
