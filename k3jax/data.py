@@ -18,6 +18,11 @@ in a row continues in the next row as a new segment. Batches are dicts of ``[B, 
 padding), ``positions`` (position inside the piece) and ``weights`` (float32, 1 on real tokens, 0 on
 padding).
 
+A model with a vision tower (``model.vision``) reads image-text documents (the synthetic set,
+JSONL with images or chats, tar shards) or text ones through :mod:`k3jax.vision_data`: packing
+keeps each image's placeholders in one row, placeholder targets get weight 0, and the rows carry
+their images' vision arrays as ``vision_<name>``.
+
 The held-out split is decided per document by a hash of its key (relative file path, or
 ``file:line`` / ``file:row`` / ``file:record``), so it never changes with the shuffle seed.
 
