@@ -46,7 +46,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from k3jax import storage, vision_data
+from k3jax import storage
 from k3jax.config import Config, ConfigError
 from k3jax.tokenizer import HFTokenizer, Tokenizer, make_tokenizer
 
@@ -156,12 +156,16 @@ class JsonlLines:
         with p.open("rb") as f:
           for n, line in enumerate(f):
             if line.strip():
-              self.sizes.append(len(self._text(line, f"{p}:{n + 1}")))
+              self.sizes.append(len(self._parse(line, p, f"{p}:{n + 1}")))
               self.index.append((p, offset))
               self.keys.append(f"{p.name}:{n}")
             offset += len(line)
       except OSError as e:
         raise DataError(f"{p}: cannot read ({e.strerror or e})") from e
+
+  def _parse(self, line: bytes, path, where: str):
+    """The document of one line of ``path`` (``where`` names it in errors)."""
+    return self._text(line, where)
 
   def _text(self, line: bytes, where: str) -> str:
     try:
@@ -184,7 +188,7 @@ class JsonlLines:
     with path.open("rb") as f:
       f.seek(offset)
       line = f.readline()
-    return self._text(line, f"{path} at byte {offset}")
+    return self._parse(line, path, f"{path} at byte {offset}")
 
 
 def _parquet(path: storage.AnyPath):
@@ -380,6 +384,7 @@ class Data:
       raise DataError(f"data.tokenizer: vocabulary of {self.tokenizer.vocab_size} ids does not fit "
                       f"model.vocab_size={m.vocab_size}")
     check_special_ids(cfg, self.tokenizer)
+    from k3jax import vision_data  # image-text documents (it builds on this module's sources)
     self.sft = cfg.train.mode == "sft"
     self.vision = vision_data.row_patches(cfg) > 0
     if self.sft:  # conversations, trained on their assistant tokens (k3jax.posttrain.sft)
@@ -458,6 +463,7 @@ class Data:
       ds = ds.shuffle(seed=seed)
     ds = ds.repeat(None).map(self._encode).to_iter_dataset()
     if self.vision:  # images stay whole in a row; rows carry their vision arrays
+      from k3jax import vision_data
       ds = vision_data.PackImages(ds, seq_len, vision_data.row_patches(self.cfg),
                                   self.cfg.model.pad_token_id)
       ds = ds.map(vision_data.RowArrays(self.cfg))

@@ -43,6 +43,7 @@ from k3jax import metrics as metrics_lib
 from k3jax import storage
 from k3jax import tokenizer as tokenizer_lib
 from k3jax import train_step as step_lib
+from k3jax import vision_data
 from k3jax.data import stage_at, stages
 from k3jax.train_state import abstract_model, init_train_state
 import sharding
@@ -96,7 +97,7 @@ def data_settings(cfg: config_lib.Config) -> dict:
 
 def vision_spec(cfg: config_lib.Config) -> dict:
   """:func:`k3jax.train_step.batch_spec`'s vision arguments for ``cfg`` (none for a text model)."""
-  patches = data_lib.vision_data.row_patches(cfg)
+  patches = vision_data.row_patches(cfg)
   return {"vision": cfg.model.vision, "patches": patches} if patches else {}
 
 

@@ -47,16 +47,12 @@ import numpy as np
 from k3jax import images as images_lib
 from k3jax import storage, vision
 from k3jax.config import Config
+from k3jax.data import DataError, JsonlLines
 from k3jax.tokenizer import Tokenizer, apply_chat_template
 from k3jax.vision_prompt import VISION_PREFIX, interleave, preprocess
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".bmp")
 SYNTHETIC = "synthetic_images"
-
-
-def _error(message: str) -> Exception:
-  from k3jax.data import DataError  # k3jax.data imports this module
-  return DataError(message)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,7 +79,7 @@ class ImageRef:
         f.seek(self.offset)
         return f.read(self.size)
     except OSError as e:
-      raise _error(f"{self.path}: cannot read ({e.strerror or e})") from e
+      raise DataError(f"{self.path}: cannot read ({e.strerror or e})") from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,53 +109,52 @@ def load_pixels(image, max_pixels: int) -> np.ndarray:
 def _check_markers(text: str, n_images: int, marker: str, where: str) -> None:
   n = text.count(marker)
   if n != n_images:
-    raise _error(f"{where}: the text holds {n} image markers {marker!r} for {n_images} images")
+    raise DataError(f"{where}: the text holds {n} image markers {marker!r} for {n_images} images")
 
 
-def _image_ref(entry, base: storage.AnyPath, where: str, check: bool) -> ImageRef:
+def _image_ref(entry, base: storage.AnyPath, where: str) -> ImageRef:
   if not isinstance(entry, str) or not entry:
-    raise _error(f"{where}: an image must be a path or data URL string, got {entry!r:.60}")
+    raise DataError(f"{where}: an image must be a path or data URL string, got {entry!r:.60}")
   if entry.startswith("data:"):
     try:
       return ImageRef(where, inline=images_lib.url_bytes(entry))
     except images_lib.ImageError as e:
-      raise _error(f"{where}: {e}") from None
+      raise DataError(f"{where}: {e}") from None
   if entry.startswith(("http://", "https://")):
-    raise _error(f"{where}: image {entry!r:.80} is a web URL; training reads local or "
+    raise DataError(f"{where}: image {entry!r:.80} is a web URL; training reads local or "
                  "object-store paths (download it first)")
   path = storage.path(entry) if storage.is_remote(entry) or Path(entry).is_absolute() \
       else base / entry
-  if check and not storage.is_remote(path) and not Path(path).is_file():
-    raise _error(f"{where}: image file {path} does not exist")
+  if not storage.is_remote(path) and not Path(path).is_file():
+    raise DataError(f"{where}: image file {path} does not exist")
   return ImageRef(str(path))
 
 
-def _chat_document(messages, marker: str, base, where: str, tokenizer: Tokenizer,
-                   check: bool) -> Document:
+def _chat_document(messages, marker: str, base, where: str, tokenizer: Tokenizer) -> Document:
   """A chat with image parts -> its text through the chat template (turn after turn, each
   assistant reply appended after the prompt that leads to it), markers where the images were."""
   if not isinstance(messages, list) or not messages:
-    raise _error(f"{where}: 'messages' must be a non-empty list")
+    raise DataError(f"{where}: 'messages' must be a non-empty list")
   flat, refs = [], []
   for m in messages:
     content = m.get("content") if isinstance(m, dict) else None
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-      raise _error(f"{where}: every message needs a string 'role', got {m!r:.80}")
+      raise DataError(f"{where}: every message needs a string 'role', got {m!r:.80}")
     if isinstance(content, str):
       flat.append({"role": m["role"], "content": content})
       continue
     if not isinstance(content, list):
-      raise _error(f"{where}: a message's 'content' must be text or a list of parts")
+      raise DataError(f"{where}: a message's 'content' must be text or a list of parts")
     text = ""
     for part in content:
       kind = part.get("type") if isinstance(part, dict) else None
       if kind == "text" and isinstance(part.get("text"), str):
         text += part["text"]
       elif kind == "image_url" and isinstance(part.get("image_url"), dict):
-        refs.append(_image_ref(part["image_url"].get("url"), base, where, check))
+        refs.append(_image_ref(part["image_url"].get("url"), base, where))
         text += marker
       else:
-        raise _error(f"{where}: unsupported content part {part!r:.80} (text or image_url)")
+        raise DataError(f"{where}: unsupported content part {part!r:.80} (text or image_url)")
     flat.append({"role": m["role"], "content": text})
   text, done = "", 0
   for i, m in enumerate(flat):
@@ -172,58 +167,34 @@ def _chat_document(messages, marker: str, base, where: str, tokenizer: Tokenizer
   return Document(text, tuple(refs), where)
 
 
-class ImageTextLines:
+class ImageTextLines(JsonlLines):
   """One :class:`Document` per non-empty line of JSONL files (see the module docstring), every
-  line checked up front; ``sizes`` as :mod:`k3jax.data`'s sources."""
-  skipped: list = []
+  line checked up front as :class:`k3jax.data.JsonlLines` does."""
 
   def __init__(self, paths, *, text_field: str, marker: str, tokenizer: Tokenizer):
-    self.text_field, self.marker, self.tokenizer = text_field, marker, tokenizer
-    self.index, self.keys, self.sizes = [], [], []
-    for p in paths:
-      offset = 0
-      try:
-        with p.open("rb") as f:
-          for n, line in enumerate(f):
-            if line.strip():
-              doc = self._document(line, p, f"{p}:{n + 1}", check=True)
-              self.sizes.append(len(doc))
-              self.index.append((p, offset, n + 1))
-              self.keys.append(f"{p.name}:{n}")
-            offset += len(line)
-      except OSError as e:
-        raise _error(f"{p}: cannot read ({e.strerror or e})") from e
+    self.marker, self.tokenizer = marker, tokenizer
+    super().__init__(paths, text_field)
 
-  def _document(self, line: bytes, path, where: str, *, check: bool) -> Document:
+  def _parse(self, line: bytes, path, where: str) -> Document:
     try:
       record = json.loads(line)
     except ValueError as e:
-      raise _error(f"{where}: not a JSON line ({e})") from e
+      raise DataError(f"{where}: not a JSON line ({e})") from e
     if not isinstance(record, dict):
-      raise _error(f"{where}: not a JSON object")
+      raise DataError(f"{where}: not a JSON object")
     if "messages" in record:
-      return _chat_document(record["messages"], self.marker, path.parent, where, self.tokenizer,
-                            check)
-    text = record.get(self.text_field)
+      return _chat_document(record["messages"], self.marker, path.parent, where, self.tokenizer)
+    text = record.get(self.field)
     if not isinstance(text, str):
-      raise _error(f"{where}: no string field {self.text_field!r} (data.text_field) or "
+      raise DataError(f"{where}: no string field {self.field!r} (data.text_field) or "
                    f"'messages'; fields: {sorted(record)}")
     entries = record.get("images") or []
     if not isinstance(entries, list):
-      raise _error(f"{where}: 'images' must be a list")
-    refs = tuple(tuple(_image_ref(f, path.parent, where, check) for f in e) if isinstance(e, list)
-                 else _image_ref(e, path.parent, where, check) for e in entries)
+      raise DataError(f"{where}: 'images' must be a list")
+    refs = tuple(tuple(_image_ref(f, path.parent, where) for f in e) if isinstance(e, list)
+                 else _image_ref(e, path.parent, where) for e in entries)
     _check_markers(text, len(refs), self.marker, where)
     return Document(text, refs, where)
-
-  def __len__(self) -> int:
-    return len(self.index)
-
-  def __getitem__(self, i: int) -> Document:
-    path, offset, line = self.index[i]
-    with path.open("rb") as f:
-      f.seek(offset)
-      return self._document(f.readline(), path, f"{path}:{line}", check=False)
 
 
 class TarShards:
@@ -248,11 +219,11 @@ class TarShards:
                 groups.setdefault(f"{head}/{key}" if head else key, {})[ext.lower()] = (
                     m.offset_data, m.size)
       except (OSError, tarfile.TarError) as e:
-        raise _error(f"{p}: cannot read as a tar shard ({e})") from e
+        raise DataError(f"{p}: cannot read as a tar shard ({e})") from e
       for key, members in groups.items():
         where = f"{p}:{key}"
         if "txt" not in members and "json" not in members:
-          raise _error(f"{where}: the sample has no {key}.txt or {key}.json text")
+          raise DataError(f"{where}: the sample has no {key}.txt or {key}.json text")
         self.samples.append((str(local), where, members))
         self.keys.append(f"{Path(str(p)).name}:{key}")
         self.sizes.append(sum(s for _, s in members.values()))
@@ -267,15 +238,15 @@ class TarShards:
       try:
         record = json.loads(read("json"))
       except ValueError as e:
-        raise _error(f"{where}.json: not JSON ({e})") from e
+        raise DataError(f"{where}.json: not JSON ({e})") from e
       text = record.get(self.text_field) if isinstance(record, dict) else None
       if not isinstance(text, str):
-        raise _error(f"{where}.json: no string field {self.text_field!r} (data.text_field)")
+        raise DataError(f"{where}.json: no string field {self.text_field!r} (data.text_field)")
     else:
       try:
         text = read("txt").decode("utf-8")
       except UnicodeDecodeError as e:
-        raise _error(f"{where}.txt: not UTF-8 text ({e})") from e
+        raise DataError(f"{where}.txt: not UTF-8 text ({e})") from e
     exts = sorted(e for e in members if f".{e}".endswith(IMAGE_SUFFIXES))
     refs = tuple(ImageRef(path, *members[e]) for e in exts)
     if refs and self.marker not in text:
@@ -325,7 +296,7 @@ class EncodeImages:
         doc = Document(doc["text"], tuple(doc["images"]), doc.get("where", "synthetic"))
       texts = doc.text.split(self.marker)
       if len(texts) != len(doc.images) + 1:
-        raise _error(f"{doc.where}: the text holds {len(texts) - 1} image markers "
+        raise DataError(f"{doc.where}: the text holds {len(texts) - 1} image markers "
                      f"{self.marker!r} for {len(doc.images)} images")
       pieces = [np.asarray(self.tokenizer.encode(t), np.int32) for t in texts]
       pics, where = doc.images, doc.where
@@ -334,7 +305,7 @@ class EncodeImages:
       try:
         per_image.append(preprocess(load_pixels(image, self.vision.max_pixels), self.vision))
       except (vision.VisionError, images_lib.ImageError) as e:
-        raise _error(f"{where}: image {k}: {e}") from None
+        raise DataError(f"{where}: image {k}: {e}") from None
     body, spans, items = interleave(pieces, per_image, self.vision.image_token_id)
     x = np.concatenate([[self.bos], body, [self.eos]]).astype(np.int32)
     targets = x[1:]
@@ -409,7 +380,7 @@ class _PackIterator(grain.DatasetIterator):
       if take == 0:
         if fill == 0:
           k, s, m = ahead[0]
-          raise _error(f"{doc['where']}: image {k} ({m} visual tokens, "
+          raise DataError(f"{doc['where']}: image {k} ({m} visual tokens, "
                        f"{doc['items'][k].num_patches} patches) cannot fit one row of "
                        f"{t} tokens and {self.max_patches} patches (data.seq_len, "
                        "data.max_patches)")

@@ -308,13 +308,12 @@ REAL = ("serve.max_batch=4", "serve.prefill_rows=2", "serve.block_size=32", "ser
         "serve.max_model_len=256", "serve.num_pages=14", "serve.model_name=" + MODEL)
 
 
-@pytest.fixture(scope="module")
-def served(root, tmp_path_factory):
-  """``python serve.py`` of k3_tiny's random float32 weights (seed 0) on a free port."""
-  log = tmp_path_factory.mktemp("serve") / "stderr.txt"
+def serve_process(root, log, config: str, overrides):
+  """``python serve.py --config CONFIG`` (random weights, seed 0) on a free port: yields (an
+  openai client, the server's URL), stops it with SIGINT after."""
   with open(log, "w") as err:
-    proc = subprocess.Popen([sys.executable, "serve.py", "--config", "k3_tiny", "--port", "0", *REAL],
-                            cwd=root, stdout=subprocess.PIPE, stderr=err, text=True)
+    proc = subprocess.Popen([sys.executable, "serve.py", "--config", config, "--port", "0",
+                             *overrides], cwd=root, stdout=subprocess.PIPE, stderr=err, text=True)
   lines = queue.Queue()
   threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
   try:
@@ -328,6 +327,12 @@ def served(root, tmp_path_factory):
   yield openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300), url[:-len("/v1")]
   proc.send_signal(signal.SIGINT)
   assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def served(root, tmp_path_factory):
+  """``python serve.py`` of k3_tiny's random float32 weights (seed 0) on a free port."""
+  yield from serve_process(root, tmp_path_factory.mktemp("serve") / "stderr.txt", "k3_tiny", REAL)
 
 
 @pytest.mark.slow
@@ -449,18 +454,8 @@ def test_image_parts_refused_by_a_text_model_and_bad_urls(fake):
 @pytest.fixture(scope="module")
 def served_vl(root, tmp_path_factory):
   """``python serve.py --config k3_tiny_vl`` (random weights, seed 0) on a free port."""
-  log = tmp_path_factory.mktemp("serve_vl") / "stderr.txt"
-  with open(log, "w") as err:
-    proc = subprocess.Popen([sys.executable, "serve.py", "--config", "k3_tiny_vl", "--port", "0",
-                             *VL], cwd=root, stdout=subprocess.PIPE, stderr=err, text=True)
-  line = proc.stdout.readline()
-  if not line.startswith(f"serving {MODEL} at http://127.0.0.1:"):
-    proc.kill()
-    pytest.fail(f"serve.py did not start: {line!r}\n{log.read_text()[-3000:]}")
-  url = line.split()[-1]
-  yield openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300), url[:-len("/v1")]
-  proc.send_signal(signal.SIGINT)
-  assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+  yield from serve_process(root, tmp_path_factory.mktemp("serve_vl") / "stderr.txt", "k3_tiny_vl",
+                           VL)
 
 
 def reference_greedy(root, pixels, text: str, n: int) -> str:

@@ -298,13 +298,13 @@ def test_bad_records_name_the_file_and_record(tmp_path):
       data.Data(vl_cfg(tmp_path / "docs.jsonl"))
   # found when the worker decodes it: the error names the line and the image, training stops
   (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "a <image>", "images": ["bad.png"]}))
-  with pytest.raises(data.DataError, match=r"docs.jsonl:1: image 0: .*corrupt"):
+  with pytest.raises(data.DataError, match=r"docs.jsonl at byte 0: image 0: .*corrupt"):
     take_rows(data.Data(vl_cfg(tmp_path / "docs.jsonl")), 1)
   big = tmp_path / "big.png"
   write_png(big, 28 * 8, 28 * 8)  # 256 patches: over the row's 96
   (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "<image>", "images": ["big.png"]}))
   take_rows(data.Data(vl_cfg(tmp_path / "docs.jsonl")), 1)  # scaled down to in_patch_limit
-  with pytest.raises(data.DataError, match="docs.jsonl:1: image 0: .*max_patches=64"):
+  with pytest.raises(data.DataError, match="docs.jsonl at byte 0: image 0: .*max_patches=64"):
     take_rows(data.Data(vl_cfg(tmp_path / "docs.jsonl", "model.vision.in_patch_limit=1024")), 1)
   with pytest.raises(data.DataError, match="cannot fit one row of 64 tokens and 96 patches"):
     take_rows(data.Data(vl_cfg(tmp_path / "docs.jsonl", "model.vision.max_patches=256",
