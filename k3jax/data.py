@@ -65,17 +65,20 @@ class DataError(ValueError):
 
 
 def check_special_ids(cfg: Config, tokenizer: Tokenizer) -> None:
-  """Refuses a ``model.{bos,eos,pad}_token_id`` that the tokenizer also gives to text: its
-  ordinary ids are ``0 .. vocab_size - 1``, less the special added tokens of a ``tokenizer.json``
-  (which ordinary text never becomes)."""
+  """Refuses a ``model.{bos,eos,pad}_token_id`` (or ``model.vision.image_token_id``) that the
+  tokenizer also gives to text: its ordinary ids are ``0 .. vocab_size - 1``, less the special
+  added tokens of a ``tokenizer.json`` (which ordinary text never becomes)."""
   special: set[int] = set()
   if isinstance(tokenizer, HFTokenizer):
     with open(tokenizer.path) as f:
       special = {t["id"] for t in json.load(f).get("added_tokens", []) if t.get("special")}
-  for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-    i = getattr(cfg.model, name)
+  ids = {f"model.{name}": getattr(cfg.model, name)
+         for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+  if cfg.model.vision is not None:
+    ids["model.vision.image_token_id"] = cfg.model.vision.image_token_id
+  for name, i in ids.items():
     if i < tokenizer.vocab_size and i not in special:
-      raise ConfigError(f"model.{name}={i}: the tokenizer {cfg.data.tokenizer!r} gives id {i} to "
+      raise ConfigError(f"{name}={i}: the tokenizer {cfg.data.tokenizer!r} gives id {i} to "
                         f"text (its ids are 0-{tokenizer.vocab_size - 1}); use an id it leaves "
                         "free (at least its vocab_size) or one of its special tokens")
 

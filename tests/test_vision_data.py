@@ -311,6 +311,11 @@ def test_bad_records_name_the_file_and_record(tmp_path):
                                "model.vision.in_patch_limit=256")), 1)
 
 
+def test_an_image_token_id_the_tokenizer_gives_to_text_is_refused():
+  with pytest.raises(config.ConfigError, match="model.vision.image_token_id=65: the tokenizer"):
+    data.Data(vl_cfg("synthetic_images", "model.vision.image_token_id=65"))
+
+
 def test_iterator_state_resumes_mid_document():
   cfg = vl_cfg("synthetic_images")
   d = data.Data(cfg)
