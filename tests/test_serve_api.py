@@ -489,18 +489,18 @@ def test_served_images_prefix_cache_and_bad_images(served_vl, root):
   from test_vision_data import png, with_ihdr_size
   from k3jax import images
   client, url = served_vl
-  # bos + "user: " + text: 41 tokens before the image's 12 (112 x 84 pixels: 8 x 6 patches): one
-  # whole block of 32 before it, the second block (to 64) holds it
-  text = "what is in this picture? Tell me. "
+  # bos + "user: " + text: 25 tokens before the image's 12 (112 x 84 pixels: 8 x 6 patches), so
+  # the image straddles the first block's end (32): the second prefill chunk starts inside it
+  text = "describe it, now: "
   first_url, pixels = image_url(112, 84, 1)
   ask = lambda u: client.chat.completions.create(model=MODEL, messages=image_chat(u, text),
                                                  max_tokens=8, temperature=0)
   first, again, other = ask(first_url), ask(first_url), ask(image_url(112, 84, 2)[0])
   assert first.choices[0].message.content == reference_greedy(root, pixels, text, 8)
   assert again.choices[0].message.content == first.choices[0].message.content
-  assert first.usage.prompt_tokens == again.usage.prompt_tokens == 41 + 12 + len("\nassistant: ")
-  assert again.usage.prompt_tokens_details.cached_tokens == 64  # through the image
-  assert other.usage.prompt_tokens_details.cached_tokens == 32  # the text before it only
+  assert first.usage.prompt_tokens == again.usage.prompt_tokens == 25 + 12 + len("\nassistant: ")
+  assert again.usage.prompt_tokens_details.cached_tokens == 32  # a block that holds image tokens
+  assert other.usage.prompt_tokens_details.cached_tokens == 0  # ... of another image: no hit
   good = png(np.zeros((28, 28, 3), np.uint8))
   bad = {"corrupt": (images.data_url(good[:40]), "corrupt"),
          "empty": ("data:image/png;base64,", "empty"),

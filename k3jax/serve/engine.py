@@ -274,7 +274,8 @@ class Engine:
     """Serves new weights from the next step on (between steps; no recompile): ``params`` and
     ``biases`` are pure dicts (``nnx.to_pure_dict``, as training holds them) of the same shapes,
     cast and placed as the engine's. The prefix index is dropped (its states came from the old
-    weights); running and paused requests keep their caches but register no more blocks."""
+    weights); running and paused requests keep their caches but register no more blocks, and
+    those with image placeholders left to prefill encode their images again."""
     new = nnx.to_pure_dict(self._params)
 
     def put(tree):
@@ -297,6 +298,8 @@ class Engine:
     self.index.clear()
     for r in self.running + list(self.paused.values()) + list(self._resumed):
       r.blocks = []
+      if r.visual is not None:  # placeholders still to prefill: their tokens from the new tower
+        r.visual = self._encode_images(r)
 
   def pause(self, request_id: int) -> None:
     """Takes a running or waiting request out of scheduling (between steps); a running one keeps
