@@ -463,7 +463,7 @@ class Engine:
         self._restores.append((0, slot))  # a fresh state: zeros
       if r.generated == 0:
         r.cached = hit.length
-      if r.images and r.before[hit.length] < r.before[-1]:  # placeholders left to prefill
+      if r.images and r.before[min(hit.length, len(r.prompt))] < r.before[-1]:  # left to prefill
         r.visual = self._encode_images(r)
       self.running.append(r)
 
@@ -622,7 +622,7 @@ class Engine:
     self._register(r)
     if r.computed < len(r.tokens):
       return []
-    r.visual = None if r.computed >= len(r.prompt) else r.visual  # every placeholder is in
+    r.visual = None  # every placeholder is in the cache
     t = int(tok)
     r.tokens.append(t)
     r.keys.append(t)
