@@ -14,7 +14,6 @@ The step is ``train.py``'s (same init, optimizer, jitted function, ahead-of-time
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics

@@ -282,7 +282,7 @@ class EncodeImages:
   pre-tokenised ids) have no images."""
 
   def __init__(self, tokenizer: Tokenizer, cfg: Config):
-    self.tokenizer, self.cfg = tokenizer, cfg
+    self.tokenizer = tokenizer
     self.vision, self.marker = cfg.model.vision, cfg.data.image_marker
     self.bos, self.eos = cfg.model.bos_token_id, cfg.model.eos_token_id
 
