@@ -3,8 +3,9 @@
 :func:`decode` turns the bytes of a PNG, JPEG, GIF, WebP or BMP file into ``[H, W, 3]`` uint8
 RGB: the EXIF orientation applied, palette, greyscale and 16-bit images converted; an image with
 transparency stays ``[H, W, 4]`` RGBA, which :func:`k3jax.vision.preprocess` composites as the
-reference processor does (``model.vision.alpha``). :func:`decode_frames` keeps every frame of an animated GIF/WebP (a short
-video, ``[F, H, W, 3]``). :func:`from_url` reads an OpenAI ``image_url``: a ``data:`` URL with
+reference processor does (``model.vision.alpha``). :func:`decode_frames` keeps every frame of
+an animated GIF/WebP (a short video, ``[F, H, W, 3]``); :func:`decode_media` gives a still image
+or an animation's frames. :func:`from_url` reads an OpenAI ``image_url``: a ``data:`` URL with
 base64 bytes; ``http(s)`` URLs are refused (k3jax fetches nothing over the network).
 
 Every failure is one :class:`ImageError` saying what is wrong: empty or corrupt bytes, a format
@@ -122,6 +123,15 @@ def decode_frames(data: bytes, *, max_pixels: int = MAX_PIXELS,
   return np.stack(frames)
 
 
+def decode_media(data: bytes, *, max_pixels: int = MAX_PIXELS,
+                 max_frames: int = MAX_FRAMES) -> np.ndarray:
+  """An image file as the vision processor takes it: ``[H, W, C]`` for a still image,
+  ``[F, H, W, C]`` for an animation of several frames (a short video)."""
+  if getattr(_open(data, max_pixels), "n_frames", 1) == 1:
+    return decode(data, max_pixels=max_pixels)  # with its EXIF orientation
+  return decode_frames(data, max_pixels=max_pixels, max_frames=max_frames)
+
+
 def stack_frames(frames: list[np.ndarray]) -> np.ndarray:
   """Decoded frames of one video (each ``[H, W, 3]``, all of one size) -> ``[F, H, W, 3]``."""
   if not frames:
@@ -157,8 +167,8 @@ def url_bytes(url: str) -> bytes:
 
 
 def from_url(url: str, *, max_pixels: int = MAX_PIXELS) -> np.ndarray:
-  """:func:`decode` of :func:`url_bytes`."""
-  return decode(url_bytes(url), max_pixels=max_pixels)
+  """:func:`decode_media` of :func:`url_bytes`: an image, or an animation's frames."""
+  return decode_media(url_bytes(url), max_pixels=max_pixels)
 
 
 def encode_png(pixels: np.ndarray) -> bytes:

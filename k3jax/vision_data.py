@@ -102,8 +102,7 @@ def load_pixels(image, max_pixels: int) -> np.ndarray:
   if isinstance(image, tuple):
     return images_lib.stack_frames([images_lib.decode(f.read(), max_pixels=max_pixels)
                                     for f in image])
-  frames = images_lib.decode_frames(image.read(), max_pixels=max_pixels)
-  return frames[0] if len(frames) == 1 else frames
+  return images_lib.decode_media(image.read(), max_pixels=max_pixels)
 
 
 def _check_markers(text: str, n_images: int, marker: str, where: str) -> None:
@@ -278,7 +277,7 @@ def open_source(cfg: Config, files, tokenizer: Tokenizer):
 
 class EncodeImages:
   """Document -> ``{"input_ids", "targets", "weights": [n], "spans": [k, 2] (start, length of
-  each image's placeholder run in input_ids, after bos), "items": [VisionItem]}``; text documents (str or
+  each image's placeholder run in input_ids), "items": [VisionItem]}``; text documents (str or
   pre-tokenised ids) have no images."""
 
   def __init__(self, tokenizer: Tokenizer, cfg: Config):

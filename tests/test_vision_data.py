@@ -104,6 +104,8 @@ def test_gif_frames_and_videos():
   with pytest.raises(images.ImageError, match="3 frames, more than the limit of 2"):
     images.decode_frames(b.getvalue(), max_frames=2)
   assert images.decode_frames(png(frames[0])).shape == (1, 8, 10, 3)
+  np.testing.assert_array_equal(images.decode_media(b.getvalue()), np.stack(frames))
+  np.testing.assert_array_equal(images.decode_media(png(frames[0])), frames[0])
   with pytest.raises(images.ImageError, match="share one size"):
     images.stack_frames([frames[0], rand_pixels(4, 4)])
 
@@ -220,8 +222,8 @@ def jsonl_corpus(tmp_path):
   b = "img/" + write_png(tmp_path / "img" / "b.png", 60, 30, seed=1)  # resized to the grid
   f0, f1 = (write_png(tmp_path / f"f{i}.png", 28, 28, seed=2 + i) for i in range(2))
   gif = io.BytesIO()
-  Image.fromarray(rand_pixels(28, 28, 5)).save(gif, format="GIF", save_all=True,
-                                                append_images=[Image.fromarray(rand_pixels(28, 28, 6))])
+  Image.fromarray(rand_pixels(28, 28, 5)).save(
+      gif, format="GIF", save_all=True, append_images=[Image.fromarray(rand_pixels(28, 28, 6))])
   (tmp_path / "clip.gif").write_bytes(gif.getvalue())
   lines = [
       {"text": "one <image> two", "images": [a]},
@@ -353,5 +355,6 @@ def test_k3_tiny_vl_trains_text_and_images_with_the_tower(tmp_path, root):
       {k: grads[k] for k in ("vision_tower", "mm_projector")})[0]:
     assert np.isfinite(g).all() and np.abs(g).max() > 0, jax.tree_util.keystr(path)
   train.train(cfg, tmp_path / "run", progress=False)
-  losses = [r["loss"] for r in metrics.read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+  records = metrics.read_jsonl(tmp_path / "run" / "metrics.jsonl")
+  losses = [r["loss"] for r in records if "loss" in r]
   assert len(losses) == 8 and losses[-1] < losses[0] - 1.0, losses

@@ -184,8 +184,8 @@ class _Server:
     per_image = []
     for k, url in enumerate(urls):
       try:
-        per_image.append(vision_prompt.preprocess(images_lib.from_url(url, max_pixels=cfg.max_pixels),
-                                                  cfg))
+        pixels = images_lib.from_url(url, max_pixels=cfg.max_pixels)
+        per_image.append(vision_prompt.preprocess(pixels, cfg))
       except VisionError as e:  # images_lib.ImageError too
         raise APIError(f"image {k} of the messages: {e}", param="messages") from None
     pieces = text.split(IMAGE_MARKER)

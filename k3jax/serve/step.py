@@ -133,7 +133,8 @@ def encode_images(graphdef, params, arrays: dict) -> jax.Array:
 def lower_encoder(graphdef, params, arrays: dict, row_sharding=None):
   """:func:`encode_images` jitted and lowered for ``params`` as laid out and ``arrays`` shaped
   as the example given (one request's images: ``B = 1``)."""
-  rows = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=row_sharding) for k, v in arrays.items()}
+  rows = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=row_sharding)
+          for k, v in arrays.items()}
   return jax.jit(functools.partial(encode_images, graphdef)).lower(_spec(params), rows)
 
 
