@@ -404,6 +404,9 @@ class Data:
       self.source = vision_data.open_source(cfg, files, self.tokenizer) or open_source(
           cfg.data.source, cfg.data.text_field, process_index=process_index,
           process_count=process_count)
+    elif cfg.data.source == vision_data.SYNTHETIC:
+      raise DataError(f"data.source: {vision_data.SYNTHETIC} is image-text data; it needs a "
+                      "model with a vision tower (model.vision)")
     else:
       self.source = open_source(cfg.data.source, cfg.data.text_field, process_index=process_index,
                                 process_count=process_count)

@@ -309,6 +309,11 @@ def test_bad_records_name_the_file_and_record(tmp_path):
                                "model.vision.in_patch_limit=256")), 1)
 
 
+def test_the_synthetic_images_need_a_vision_model():
+  with pytest.raises(data.DataError, match="needs a model with a vision tower"):
+    data.Data(vl_cfg("synthetic_images", "model.vision=null"))
+
+
 def test_an_image_token_id_the_tokenizer_gives_to_text_is_refused():
   with pytest.raises(config.ConfigError, match="model.vision.image_token_id=65: the tokenizer"):
     data.Data(vl_cfg("synthetic_images", "model.vision.image_token_id=65"))
