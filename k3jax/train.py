@@ -44,6 +44,7 @@ from k3jax import storage
 from k3jax import tokenizer as tokenizer_lib
 from k3jax import train_step as step_lib
 from k3jax import vision_data
+from k3jax.vision_prompt import batch_vision
 from k3jax.data import stage_at, stages
 from k3jax.train_state import abstract_model, init_train_state
 import sharding
@@ -308,6 +309,7 @@ def _train(cfg: config_lib.Config, run_dir: storage.AnyPath, progress: bool) -> 
   compile_s = None  # the last compile's seconds, logged with the step after it
   last_time, last_step = time.perf_counter(), step
   contexts: list[float] = []  # mean attention context of each step's rows since the last log
+  tower: list[float] = []  # the vision tower's training FLOPs of each step since the last log
   in_mesh = jax.set_mesh(mesh)
   in_mesh.__enter__()
   try:
@@ -318,6 +320,8 @@ def _train(cfg: config_lib.Config, run_dir: storage.AnyPath, progress: bool) -> 
         metrics.say(f"stage {now.index}: seq_len {now.seq_len} from step {step}")
       host_batch = next(it)
       contexts.append(flops_lib.mean_causal_context(host_batch["segment_ids"]))
+      images = batch_vision(host_batch)
+      tower.append(3 * flops_lib.vision_forward_flops(cfg.model, images) if images else 0.0)
       batch = step_lib.place_batch(host_batch, batch_sharding)
       try:
         if stage.seq_len not in compiled:
@@ -331,7 +335,7 @@ def _train(cfg: config_lib.Config, run_dir: storage.AnyPath, progress: bool) -> 
           metrics.say(f"compiled the step for {cfg.train.batch_size} x {stage.seq_len} tokens: "
                       f"{report}{temps}")
           last_time, last_step = time.perf_counter(), step  # tokens/s: steps, not compiles
-          contexts[:] = contexts[-1:]
+          contexts[:], tower[:] = contexts[-1:], tower[-1:]
         state, out = step_lib.apply_step(compiled[stage.seq_len], state, step, batch)
       except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
@@ -354,9 +358,12 @@ def _train(cfg: config_lib.Config, run_dir: storage.AnyPath, progress: bool) -> 
         elapsed = time.perf_counter() - last_time
         tokens = (step - last_step) * cfg.train.batch_size * stage.seq_len
         tps = tokens / elapsed if elapsed > 0 and step > last_step else None
+        # model FLOPs per token: the text's, and the tower's of the step spread over its tokens
         fpt = flops_lib.train_flops_per_token(cfg.model, stage.seq_len,
-                                              sum(contexts) / max(len(contexts), 1))
+                                              sum(contexts) / max(len(contexts), 1)) \
+            + sum(tower) / max(len(tower), 1) / (cfg.train.batch_size * stage.seq_len)
         contexts.clear()
+        tower.clear()
         record = {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"],
                   "lr": out["lr"], "tokens_per_s": tps,
                   "mfu": (fpt * tps / peak) if (peak and tps) else None,
