@@ -121,7 +121,7 @@ def _image_ref(entry, base: storage.AnyPath, where: str) -> ImageRef:
       raise DataError(f"{where}: {e}") from None
   if entry.startswith(("http://", "https://")):
     raise DataError(f"{where}: image {entry!r:.80} is a web URL; training reads local or "
-                 "object-store paths (download it first)")
+                    "object-store paths (download it first)")
   path = storage.path(entry) if storage.is_remote(entry) or Path(entry).is_absolute() \
       else base / entry
   if not storage.is_remote(path) and not Path(path).is_file():
@@ -186,7 +186,7 @@ class ImageTextLines(JsonlLines):
     text = record.get(self.field)
     if not isinstance(text, str):
       raise DataError(f"{where}: no string field {self.field!r} (data.text_field) or "
-                   f"'messages'; fields: {sorted(record)}")
+                      f"'messages'; fields: {sorted(record)}")
     entries = record.get("images") or []
     if not isinstance(entries, list):
       raise DataError(f"{where}: 'images' must be a list")
@@ -293,10 +293,8 @@ class EncodeImages:
         doc = Document(doc)
       elif isinstance(doc, dict):  # the synthetic set
         doc = Document(doc["text"], tuple(doc["images"]), doc.get("where", "synthetic"))
+      _check_markers(doc.text, len(doc.images), self.marker, doc.where)
       texts = doc.text.split(self.marker)
-      if len(texts) != len(doc.images) + 1:
-        raise DataError(f"{doc.where}: the text holds {len(texts) - 1} image markers "
-                     f"{self.marker!r} for {len(doc.images)} images")
       pieces = [np.asarray(self.tokenizer.encode(t), np.int32) for t in texts]
       pics, where = doc.images, doc.where
     per_image = []  # the items of each image: one, or a video's chunks
@@ -380,9 +378,9 @@ class _PackIterator(grain.DatasetIterator):
         if fill == 0:
           k, s, m = ahead[0]
           raise DataError(f"{doc['where']}: image {k} ({m} visual tokens, "
-                       f"{doc['items'][k].num_patches} patches) cannot fit one row of "
-                       f"{t} tokens and {self.max_patches} patches (data.seq_len, "
-                       "data.max_patches)")
+                          f"{doc['items'][k].num_patches} patches) cannot fit one row of "
+                          f"{t} tokens and {self.max_patches} patches (data.seq_len, "
+                          "data.max_patches)")
         break
       segment += 1
       sl = slice(fill, fill + take)
