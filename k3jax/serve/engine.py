@@ -139,12 +139,12 @@ class Engine:
                                    mesh_lib.pure_shardings(self._pools, self.mesh, names))
       self._rows = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     self._steps: dict[tuple[bool, int, int], Callable] = {}
-    # prefill steps of a model with a vision tower take each row's visual tokens [M, d]
+    # prefill steps of a model with a vision tower take, per row, the visual tokens of its
+    # chunk's placeholders [T, d] (a row without images: zeros)
     self._visual_shape = self._no_visual = self._encoder = None
     if self.cfg.vision is not None:
-      m = self.cfg.vision.max_patches // self.cfg.vision.merge
-      self._visual_shape = (m, self.cfg.hidden_size, self.cfg.cdtype)
-      self._no_visual = jax.device_put(jnp.zeros((m, self.cfg.hidden_size), self.cfg.cdtype),
+      self._visual_shape = (self.cfg.hidden_size, self.cfg.cdtype)
+      self._no_visual = jax.device_put(jnp.zeros((1, self.cfg.hidden_size), self.cfg.cdtype),
                                        self._rows)
     self._copy = jax.jit(step_lib.copy_slots, donate_argnums=0)
     self._copy_width = 2 * max(serve.max_batch, serve.prefill_rows)
@@ -575,7 +575,7 @@ class Engine:
     if self._rows is not None:
       args = jax.device_put(args, self._rows)
     if self._visual_shape is not None and not decode:
-      args = (*args, self._vision_inputs(rows, n))
+      args = (*args, self._vision_inputs(rows, n, t))
     with self._scope():
       self._pools, *out = fn(self._params, self._pools, *args)
     return [c for _, _, c in rows], out
@@ -598,21 +598,20 @@ class Engine:
     with self._scope():
       return self._encoder(self._params, arrays)[0]
 
-  def _vision_inputs(self, rows, n: int) -> dict:
-    """A prefill step's ``vision`` input: each row's visual tokens, their count and the
-    placeholders before its chunk (zeros for rows without images)."""
-    count, offset = np.zeros(n, np.int32), np.zeros(n, np.int32)
-    visual = [self._no_visual] * n
-    for i, (r, start, _) in enumerate(rows):
-      if r.visual is not None:
-        visual[i], count[i] = r.visual, int(r.before[-1])
-        offset[i] = r.before[min(start, len(r.prompt))]
-    extra = (count, offset)
-    if self._rows is not None:
-      extra = jax.device_put(extra, self._rows)
+  def _vision_inputs(self, rows, n: int, t: int) -> dict:
+    """A prefill step's ``vision`` input: per row, the visual tokens of the placeholders in its
+    chunk (``[t, d]``, zeros for rows without images) and their count."""
+    count = np.zeros(n, np.int32)
     with self._scope():
+      visual = [step_lib.visual_window(self._no_visual, 1, t)] * n
+      for i, (r, start, c) in enumerate(rows):
+        if r.visual is not None:
+          first, end = (int(r.before[min(p, len(r.prompt))]) for p in (start, start + c))
+          visual[i], count[i] = step_lib.visual_window(r.visual, first, t), end - first
       stacked = jnp.stack(visual)
-    return {"visual_tokens": stacked, "num_tokens": extra[0], "token_offset": extra[1]}
+    if self._rows is not None:
+      count = jax.device_put(count, self._rows)
+    return {"visual_tokens": stacked, "num_tokens": count}
 
   def _advance(self, r: _Request, count: int, out) -> list[tuple[_Request, TokenOutput]]:
     """Books ``count`` computed tokens of ``r`` (registering a completed block) and, when its

@@ -70,8 +70,8 @@ def forward(model: K3Model, pools: list[dict], tokens, starts, nvalid, page_tabl
             decode: bool, vision: dict | None = None):
   """tokens ``[N, T]`` continuing the cached requests -> (float32 logits ``[N, V]`` after each
   row's last real token, updated pools). ``vision``: the rows' visual tokens for the image
-  placeholders among ``tokens`` (:meth:`K3Model.hidden`'s ``visual_tokens``, ``num_tokens``,
-  ``token_offset``)."""
+  placeholders among ``tokens``, in order (:meth:`K3Model.hidden`'s ``visual_tokens`` and
+  ``num_tokens``; :func:`visual_window`)."""
   t = tokens.shape[1]
   cache = [dict(p, page_table=page_table) if "pages" in p else dict(p, slots=slots) for p in pools]
   valid = None if decode else jnp.arange(t)[None, :] < nvalid[:, None]
@@ -108,20 +108,27 @@ def lower(graphdef, params, pools, *, decode: bool, rows: int, tokens: int, tabl
           row_sharding=None, visual: tuple | None = None):
   """:func:`step` for ``rows`` rows of ``tokens`` tokens, jitted (pools donated) and lowered for
   ``params`` and ``pools`` as they are laid out (arrays or ``ShapeDtypeStruct``s with shardings:
-  compile-only devices too) and per-row inputs placed by ``row_sharding``; ``visual``: (visual
-  tokens per row ``M``, width ``d``, dtype) of the prefill steps of a model with a vision
-  tower."""
+  compile-only devices too) and per-row inputs placed by ``row_sharding``; ``visual``: (width
+  ``d``, dtype) of the visual tokens ``[rows, tokens, d]`` that the prefill steps of a model with
+  a vision tower take (:func:`visual_window`)."""
   row = lambda dt, *s: jax.ShapeDtypeStruct(s, dt, sharding=row_sharding)
   i32, f32, n = jnp.int32, jnp.float32, rows
   fn = jax.jit(functools.partial(step, graphdef, decode), donate_argnums=1)
   vision = None
   if visual is not None:
-    m, d, dtype = visual
-    vision = {"visual_tokens": row(dtype, n, m, d), "num_tokens": row(i32, n),
-              "token_offset": row(i32, n)}
+    d, dtype = visual
+    vision = {"visual_tokens": row(dtype, n, tokens, d), "num_tokens": row(i32, n)}
   return fn.lower(_spec(params), _spec(pools), row(i32, n, tokens), row(i32, n), row(i32, n),
                   row(i32, n, table_width), row(i32, n), row(f32, n), row(f32, n), row(i32, n),
                   row(jnp.uint32, n), row(i32, n), *(() if vision is None else (vision,)))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def visual_window(visual: jax.Array, first, tokens: int) -> jax.Array:
+  """Rows ``first .. first + tokens - 1`` of a request's visual tokens ``[M, d]``, zeros past its
+  end: what the placeholders of a prefill chunk that follows ``first`` placeholders take. A step
+  so carries ``[rows, chunk, d]``, not every row's whole ``[M, d]``."""
+  return jnp.take(visual, first + jnp.arange(tokens), axis=0, mode="fill", fill_value=0)
 
 
 def encode_images(graphdef, params, arrays: dict) -> jax.Array:
