@@ -52,10 +52,16 @@ def replace_options(config, specs):
   return dataclasses.replace(config, **changes)
 
 
-def median_ms(fn, *args, reps: int = 15, inner: int = 5) -> float:
+def median_ms(fn, *args, reps: int = 15, inner: int = 5, max_sample_s: float | None = None) -> float:
   """Median milliseconds per call of ``fn(*args)``: ``reps`` samples of ``inner`` back-to-back
-  calls (launch overhead hidden), after one warm-up call, each sample synchronised."""
+  calls (launch overhead hidden), after one warm-up call, each sample synchronised. With
+  ``max_sample_s``, ``inner`` shrinks (to 1 at least) so that one sample takes about that long at
+  the warm-up's speed: long calls are not repeated hundreds of times."""
   jax.block_until_ready(fn(*args))
+  if max_sample_s is not None:
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    inner = max(1, min(inner, int(max_sample_s / max(time.perf_counter() - t, 1e-9))))
   ts = []
   for _ in range(reps):
     t = time.perf_counter()
