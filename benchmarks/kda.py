@@ -270,11 +270,11 @@ class Parts:
     self.s0 = jnp.zeros((b, h, kd, kd), jnp.float32)
     self.do = jax.random.normal(jax.random.key(7), (b, t, h, kd), jnp.bfloat16)
     self.a = jax.jit(lambda *x: chunk_dense.chunk_a(cfg, *x, self.seg, t))(*self.x)
-    pkk, _, _, _, kg, _, _, _ = self.a
+    pkk, _, _, _, kg, _, _, _, _ = self.a
     self.wu = jax.jit(lambda *x: chunk_dense.chunk_wu(cfg, *x, self.seg, t, True))(
         pkk, kg, v, beta)
     w, u, x = self.wu
-    _, aqk, qg, kdec, _, gc, _, _ = self.a
+    _, aqk, qg, kdec, _, gc, _, _, _ = self.a
     self.fac = (w, u, qg, aqk, kdec, gc)
     _, _, self.hs, self.vn = jax.jit(lambda *p: recurrence.recurrence_fwd(
         cfg, *p, self.s0, jnp.bfloat16, store=True))(*self.fac)
@@ -290,7 +290,7 @@ class Parts:
     cfg, seg, t = options(self.shape, self.kind, **(changes or {})), self.seg, self.t
     cfg = dataclasses.replace(cfg, diag_rows=diag_rows or cfg.diag_rows)
     q, k, v, f, beta, a_log, dtb = self.x
-    pkk, _, _, _, kg, _, rq, rk = self.a
+    pkk, _, _, _, kg, _, rq, rk, redo = self.a
     w, u, qg, aqk, kdec, gc = self.fac
     _, _, x = self.wu
     dpkk, dy, _, dbeta = self.dwy
@@ -320,7 +320,7 @@ class Parts:
                       (v, beta, seg, x, pkk, kg, hs, dvn)),
         "chunk_dqkg": (j(lambda *p: chunk_dense.chunk_dqkg(cfg, *p, t)),
                        (q, k, v, f, beta, a_log, dtb, seg, hs, dh, self.vn, self.do,
-                        dy, dpkk, rq, rk)),
+                        dy, dpkk, rq, rk, redo)),
         "prep_vjp": (j(lambda *a: prep_vjp.preprocess_vjp(cfg, *a, config=cfg.tuning.prep_vjp)),
                      (q, k, f, beta, a_log, dtb, dq, dq, dg, dbeta)),
     }

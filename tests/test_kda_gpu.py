@@ -87,7 +87,7 @@ def test_dense_path_lowers_for_cuda(h200_lowering, shape, cumsum_dot, gate):
       lowering_platforms=("cuda",)).as_text()
   names = ["kda_chunk_a", "kda_chunk_wu", "kda_chunk_dwy", "kda_chunk_dqkg",
            "kda_fwd_recurrence", "kda_bwd_recurrence"]
-  for name in names + (["kda_chunk_a_sub"] if gate != "bounded" else []):
+  for name in names + (["kda_chunk_a_sub", "kda_chunk_dqkg_sub"] if gate != "bounded" else []):
     assert f'name = "{name}"' in text, f"{name} is not a Triton call of the lowered module"
 
 
@@ -113,8 +113,14 @@ def test_diag_rows():
   assert diag_rows("softplus", -5.0, 64) == 0
   tuning = config.KdaGpuConfig()
   assert config.chunk_path("bounded", -5.0, 64, tuning) == (32, False)
-  for gate, lb in (("softplus", -5.0), (None, -5.0), ("bounded", -11.0)):  # 16-row sub-chunks
-    assert config.chunk_path(gate, lb, 64, tuning) == (16, True)
+  # 32-row middle-row blocks first, 16-row sub-chunks where a chunk's gates exceed them
+  for gate, lb in (("softplus", -5.0), (None, -5.0), ("bounded", -11.0)):
+    assert config.chunk_path(gate, lb, 64, tuning) == (32, True)
+  assert config.chunk_path("softplus", -5.0, 16, tuning) == (16, True)
+  assert config.chunk_path("softplus", -5.0, 64, config.KdaGpuConfig(speculative_rows=64)) == (
+      64, True)
+  with pytest.raises(ValueError, match="speculative_rows"):
+    config.KdaGpuConfig(speculative_rows=48)
   general = config.KdaGpuConfig(unbounded="general")
   assert config.chunk_path("softplus", -5.0, 64, general) == (0, False)
   with pytest.raises(ValueError, match="unbounded"):

@@ -7,13 +7,15 @@ use one reference point per block ``I`` of ``diag_rows`` rows, rows of block I t
 product is a sum of full products whose left operand is masked to one row block:
   - the bounded gate: ``r_I`` G at the block's middle row; inside the block both factors stay
     within e^{(diag_rows / 2) |lower_bound|}, so the products cover the diagonal blocks too;
-  - any gate (``sub_chunks``): 16-row blocks, ``r_I`` G just before the block; the products
-    cover only earlier blocks (factors <= 1), the diagonal 16x16 blocks are formed pair by pair
-    with per-pair exponents ``min(G_i - G_j, 0)`` (:func:`diag_pairs`, :func:`diag_pair_grads`).
-    Where a chunk's gates let the middle-row references of 16-row blocks keep every exponent
-    within ``MAX_EXP`` (``_Dense.middle_fits``, at run time) its dense products serve instead:
-    ``kda_chunk_a`` forms them (exponents clamped) and flags the chunks they do not fit, which
-    ``kda_chunk_a_sub`` redoes on sub-chunks in place; ``kda_chunk_dqkg`` picks with a branch.
+  - any gate (``sub_chunks``): every chunk first takes middle-row blocks of ``diag_rows`` rows
+    (``KdaGpuConfig.speculative_rows``) as the bounded gate does, exponents clamped to
+    ``MAX_EXP`` so that nothing overflows; ``kda_chunk_a`` flags the chunks whose gates do not
+    keep every exponent within it (``_Dense.middle_fits``, at run time), and those are redone in
+    place on 16-row sub-chunks (``kda_chunk_a_sub``, ``kda_chunk_dqkg_sub``): ``r_I`` G just
+    before the sub-chunk, the products covering only earlier ones (factors <= 1), the diagonal
+    16x16 blocks formed pair by pair with per-pair exponents ``min(G_i - G_j, 0)``
+    (:func:`diag_pairs`, :func:`diag_pair_grads`). A chunk that fits runs the bounded gate's
+    kernels; one that does not costs a second pass of its programs.
 
 The work is split into short kernels with their intermediates in HBM, so that no program holds
 more than a few [C, C] / [C, BK] float32 tiles and many programs are in flight:
@@ -25,7 +27,8 @@ more than a few [C, C] / [C, BK] float32 tiles and many programs are in flight:
   backward ``kda_chunk_dwy``  the WY part: dP_kk [C, C], dY = X^T dW [C, K], dv, dbeta;
            ``kda_chunk_dqkg`` one program per ``dqkg_slice_k``-wide K slice: dq, dk, dg from
                               the pair products (dP_qk = scale dO V'^T formed in place from
-                              the dO and V' tiles it loads anyway), the states and dY.
+                              the dO and V' tiles it loads anyway), the states and dY;
+           ``kda_chunk_dqkg_sub`` (sub-chunks) the same again where kda_chunk_a flagged.
 Every chunk kernel runs one program per SM (registers: 232-255); kda_chunk_dqkg and
 kda_chunk_dwy spill (benchmarks/RESULTS.md, KDA runs 13-26).
 """
@@ -110,9 +113,8 @@ class _Dense:
     return q, k, dot_cumsum(g) if self.dot_cumsum else jnp.cumsum(g, axis=0)
 
   def middle_fits(self, G):
-    """Scalar bool: whether this slice's gates let the middle-row references of 16-row blocks
-    keep every exponent within ``MAX_EXP`` (sub-chunks: the faster dense products then serve;
-    else the sub-chunks' safe ones)."""
+    """Scalar bool: whether this slice's gates let the middle-row references of ``diag_rows``-row
+    blocks keep every exponent within ``MAX_EXP`` (else the chunk is redone on sub-chunks)."""
     _, _, _, ref_rows = self.blocks(G, sub=False)
     return jnp.max(jnp.abs(G - ref_rows)) <= MAX_EXP
 
@@ -120,7 +122,7 @@ class _Dense:
     """Row i of a [C, BK] tile as [BK] (masked reduction)."""
     return jnp.sum(jnp.where(self.rid == i, x, 0.0), axis=0)
 
-  def blocks(self, G, sub=None):
+  def blocks(self, G, sub=False):
     """e^{G - r} [C, BK] with each row's own block reference, per block I a function returning
     (row mask [C, 1], column factor e^{r_I - G} [C, BK] zeroed from the column where the block's
     pairs stop being products), and the references r_I [BK].
@@ -128,13 +130,11 @@ class _Dense:
     Middle-row references (the bounded gate): r_I is G at the middle row of block I of
     ``diag_rows`` rows and the products cover the block itself; no exponent of a row in or
     before its block exceeds ``diag_rows / 2`` gates (G falls with the row; see ``diag_rows``),
-    so none overflows (those after it are zeroed). Sub-chunks (``sub_chunks``, any gate): r_I is
-    G just before block I and the products cover only the columns before it (the first block
-    has none), so every exponent is <= 0; the diagonal blocks are :func:`diag_pairs`'. ``sub``
-    (default ``sub_chunks``) picks. The column factors are formed one at a time, where they are
-    used."""
-    n = self.cfg.diag_rows
-    sub = self.cfg.sub_chunks if sub is None else sub
+    so none overflows (those after it are zeroed). Sub-chunks (``sub``, any gate): r_I is G
+    just before 16-row block I and the products cover only the columns before it (the first
+    block has none), so every exponent is <= 0; the diagonal blocks are :func:`diag_pairs`'. The
+    column factors are formed one at a time, where they are used."""
+    n = SUB if sub else self.cfg.diag_rows
     at = (lambda i: i * n - 1) if sub else (lambda i: i * n + n // 2 - 1)  # row -1: r = 0
     refs = [self.row(G, at(i)) for i in range(self.cfg.chunk // n)]
     ref_rows = jnp.broadcast_to(refs[0][None, :], G.shape)
@@ -405,10 +405,11 @@ def _dense_dwy_kernel(v_ref, beta_ref, seg_ref, x_ref, pkk_ref, kg_ref, h_ref, d
 
 def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref, h_ref, dh_ref,
                        vn_ref, do_ref, dy_ref, dpkk_ref, rq_ref, rk_ref, dq_ref, dk_ref, dg_ref, *,
-                       cfg, hv, group, t, gate_dot, slice_k, dot_cumsum, pid):
+                       cfg, hv, group, t, gate_dot, slice_k, dot_cumsum, pid, sub=False):
   """Grid (K slices, NC, B*HV): gradients wrt the pre-processed q, k (per value head) and g of
   one K slice of one chunk, from the state entering the chunk (h), the gradient of the state
-  leaving it (dh), V', dO, dY, the pair-product gradient dpkk and the inverse norms.
+  leaving it (dh), V', dO, dY, the pair-product gradient dpkk and the inverse norms; the pair
+  products on the middle-row blocks, or with ``sub`` on sub-chunks.
   dP_qk = mask(scale dO V'^T) is formed here, in each reference block's step, from the dO and
   V' tiles (float32 sums of the bf16 tiles), not stored by ``kda_chunk_dwy`` and loaded as
   float32 (benchmarks/RESULTS.md, KDA runs 23-26).
@@ -427,22 +428,12 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
   ld = lambda ref: ref[b, rows, h, :].astype(f32)
   q, k, G = ch.slice(s)
   state = lambda ref: ref[b, ci, h, cols, :]  # [BK, V], loaded where used
-  blocks, e_row, refs, _ = ch.blocks(G)
-  # sub-chunks: the middle-row blocks' dense products where the gates allow (``middle_fits``)
-  fits = ch.middle_fits(G) if cfg.sub_chunks else None
+  blocks, e_row, refs, _ = ch.blocks(G, sub)
 
   def pairs(a_side, dp, dots):
     """Gradients of the pair product P_ij = sum_d a_id k_jd e^{G_id - G_jd} (i >= j) given
     dP (``dp()``: [C, C] float32), products by the algorithms ``dots`` (for d a, for d k):
     (d a, d k) [C, BK] and the last block's column factor (None on sub-chunks)."""
-    if fits is None:
-      return pair_grads(a_side, dp, dots, blocks, e_row, False)
-    da, db = jax.lax.cond(
-        fits, lambda: pair_grads(a_side, dp, dots, *ch.blocks(G, False)[:2], False)[:2],
-        lambda: pair_grads(a_side, dp, dots, blocks, e_row, True)[:2])
-    return da, db, None
-
-  def pair_grads(a_side, dp, dots, blocks, e_row, sub):
     mma, mmb = (functools.partial(chunk_ops.mm, precision=d) for d in dots)
     la = a_side * e_row
     da = db = jnp.zeros_like(k)
@@ -455,7 +446,7 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
     da = da * e_row
     if sub:
       dad, dbd = diag_pair_grads(a_side, k, G, dp())
-      da, db = da + dad, db + dbd
+      return da + dad, db + dbd, None
     return da, db, col
 
   # The products with the states (dO S^T, V' dS^T) take operands of the kernels' dtype, like
@@ -504,6 +495,18 @@ def _dense_dqkg_kernel(q_ref, k_ref, g_ref, beta_ref, alog_ref, dtb_ref, seg_ref
                               - jnp.cumsum(dG, axis=0) + dG).astype(dg_ref.dtype)
 
 
+def _dense_dqkg_sub_kernel(*refs, pid, **kw):
+  """Grid (K slices, NC, B*HV): :func:`_dense_dqkg_kernel` on sub-chunks for the chunks
+  ``kda_chunk_a`` flagged (``redo_ref`` [B, Tp, HV]); the outputs alias kda_chunk_dqkg's, so
+  the other chunks keep its gradients. Most programs read the flag and stop."""
+  *ins, redo_ref, _dq, _dk, _dg, dq_ref, dk_ref, dg_ref = refs
+  ci, b, h = _ids(kw["hv"], pid, 1)
+
+  @pl.when(redo_ref[b, ci * kw["cfg"].chunk, h] > 0)
+  def _():
+    _dense_dqkg_kernel(*ins, dq_ref, dk_ref, dg_ref, pid=pid, sub=True, **kw)
+
+
 def _cont(seg, c):
   """``[B, Tp]`` float32: 1 where a token continues the state entering its chunk."""
   start = jnp.arange(seg.shape[1]) // c * c
@@ -511,8 +514,10 @@ def _cont(seg, c):
 
 
 def chunk_a(cfg: KdaOptions, q, k, v, g, beta, A_log, dt_bias, seg, t):
-  """``kda_chunk_a``: (pkk, aqk, qg, kd, kg, gc, rq, rk), see :func:`_dense_a_kernel`; on
-  sub-chunks then ``kda_chunk_a_sub`` for the chunks it flags (:func:`_dense_a_sub_kernel`)."""
+  """``kda_chunk_a``: (pkk, aqk, qg, kd, kg, gc, rq, rk, redo), see :func:`_dense_a_kernel`; on
+  sub-chunks then ``kda_chunk_a_sub`` for the chunks it flags in ``redo`` [B, Tp, HV]
+  (:func:`_dense_a_sub_kernel`; None on the bounded gate's blocks), which the backward's
+  ``kda_chunk_dqkg_sub`` reads."""
   bsz, tp, h, kd = q.shape
   hv, c = v.shape[2], cfg.chunk
   dt, f32 = jnp.dtype(cfg.dtype), jnp.float32
@@ -524,13 +529,13 @@ def chunk_a(cfg: KdaOptions, q, k, v, g, beta, A_log, dt_bias, seg, t):
               jax.ShapeDtypeStruct((bsz, tp // c, hv, kd), f32)]
              + [rows] * (3 if cfg.sub_chunks else 2), *ins, chunk_axis=0)
   if not cfg.sub_chunks:
-    return out
+    return (*out, None)
   *out, redo = out
   kern = functools.partial(_dense_a_sub_kernel, cfg=cfg, hv=hv, group=hv // h, t=t)
   shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in out[:2]]
   out[:2] = call(cfg, kern, "kda_chunk_a_sub", (tp // c, bsz * hv), shapes, *ins, redo,
                  *out[:2], chunk_axis=0, aliases={len(ins) + 1: 0, len(ins) + 2: 1})
-  return tuple(out)
+  return (*out, redo)
 
 
 def chunk_wu(cfg: KdaOptions, pkk, kg, v, beta, seg, t, keep):
@@ -572,15 +577,28 @@ def chunk_dwy(cfg: KdaOptions, v, beta, seg, x, pkk, kg, hs, dvn, t):
 
 
 def chunk_dqkg(cfg: KdaOptions, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk,
-               rq, rk, t):
-  """``kda_chunk_dqkg``: (dq, dk, dg), see :func:`_dense_dqkg_kernel`."""
+               rq, rk, redo, t):
+  """``kda_chunk_dqkg``: (dq, dk, dg), see :func:`_dense_dqkg_kernel`; then, with ``redo`` (the
+  chunks ``kda_chunk_a`` flagged), ``kda_chunk_dqkg_sub`` for those (:func:`_dense_dqkg_sub_kernel`)."""
   bsz, tp, h, kd = q.shape
   hv = v.shape[2]
-  bk = min(kd, cfg.tuning.dqkg_slice_k_sub if cfg.sub_chunks else cfg.tuning.dqkg_slice_k)
-  kern = functools.partial(_dense_dqkg_kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
-                           gate_dot=cfg.tuning.gate_dot, slice_k=bk,
-                           dot_cumsum=cfg.tuning.dqkg_dot_cumsum)
-  return call(cfg, kern, "kda_chunk_dqkg", (kd // bk, tp // cfg.chunk, bsz * hv),
-              [tok(v, kd, store_dtype(cfg, n)) for n in ("dqk", "dqk", "dg")],
-              q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, rq, rk,
-              chunk_axis=1)
+  ins = (q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, rq, rk)
+  shapes = [tok(v, kd, store_dtype(cfg, n)) for n in ("dqk", "dqk", "dg")]
+  out = None
+  for name, kernel, bk in (("kda_chunk_dqkg", _dense_dqkg_kernel, cfg.tuning.dqkg_slice_k),
+                           ("kda_chunk_dqkg_sub", _dense_dqkg_sub_kernel,
+                            cfg.tuning.dqkg_slice_k_sub)):
+    bk = min(kd, bk)
+    kern = functools.partial(kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
+                             gate_dot=cfg.tuning.gate_dot, slice_k=bk,
+                             dot_cumsum=cfg.tuning.dqkg_dot_cumsum)
+    grid = (kd // bk, tp // cfg.chunk, bsz * hv)
+    if out is None:
+      out = call(cfg, kern, name, grid, shapes, *ins, chunk_axis=1)
+      if redo is None:
+        return out
+    else:
+      n = len(ins) + 1
+      out = call(cfg, kern, name, grid, shapes, *ins, redo, *out, chunk_axis=1,
+                 aliases={n: 0, n + 1: 1, n + 2: 2})
+  return out

@@ -29,7 +29,7 @@ BF16 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
 # Warps per chunk-local kernel (by pallas_call name); benchmarks/RESULTS.md, KDA runs 35-36 and
 # 43-44 (``benchmarks/kda.py --sweep`` times others).
 WARPS = {"kda_chunk_prep": 4, "kda_chunk_prep_bwd": 4, "kda_chunk_a": 8, "kda_chunk_a_sub": 8,
-         "kda_chunk_wu": 4, "kda_chunk_dwy": 4, "kda_chunk_dqkg": 4}
+         "kda_chunk_wu": 4, "kda_chunk_dwy": 4, "kda_chunk_dqkg": 4, "kda_chunk_dqkg_sub": 4}
 # (chunks per program, pipeline stages) of the dense chunk kernels that walk several chunks per
 # program (the rest: (1, 1)); benchmarks/RESULTS.md, KDA runs 43-44.
 CHUNK_LOOP = {"kda_chunk_a": (8, 3)}
@@ -53,7 +53,7 @@ class KdaGpuConfig:
   chunk_loop: tuple = _frozen({}, CHUNK_LOOP)
   slice_k: int = 64  # K channels per slice of the dense path's kernels
   dqkg_slice_k: int = 32  # K channels per program of kda_chunk_dqkg
-  # The same on sub-chunks (``KdaOptions.sub_chunks``): their diagonal blocks' pair-by-pair loop
+  # The same for kda_chunk_dqkg_sub (the chunks redone on sub-chunks): its diagonal blocks' pair-by-pair loop
   # spills at 32 (ptxas for sm_90a, ``tools/triton_report.py``: 1652 / 2188 bytes of spill
   # stores / loads per thread at 32, 212 / 212 at 16, the bounded gate's 216 / 216 at 32)
   dqkg_slice_k_sub: int = 16
@@ -88,6 +88,10 @@ class KdaGpuConfig:
   # below -MAX_EXP / 8): "subchunk" (the dense kernels with 16-token sub-chunk references,
   # diagonal sub-blocks pair by pair: ``chunk_dense``) or "general" (``chunk_general``)
   unbounded: str = "subchunk"
+  # "subchunk": rows per middle-row reference block that every chunk tries first, as the bounded
+  # gate's blocks (at most the chunk); the chunks whose gates do not keep those exponents within
+  # MAX_EXP (checked at run time) are redone on the sub-chunks, forward and backward
+  speculative_rows: int = 32
 
   def __post_init__(self):
     object.__setattr__(self, "warps", _frozen(self.warps, WARPS))
@@ -98,6 +102,9 @@ class KdaGpuConfig:
                        "'backward' or 'triton'")
     if self.chunk_wu not in ("mosaic", "triton"):
       raise ValueError(f"KdaGpuConfig: chunk_wu {self.chunk_wu!r} must be 'mosaic' or 'triton'")
+    if self.speculative_rows not in (16, 32, 64):
+      raise ValueError(f"KdaGpuConfig: speculative_rows {self.speculative_rows} must be 16, 32 "
+                       "or 64")
     if self.unbounded not in ("subchunk", "general"):
       raise ValueError(f"KdaGpuConfig: unbounded {self.unbounded!r} must be 'subchunk' or "
                        "'general'")
@@ -164,8 +171,9 @@ class KdaOptions:
   diag_rows: int  # rows per reference block of the dense path (0: the general path)
   dtype: str  # matrix-unit operand dtype of the kernels
   save_residuals: bool = True  # the backward reuses the forward's intermediates
-  # the dense path's references at the start of each block of ``diag_rows`` rows (every
-  # exponent <= 0, any gate), diagonal blocks pair by pair; else at the middle row
+  # any gate: middle-row blocks of ``diag_rows`` rows where a chunk's gates allow (checked at run
+  # time), else references at the start of each 16-row sub-chunk (every exponent <= 0),
+  # diagonal sub-blocks pair by pair
   sub_chunks: bool = False
   tuning: KdaGpuConfig = KdaGpuConfig()
 
@@ -182,12 +190,12 @@ def diag_rows(gate: str | None, lower_bound: float, chunk: int) -> int:
 def chunk_path(gate: str | None, lower_bound: float, chunk: int,
                tuning: KdaGpuConfig) -> tuple[int, bool]:
   """(``diag_rows``, ``sub_chunks``) of :class:`KdaOptions`: the bounded gate's middle-row blocks
-  where :func:`diag_rows` finds some, else 16-row sub-chunks (or, with the tuning's ``unbounded``
-  "general", the general path)."""
+  where :func:`diag_rows` finds some, else the tuning's ``speculative_rows`` with the 16-row
+  sub-chunks behind them (or, with the tuning's ``unbounded`` "general", the general path)."""
   rows = diag_rows(gate, lower_bound, chunk)
   if rows or tuning.unbounded == "general":
     return rows, False
-  return SUB, True
+  return min(tuning.speculative_rows, chunk), True
 
 
 def store_dtype(opts: KdaOptions, name: str):

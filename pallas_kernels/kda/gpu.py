@@ -29,18 +29,19 @@ The work is split the way it parallelises (SPEC section 2, chunks of C tokens):
 Sub-tile gating: a pair product ``sum_d a_id b_jd exp(G_id - G_jd)`` (i >= j) is split at a
 reference ``r`` of the row block: ``(a e^{G - r}) (b e^{r - G})^T``.
 
-- Any gate (Kimi Linear's softplus, a precomputed g: no bound on the decay): secondary
-  chunking, as fla's ``chunk_kda``. The chunk is cut into 16-token sub-chunks and ``r`` taken
-  just before each (``KdaOptions.sub_chunks``): for a row in sub-chunk I and a column in an
-  earlier one, ``e^{G_i - r_I} <= 1`` and ``e^{r_I - G_j} <= 1`` since G falls with the token,
-  so those blocks are matrix-unit products that cannot overflow whatever the gate; the diagonal
-  16x16 sub-blocks are formed pair by pair, ``e^{min(G_i - G_j, 0)}`` per channel. The
-  inter-chunk factors (``e^G``, ``e^{G_C - G}``, ``e^{G_C}``) have exponents <= 0 anyway. Since
-  the pair-by-pair blocks cost several times the products, each chunk (and K slice) whose gates
-  keep the middle-row references of 16-row blocks (below) within ``e^85`` takes those dense
-  products instead, checked at run time: ``kda_chunk_a`` forms them with clamped exponents and
-  flags the chunks that do not fit, ``kda_chunk_a_sub`` forms those again on sub-chunks in place,
-  ``kda_chunk_dqkg`` chooses per program.
+- Any gate (Kimi Linear's softplus, a precomputed g: no bound on the decay): the bounded
+  gate's middle-row blocks (below) where they fit, secondary chunking, as fla's ``chunk_kda``,
+  where they do not. Every chunk first runs the bounded gate's kernels on blocks of
+  ``KdaGpuConfig.speculative_rows`` rows with exponents clamped at ``e^85``, and
+  ``kda_chunk_a`` flags each chunk whose gates exceed that bound somewhere (checked at run
+  time). The flagged chunks are redone in place (``kda_chunk_a_sub`` forward,
+  ``kda_chunk_dqkg_sub`` backward; the other programs read the flag and stop) on 16-token
+  sub-chunks with ``r`` just before each (``KdaOptions.sub_chunks``): for a row in sub-chunk I
+  and a column in an earlier one, ``e^{G_i - r_I} <= 1`` and ``e^{r_I - G_j} <= 1`` since G
+  falls with the token, so those blocks are matrix-unit products that cannot overflow whatever
+  the gate; the diagonal 16x16 sub-blocks are formed pair by pair, ``e^{min(G_i - G_j, 0)}`` per
+  channel. The inter-chunk factors (``e^G``, ``e^{G_C - G}``, ``e^{G_C}``) have exponents <= 0
+  anyway. No clamp reaches a result: a chunk's outputs come from the blocks only if none bit.
 - The bounded gate (``g > lower_bound``, K3): ``r`` at the middle row of blocks of ``diag_rows``
   rows, every factor inside a block within ``e^{(diag_rows / 2) |lower_bound|} <= e^85``
   (float32), so whole blocks, diagonal included, are dense products (32-row blocks for K3's
@@ -79,10 +80,10 @@ def prepare(cfg: KdaOptions, q, k, v, g, beta, A_log, dt_bias, seg, t, keep=Fals
   padded to Tp; the first ``t`` tokens are real."""
   if not cfg.diag_rows:
     return chunk_general.prepare(cfg, q, k, v, g, beta, A_log, dt_bias, seg, t), None
-  pkk, aqk, qg, kdec, kg, gc, rq, rk = chunk_dense.chunk_a(cfg, q, k, v, g, beta, A_log, dt_bias,
-                                                           seg, t)
+  pkk, aqk, qg, kdec, kg, gc, rq, rk, redo = chunk_dense.chunk_a(cfg, q, k, v, g, beta, A_log,
+                                                                 dt_bias, seg, t)
   wu = chunk_dense.chunk_wu(cfg, pkk, kg, v, beta, seg, t, keep)
-  return (wu[0], wu[1], qg, aqk, kdec, gc), ((pkk, kg, wu[2], rq, rk) if keep else None)
+  return (wu[0], wu[1], qg, aqk, kdec, gc), ((pkk, kg, wu[2], rq, rk, redo) if keep else None)
 
 
 def prepare_bwd(cfg: KdaOptions, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, dvn, do, t,
@@ -94,10 +95,10 @@ def prepare_bwd(cfg: KdaOptions, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, 
   if not cfg.diag_rows:
     return chunk_general.prepare_bwd(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, dvn,
                                      do, t)
-  pkk, kg, x, rq, rk = kept
+  pkk, kg, x, rq, rk, redo = kept
   dpkk, dy, dv, dbeta = chunk_dense.chunk_dwy(cfg, v, beta, seg, x, pkk, kg, hs, dvn, t)
   dq, dk, dg = chunk_dense.chunk_dqkg(cfg, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do,
-                                      dy, dpkk, rq, rk, t)
+                                      dy, dpkk, rq, rk, redo, t)
   return dq, dk, dv, dg, dbeta
 
 
