@@ -48,6 +48,7 @@ def _forward_loop(w, u, qg, aqk, kdec, gc, s0):
   s = _f64(s0).copy()
   o, vn = np.zeros_like(u), np.zeros_like(u)
   h = np.zeros((b, nc, hv) + s.shape[2:])
+  after = np.zeros_like(h)  # the state leaving each chunk, unrounded
   for bi in range(b):
     for hi in range(hv):
       for ci in range(nc):
@@ -58,7 +59,8 @@ def _forward_loop(w, u, qg, aqk, kdec, gc, s0):
         vn[bi, r, hi] = v_new
         o[bi, r, hi] = qg[bi, r, hi] @ sb + a[bi, r, hi] @ v_new
         s[bi, hi] = gc[bi, ci, hi][:, None] * s[bi, hi] + kd[bi, r, hi].T @ v_new
-  return o, s, h, vn
+        after[bi, ci, hi] = s[bi, hi]
+  return o, s, h, vn, after
 
 
 def _backward_loop(do, qg, aqk, kdec, w, gc, dst):
@@ -95,16 +97,22 @@ def _close(got, want, tol, name):
     (1, 3, 1, 128, 128, 128, 3)])
 def test_forward_and_backward_match_float64_loops(b, nc, hv, kd, vd, bv, stages):
   w, u, qg, aqk, kdec, gc, s0 = _factors(nc + kd, b, nc, hv, kd, vd)
-  o_want, st_want, h_want, vn_want = _forward_loop(w, u, qg, aqk, kdec, gc, s0)
-  for store in (False, True):
+  o_want, st_want, h_want, vn_want, after = _forward_loop(w, u, qg, aqk, kdec, gc, s0)
+  for store, every in ((False, 0), (True, 0), (True, 2)):
     outs = recurrence_mgpu.recurrence_fwd(w, u, qg, aqk, kdec, gc, s0, out_dtype=BF16,
-                                          store=store, block_v=bv, stages=stages, interpret=True)
-    assert len(outs) == 2 + 2 * store
+                                          store=store, block_v=bv, stages=stages, interpret=True,
+                                          every=every)
+    assert len(outs) == 2 + 2 * store + bool(every)
     _close(outs[0], o_want, 8e-3, "o")  # bf16 output
     _close(outs[1], st_want, 1e-4, "final state")
     if store:
       _close(outs[2], h_want, 1e-3, "h")  # the same bf16 values up to rounding flips
       _close(outs[3], vn_want, 1e-3, "vn")
+    if every:  # float32 states after chunks every - 1, 2 every - 1, ... (none if nc < every)
+      assert outs[4].shape == (b, max(nc // every, 1), hv, kd, vd)
+      assert outs[4].dtype == jnp.float32
+      for m in range(nc // every):
+        _close(outs[4][:, m], after[:, (m + 1) * every - 1], 1e-4, f"state {m}")
   do = u[..., ::-1]  # any bf16 [B, Tp, HV, V] tile other than U
   dvn, dh, ds0 = recurrence_mgpu.recurrence_bwd(do, qg, aqk, kdec, w, gc, s0, block_v=bv,
                                                 stages=stages, interpret=True)
@@ -136,6 +144,26 @@ def test_kernels_lower_for_cuda(h200_lowering):
   for name in ("kda_fwd_recurrence_mgpu", "kda_bwd_recurrence_mgpu"):
     assert name in text, f"{name} is not in the lowered module"
   assert 'name = "kda_fwd_recurrence"' not in text  # the Triton passes are not used
+
+
+def test_states_forward_lowers_on_the_mosaic_pass(h200_lowering):
+  """``output_states_every`` (serving's prefix states) at the benchmark shape takes the Mosaic
+  forward pass too, lowered for an H200 on the CPU."""
+  from pallas_kernels.kda import kda
+  b, t, h, kd = 1, 16384, 32, 128
+  tuning = config.default_config((b, t, h, kd), use_qk_l2norm=True, beta_is_logit=True,
+                                 device=H200)
+  fn = lambda q, k, v, g, beta: kda(
+      q, k, v, g, beta, use_qk_l2norm=True, A_log=jnp.zeros(h), dt_bias=jnp.zeros(h * kd),
+      gate="softplus", beta_is_logit=True, implementation="pallas_gpu", config=tuning,
+      output_states_every=4)
+  args = [jax.ShapeDtypeStruct((b, t, h, kd), BF16)] * 4 + [jax.ShapeDtypeStruct((b, t, h), BF16)]
+  dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                abstract_device=dev)):
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "kda_fwd_recurrence_mgpu" in text
+  assert 'name = "kda_fwd_recurrence"' not in text
 
 
 def test_unsupported_factors_take_the_triton_passes():

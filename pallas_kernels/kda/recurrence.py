@@ -106,16 +106,14 @@ def mosaic_tile(cfg: KdaOptions, w, tile, *stored, forward=False) -> int:
 def recurrence_fwd(cfg: KdaOptions, w, u, qg, aqk, kd, gc, s0, out_dtype, store, every=0):
   """(o ``[B, Tp, HV, V]``, final state ``[B, HV, K, V]`` float32), with ``store`` the states
   entering each chunk ``[B, NC, HV, K, V]`` and V' ``[B, Tp, HV, V]``, and with ``every`` last
-  the states after every ``every`` chunks ``[B, max(NC // every, 1), HV, K, V]`` float32 (the
-  Triton pass's)."""
+  the states after every ``every`` chunks ``[B, max(NC // every, 1), HV, K, V]`` float32."""
   bsz, tp, hv, kdim = w.shape
   vd = u.shape[-1]
   c, nc = cfg.chunk, tp // cfg.chunk
-  bv = 0 if every else mosaic_tile(cfg, w, u, *([store_dtype(cfg, "h")] if store else []),
-                                   forward=True)
+  bv = mosaic_tile(cfg, w, u, *([store_dtype(cfg, "h")] if store else []), forward=True)
   if bv:
     return recurrence_mgpu.recurrence_fwd(w, u, qg, aqk, kd, gc, s0, out_dtype=out_dtype,
-                                          store=store, block_v=bv,
+                                          store=store, block_v=bv, every=every,
                                           stages=cfg.tuning.mgpu_stages, interpret=interpret())
   bv = min(cfg.tuning.v_tile, vd)
   f32 = jnp.float32

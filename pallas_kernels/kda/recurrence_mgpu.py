@@ -27,8 +27,10 @@ and two ring slots fit the SMEM; else (K = 128 with a 128-wide V tile: one CTA p
 one wave for 128 of them) single-buffered, warpgroup 0 writing the next chunk's S once warpgroup
 1 has read the last. Shapes: w, qg, kd ``[B, Tp, HV, K]``, u
 ``[B, Tp, HV, V]``, aqk ``[B, Tp, HV, C]`` (bf16), gc ``[B, NC, HV, K]`` and s0 ``[B, HV, K, V]``
-float32; outputs o ``[B, Tp, HV, V]``, the final state ``[B, HV, K, V]`` float32 and, with
-``store``, h ``[B, NC, HV, K, V]`` and vn ``[B, Tp, HV, V]`` (bf16).
+float32; outputs o ``[B, Tp, HV, V]``, the final state ``[B, HV, K, V]`` float32, with
+``store`` h ``[B, NC, HV, K, V]`` and vn ``[B, Tp, HV, V]`` (bf16), and with ``every`` the
+states after every ``every`` chunks (float32, stored by warpgroup 0 from its registers: the
+prefix cache's checkpoints of serving).
 """
 
 from __future__ import annotations
@@ -101,8 +103,9 @@ def _ring(bars, stages: int, nc: int, tiles):
 
 
 def _kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, *rest, hv, nc,
-            bv, stages, nbuf, store, interpret):
-  outs, scratch = (rest[:2], rest[2:]) if store else ((), rest)
+            bv, stages, nbuf, store, every, interpret):
+  n_out = 2 * store + bool(every)
+  outs, scratch = rest[:n_out], rest[n_out:]
   (w_smem, kd_smem, u_smem, gc_smem, qg_smem, a_smem, s_smem, vn_smem, o_smem,
    in0, in1, ready, free) = scratch
   c = CHUNK
@@ -139,7 +142,14 @@ def _kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, 
       plgpu.barrier_arrive(ready.at[p])
       decay = plgpu.load(gc_smem.at[slot], layout=wgmma.ROWS)
       s = s * lax.broadcast_in_dim(decay, s.shape, [0])
-      return wgmma.add(s, (kd_smem.at[slot].T, vn_smem.at[p]), interpret=interpret)
+      s = wgmma.add(s, (kd_smem.at[slot].T, vn_smem.at[p]), interpret=interpret)
+      if every:  # the state after every ``every`` chunks, float32 from the registers
+        m = lax.div(i + 1, jnp.int32(every))
+
+        @pl.when(m * every == i + 1)
+        def _():
+          outs[-1].at[b, m - 1, h, :, vs][...] = s
+      return s
 
     s0 = plgpu.load(s0_ref.at[b, h, :, vs], layout=plgpu.Layout.WGMMA, optimized=False)
     st_ref.at[b, h, :, vs][...] = lax.fori_loop(jnp.int32(0), nc, step, s0)
@@ -171,8 +181,9 @@ def _kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, 
 
 
 def recurrence_fwd(w, u, qg, aqk, kd, gc, s0, *, out_dtype, store: bool, block_v: int,
-                   stages: int, interpret: bool):
-  """(o, final state) and with ``store`` (h, vn); see the module docstring."""
+                   stages: int, interpret: bool, every: int = 0):
+  """(o, final state), with ``store`` (h, vn) and with ``every`` last the states after every
+  ``every`` chunks ``[B, max(NC // every, 1), HV, K, V]`` float32; see the module docstring."""
   bsz, tp, hv, kdim = w.shape
   vd = u.shape[-1]
   c, nc = CHUNK, tp // CHUNK
@@ -185,8 +196,10 @@ def recurrence_fwd(w, u, qg, aqk, kd, gc, s0, *, out_dtype, store: bool, block_v
   if store:
     out_type += [jax.ShapeDtypeStruct((bsz, nc, hv, kdim, vd), bf16),
                  jax.ShapeDtypeStruct((bsz, tp, hv, vd), bf16)]
+  if every:
+    out_type.append(jax.ShapeDtypeStruct((bsz, max(nc // every, 1), hv, kdim, vd), jnp.float32))
   kern = functools.partial(_kernel, hv=hv, nc=nc, bv=bv, stages=stages, nbuf=nbuf, store=store,
-                           interpret=interpret)
+                           every=every, interpret=interpret)
   kern.__name__ = "kda_fwd_recurrence_mgpu"
   # the key-side tiles meet the BV-wide S and V' in their products: the swizzle of a BV row
   key = functools.partial(wgmma.swizzled, dtype=bf16, swizzle=min(2 * bv, 128))
