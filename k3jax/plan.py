@@ -415,7 +415,7 @@ def compile_step(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, l
   with jax.set_mesh(mesh):
     lowered = traced.lower()
   t1 = time.perf_counter()
-  compiled = aot.compile_lowered(lowered)
+  compiled = aot.compile_lowered(lowered, target)
   t2 = time.perf_counter()
   text = compiled.as_text()
   if hlo_path:

@@ -39,6 +39,24 @@ def test_targets_are_named_and_unknown_ones_rejected():
   assert aot.usable_memory_bytes("v5e:2x2") == 16 << 30
 
 
+def test_gpu_compiles_without_the_fusion_autotuner():
+  """Compile-only GPUs turn XLA's fusion autotuner off (without the card it compiled every
+  distinct fusion once more to keep the emitter XLA picks anyway); TPU targets keep XLA's
+  defaults; XLA knows the option's name."""
+  class Lowered:
+    def compile(self, compiler_options=None):
+      return compiler_options
+  off = {"xla_gpu_experimental_enable_fusion_autotuner": False}
+  assert aot.compile_lowered(Lowered(), "h200") == off
+  assert aot.compile_lowered(Lowered(), "v5p:2x2x1") is None
+  assert aot.compile_lowered(Lowered()) is None
+  dev = _devices("h200")[0]
+  x = jax.ShapeDtypeStruct((8, 128), jnp.float32,
+                           sharding=jax.sharding.SingleDeviceSharding(dev))
+  compiled = aot.compile_lowered(jax.jit(lambda x: jnp.exp(x) * 2).trace(x).lower(), "h200")
+  assert "fusion" in compiled.as_text()
+
+
 def test_missing_plugin_names_the_fix(monkeypatch, tmp_path):
   monkeypatch.setenv("K3JAX_AOT_DIR", str(tmp_path))
   monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
@@ -112,7 +130,7 @@ def _compile_all(target, backend):
   with jax.set_mesh(mesh), pallas_kernels.target_platform(backend):
     for name, fn, args in _kernel_programs(backend):
       try:
-        compiled = aot.compile_lowered(jax.jit(fn).trace(*map(put, args)).lower())
+        compiled = aot.compile_lowered(jax.jit(fn).trace(*map(put, args)).lower(), target)
         kinds |= set(aot.kernel_counts(compiled.as_text()))
       except Exception as e:  # collect every kernel's failure, not only the first
         failed.append(f"{name}: {type(e).__name__}: {str(e)[:300]}")
