@@ -41,15 +41,26 @@ def test_targets_are_named_and_unknown_ones_rejected():
 
 def test_gpu_compiles_without_the_fusion_autotuner():
   """Compile-only GPUs turn XLA's fusion autotuner off (without the card it compiled every
-  distinct fusion once more to keep the emitter XLA picks anyway); TPU targets keep XLA's
-  defaults; XLA knows the option's name."""
+  distinct fusion once more to keep the emitter XLA picks anyway) and compile again with XLA's
+  defaults when a GEMM fusion then finds no config; TPU targets keep XLA's defaults; XLA knows
+  the option's name."""
   class Lowered:
+    def __init__(self, fails=None):
+      self.fails, self.calls = fails, []
+
     def compile(self, compiler_options=None):
+      self.calls.append(compiler_options)
+      if compiler_options and self.fails:
+        raise jax.errors.JaxRuntimeError(self.fails)
       return compiler_options
   off = {"xla_gpu_experimental_enable_fusion_autotuner": False}
   assert aot.compile_lowered(Lowered(), "h200") == off
   assert aot.compile_lowered(Lowered(), "v5p:2x2x1") is None
   assert aot.compile_lowered(Lowered()) is None
+  lowered = Lowered("INTERNAL: No supported config found for HLO: %gemm_fusion_dot.478")
+  assert aot.compile_lowered(lowered, "h200") is None and lowered.calls == [off, None]
+  with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+    aot.compile_lowered(Lowered("RESOURCE_EXHAUSTED: out of memory"), "h200")
   dev = _devices("h200")[0]
   x = jax.ShapeDtypeStruct((8, 128), jnp.float32,
                            sharding=jax.sharding.SingleDeviceSharding(dev))
