@@ -52,7 +52,8 @@ def replace_options(config, specs):
   return dataclasses.replace(config, **changes)
 
 
-def median_ms(fn, *args, reps: int = 15, inner: int = 5, max_sample_s: float | None = None) -> float:
+def median_ms(fn, *args, reps: int = 15, inner: int = 5,
+              max_sample_s: float | None = None) -> float:
   """Median milliseconds per call of ``fn(*args)``: ``reps`` samples of ``inner`` back-to-back
   calls (launch overhead hidden), after one warm-up call, each sample synchronised. With
   ``max_sample_s``, ``inner`` shrinks (to 1 at least) so that one sample takes about that long at

@@ -580,26 +580,24 @@ def chunk_dwy(cfg: KdaOptions, v, beta, seg, x, pkk, kg, hs, dvn, t):
 def chunk_dqkg(cfg: KdaOptions, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk,
                rq, rk, redo, t):
   """``kda_chunk_dqkg``: (dq, dk, dg), see :func:`_dense_dqkg_kernel`; then, with ``redo`` (the
-  chunks ``kda_chunk_a`` flagged), ``kda_chunk_dqkg_sub`` for those (:func:`_dense_dqkg_sub_kernel`)."""
+  chunks ``kda_chunk_a`` flagged), ``kda_chunk_dqkg_sub`` in place for those
+  (:func:`_dense_dqkg_sub_kernel`)."""
   bsz, tp, h, kd = q.shape
   hv = v.shape[2]
   ins = (q, k, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk, rq, rk)
   shapes = [tok(v, kd, store_dtype(cfg, n)) for n in ("dqk", "dqk", "dg")]
-  out = None
-  for name, kernel, bk in (("kda_chunk_dqkg", _dense_dqkg_kernel, cfg.tuning.dqkg_slice_k),
-                           ("kda_chunk_dqkg_sub", _dense_dqkg_sub_kernel,
-                            cfg.tuning.dqkg_slice_k_sub)):
+
+  def launch(name, kernel, bk, *extra, aliases=None):
     bk = min(kd, bk)
     kern = functools.partial(kernel, cfg=cfg, hv=hv, group=hv // h, t=t,
                              gate_dot=cfg.tuning.gate_dot, slice_k=bk,
                              dot_cumsum=cfg.tuning.dqkg_dot_cumsum)
-    grid = (kd // bk, tp // cfg.chunk, bsz * hv)
-    if out is None:
-      out = call(cfg, kern, name, grid, shapes, *ins, chunk_axis=1)
-      if redo is None:
-        return out
-    else:
-      n = len(ins) + 1
-      out = call(cfg, kern, name, grid, shapes, *ins, redo, *out, chunk_axis=1,
-                 aliases={n: 0, n + 1: 1, n + 2: 2})
-  return out
+    return call(cfg, kern, name, (kd // bk, tp // cfg.chunk, bsz * hv), shapes, *ins, *extra,
+                chunk_axis=1, aliases=aliases)
+
+  out = launch("kda_chunk_dqkg", _dense_dqkg_kernel, cfg.tuning.dqkg_slice_k)
+  if redo is None:
+    return out
+  n = len(ins) + 1  # the outputs alias the inputs after redo
+  return launch("kda_chunk_dqkg_sub", _dense_dqkg_sub_kernel, cfg.tuning.dqkg_slice_k_sub, redo,
+                *out, aliases={n: 0, n + 1: 1, n + 2: 2})

@@ -53,9 +53,10 @@ class KdaGpuConfig:
   chunk_loop: tuple = _frozen({}, CHUNK_LOOP)
   slice_k: int = 64  # K channels per slice of the dense path's kernels
   dqkg_slice_k: int = 32  # K channels per program of kda_chunk_dqkg
-  # The same for kda_chunk_dqkg_sub (the chunks redone on sub-chunks): its diagonal blocks' pair-by-pair loop
-  # spills at 32 (ptxas for sm_90a, ``tools/triton_report.py``: 1652 / 2188 bytes of spill
-  # stores / loads per thread at 32, 212 / 212 at 16, the bounded gate's 216 / 216 at 32)
+  # The same for kda_chunk_dqkg_sub (the chunks redone on sub-chunks): its diagonal blocks'
+  # pair-by-pair loop spills at 32 (ptxas for sm_90a, ``tools/triton_report.py``: 1652 / 2188
+  # bytes of spill stores / loads per thread at 32, 212 / 212 at 16, the bounded gate's 216 /
+  # 216 at 32)
   dqkg_slice_k_sub: int = 16
   # kda_chunk_dqkg forms the gate's cumulative sum as matrix-unit products (``dot_cumsum``)
   # instead of a scan across its rows' threads: fewer spills (benchmarks/RESULTS.md, KDA run 39)
