@@ -18,7 +18,6 @@ the timed windows. Figures: benchmarks/RESULTS.md ("Serving").
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -94,22 +93,23 @@ def ttft(engine: Engine, prompt: list[int]) -> float:
 def decode_rate(engine: Engine, batch: int, context: int, steps: int, rng,
                 profile: str | None = None) -> float:
   """Seconds per decode step of ``batch`` requests once they all decode (``profile``: a directory
-  for a trace of the timed steps, whose GPU time per step is printed)."""
+  for a trace of as many steps more, after the timed ones, whose GPU time per step is printed)."""
   vocab = engine.cfg.vocab_size
-  sp = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+  sp = SamplingParams(max_tokens=2 * steps + 8, temperature=0.0, ignore_eos=True)
   for _ in range(batch):
     engine.submit(rng.integers(3, vocab, context).tolist(), sp, lambda o: None)
   while any(r.pending > 1 for r in engine.running) or engine.waiting or engine._inbox:
     engine.step()
   for _ in range(3):  # compile and warm the decode shape
     engine.step()
-  trace = jax.profiler.trace(profile) if profile else contextlib.nullcontext()
-  with trace:
-    t0 = time.perf_counter()
-    for _ in range(steps):
-      engine.step()
-    secs = (time.perf_counter() - t0) / steps
+  t0 = time.perf_counter()
+  for _ in range(steps):
+    engine.step()
+  secs = (time.perf_counter() - t0) / steps
   if profile:
+    with jax.profiler.trace(profile):
+      for _ in range(steps):
+        engine.step()
     busy, span = timing.gpu_span(profile)
     events, gpu = timing._gpu_events(profile)
     kernels = sum(1 for e in events if e.get("ph") == "X" and e.get("pid") in gpu)

@@ -238,6 +238,6 @@ def test_serving_steps_compile_for_tpu():
   with jax.set_mesh(mesh), pallas_kernels.target_platform("tpu"):
     for decode, n, t in [(True, 8, 1), (False, 2, 128)]:
       lowered = step_lib.lower(graphdef, place(params), place(pools), decode=decode, rows=n,
-                               tokens=t, table_width=20, row_sharding=one)
+                               tokens=t, table_width=20, feed=(8, 2), row_sharding=one)
       kinds[decode] = aot.kernel_counts(aot.compile_lowered(lowered).as_text())
   assert kinds[True] and kinds[False], kinds

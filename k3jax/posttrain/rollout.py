@@ -93,6 +93,7 @@ class Rollouts:
     done = lambda g: all(t.finish is not None for t in g)
     while sum(map(done, self.groups)) < need and self.engine.has_work():
       self.engine.step()
+    self.engine.flush()  # the tokens still in flight, before the groups are split
     finished = [g for g in self.groups if done(g)]
     self.groups = [g for g in self.groups if not done(g)]
     for g in self.groups:

@@ -1,9 +1,15 @@
 """The serving engine: continuous batching over the hybrid paged cache with prefix caching.
 
 Every :meth:`Engine.step` admits waiting requests (restoring a cached prefix: shared MLA pages
-plus a KDA checkpoint copied into the request's own slot), then runs at most two compiled
+plus a KDA checkpoint copied into the request's own slot), then dispatches at most two compiled
 programs: one decode step for every request with one token to feed, and one prefill step for up
 to ``serve.prefill_rows`` requests' next prompt chunks (``serve.token_budget`` tokens in all).
+Only then does it read the previous step's sampled tokens and hand them out, so the host's
+bookkeeping runs while the device computes: a decode row whose input token the host has not read
+yet takes it on device from the previous step's outputs. A request that stops on a sampled token
+has run one more step by then; that step's writes go to its own pages and slot, before anything
+that reuses them, and its output is dropped. A step that completes a prefix block is followed by
+the block's KDA checkpoint copy, dispatched before the next step.
 Chunks never cross a ``serve.block_size`` boundary, so the KDA state at the end of a chunk that
 reaches one is the boundary state the prefix index checkpoints, taken in the same pass. Step
 shapes come from a fixed set (batch rows and chunk lengths in powers of two) compiled by
@@ -90,6 +96,12 @@ class _Request:
   keys: list = dataclasses.field(default_factory=list)
   before: np.ndarray | None = None
   visual: jax.Array | None = None
+  # dispatched steps that sample a token of this request whose output the host has not read;
+  # feed: the index of the newest one's token in the previous steps' outputs (Engine._feed);
+  # epoch: bumped whenever outputs in flight must be dropped (finished, preempted)
+  inflight: int = 0
+  feed: int = -1
+  epoch: int = 0
 
   @property
   def generated(self) -> int:
@@ -128,17 +140,24 @@ class Engine:
     self.decode_sizes = buckets(-(-serve.max_batch // f) * f, f)
     self.prefill_sizes = buckets(-(-serve.prefill_rows // f) * f, f)
     self.chunk_sizes = buckets(bs, min(_MIN_CHUNK, bs))
-    self._graphdef, self._params = nnx.split(model)
+    self._graphdef, params = nnx.split(model)
     self._pools = step_lib.init_pools(model, num_pages=num_pages, page_size=ps,
                                       num_slots=num_slots)
     self._rows = None  # sharding of the step's per-row inputs
     if self.mesh is not None:
-      self._params = mesh_lib.shard_params(self._params, self.mesh)
+      params = mesh_lib.shard_params(params, self.mesh)
       names = [{k: _POOL_NAMES[k][-a.ndim:] for k, a in p.items()} for p in self._pools]
       self._pools = jax.device_put(self._pools,
                                    mesh_lib.pure_shardings(self._pools, self.mesh, names))
       self._rows = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    self._set_params(params)
     self._steps: dict[tuple[bool, int, int], Callable] = {}
+    # the previous steps' sampled tokens, padded to the largest decode and prefill row counts
+    self._feed_width = (self.decode_sizes[-1], self.prefill_sizes[-1])
+    self._no_feed = tuple(jax.device_put(np.zeros(w, np.int32), self._rows)
+                          for w in self._feed_width)
+    self._feed = self._no_feed
+    self._in_flight: list = []  # the dispatched step's rows and outputs, read by the next step
     # prefill steps of a model with a vision tower take, per row, the visual tokens of its
     # chunk's placeholders [T, d] (a row without images: zeros)
     self._visual_shape = self._no_visual = self._encoder = None
@@ -266,7 +285,8 @@ class Engine:
 
   def has_work(self) -> bool:
     with self._wake:
-      return bool(self._inbox or self._cancels or self.running or self.waiting or self._resumed)
+      return bool(self._inbox or self._cancels or self.running or self.waiting or self._resumed
+                  or self._in_flight)
 
   # ------------------------------------------------------------------------------ post-training
 
@@ -276,6 +296,7 @@ class Engine:
     cast and placed as the engine's. The prefix index is dropped (its states came from the old
     weights); running and paused requests keep their caches but register no more blocks, and
     those with image placeholders left to prefill encode their images again."""
+    self.flush()  # tokens in flight came from the old weights: handed out before they change
     new = nnx.to_pure_dict(self._params)
 
     def put(tree):
@@ -294,16 +315,22 @@ class Engine:
       put(biases)
     state = jax.tree.map(lambda x: x, self._params)
     nnx.replace_by_pure_dict(state, new)
-    self._params = state
+    self._set_params(state)
     self.index.clear()
     for r in self.running + list(self.paused.values()) + list(self._resumed):
       r.blocks = []
       if r.visual is not None:  # placeholders still to prefill: their tokens from the new tower
         r.visual = self._encode_images(r)
 
+  def _set_params(self, params) -> None:
+    self._params = params
+    self._leaves = jax.tree.leaves(params)  # what the steps take (step_lib.step)
+
   def pause(self, request_id: int) -> None:
-    """Takes a running or waiting request out of scheduling (between steps); a running one keeps
-    its MLA pages and KDA slot, so :meth:`resume` continues it exactly where it stopped."""
+    """Takes a running or waiting request out of scheduling (between steps; the tokens in flight
+    are handed out first, :meth:`flush`); a running one keeps its MLA pages and KDA slot, so
+    :meth:`resume` continues it exactly where it stopped."""
+    self.flush()
     queues = (self.running, self.waiting, self._resumed)
     q = next((q for q in queues if any(r.id == request_id for r in q)), None)
     if q is None:
@@ -336,7 +363,8 @@ class Engine:
   def _loop(self) -> None:
     while True:
       with self._wake:
-        while not self._stop and not (self._inbox or self._cancels or self.running or self.waiting):
+        while not self._stop and not (self._inbox or self._cancels or self.running or self.waiting
+                                      or self._in_flight):
           self._wake.wait()
         if self._stop:
           break
@@ -344,6 +372,7 @@ class Engine:
         self.step()
       except Exception as e:  # a failed step ends what it ran; the engine keeps serving
         log.exception("engine step failed")
+        self._in_flight = []
         for r in list(self.running):
           self._finish(r, "error", error=f"engine step failed: {e}")
     for r in list(self.running) + list(self.waiting):
@@ -363,13 +392,18 @@ class Engine:
   def _lower(self, decode: bool, n: int, t: int):
     with self._scope():
       return step_lib.lower(self._graphdef, self._params, self._pools, decode=decode, rows=n,
-                            tokens=t, table_width=self.table_width, row_sharding=self._rows,
+                            tokens=t, table_width=self.table_width, feed=self._feed_width,
+                            row_sharding=self._rows,
                             visual=None if decode else self._visual_shape)
 
   def _compiled(self, decode: bool, n: int, t: int):
     key = (decode, n, t)
     if key not in self._steps:
+      t0 = time.perf_counter()
       self._steps[key] = self._lower(*key).compile()
+      log.warning("compiled the %s step of %d rows x %d tokens at first use (%.1f s): "
+                  "Engine.compile compiles every shape up front", "decode" if decode else "prefill",
+                  n, t, time.perf_counter() - t0)
     return self._steps[key]
 
   def step_shapes(self) -> list[tuple[bool, int, int]]:
@@ -396,27 +430,54 @@ class Engine:
   # ------------------------------------------------------------------------------ the step
 
   def step(self) -> None:
-    """Admits, runs one decode and one prefill program, hands out the new tokens."""
+    """Admits, dispatches one decode and one prefill program, then hands out the previous
+    step's tokens while these run."""
     self._take_inbox()
     self._admit()
     decode, prefill = self._schedule()
     self._copy_pending(self._restores, zero_src=True)
-    results = []
+    done, self._in_flight = self._in_flight, []
+    feed = list(self._no_feed)
     if decode:
-      results.append((decode, self._run(True, [(r, r.computed, 1) for r in decode])))
+      out = self._run(True, [(r, r.computed, 1) for r in decode])
+      self._in_flight.append(self._book(decode, [1] * len(decode), out, 0))
+      feed[0] = out[0]
     if prefill:
-      results.append(([r for r, *_ in prefill], self._run(False, prefill)))
-    # both programs are dispatched before either's outputs are fetched: one wait per step
-    outs = jax.device_get([out for _, (_, out) in results])
-    emitted = []
-    for (rows, (counts, _)), out in zip(results, outs):
-      for i, r in enumerate(rows):
-        emitted.extend(self._advance(r, counts[i], [a[i] for a in out]))
+      out = self._run(False, prefill)
+      self._in_flight.append(self._book([r for r, *_ in prefill], [c for *_, c in prefill], out,
+                                        self._feed_width[0]))
+      feed[1] = out[0]
+    self._feed = tuple(feed)
+    ran = [(r, r.epoch) for r in decode + [r for r, *_ in prefill]]
+    emitted = self._receive(done)
+    for r, epoch in ran:  # blocks this step completes, their checkpoints before the next step
+      if r.epoch == epoch:
+        self._register(r)
     self._copy_pending(self._checkpoints, zero_src=False)
     self.stats.steps += 1
     self._update_stats()
     for r, o in emitted:
       r.callback(o)
+
+  def flush(self) -> None:
+    """Reads and hands out the tokens of the step in flight (between steps, on the engine's
+    thread), so that every token dispatched so far has reached its request."""
+    done, self._in_flight = self._in_flight, []
+    for r, o in self._receive(done):
+      r.callback(o)
+
+  def _book(self, rows: list[_Request], counts: list[int], out, offset: int):
+    """Books a dispatched step: each row's ``counts`` tokens are computed, and a row whose last
+    known or awaited token was among them awaits the token sampled after it (at ``offset`` plus
+    its row in the feed). Returns (the sampling rows ``(request, epoch, row)``, the outputs)."""
+    booked = []
+    for i, (r, c) in enumerate(zip(rows, counts)):
+      r.computed += c
+      if r.computed == len(r.tokens) + r.inflight:
+        r.inflight += 1
+        r.feed = offset + i
+        booked.append((r, r.epoch, i))
+    return booked, out
 
   def _take_inbox(self) -> None:
     with self._wake:
@@ -470,7 +531,7 @@ class Engine:
   def _reserve(self, r: _Request, end: int) -> bool:
     """Maps pages for positions ``< end`` of ``r``, preempting newer requests when the cache is
     full; False if ``r`` itself had to go."""
-    need = math.ceil(end / self.serve.page_size)
+    need = -(-end // self.serve.page_size)
     while len(r.pages) < need:
       p = self._alloc_page()
       if p is None:
@@ -482,30 +543,39 @@ class Engine:
       r.pages.append(p)
     return True
 
+  def _decode_ready(self, r: _Request) -> bool:
+    """Whether ``r`` has exactly one token to feed: the host's, or one the previous step
+    samples (then not when that token ends ``r`` by length)."""
+    if not r.inflight:
+      return r.pending == 1
+    total = len(r.tokens) + r.inflight
+    return (total == r.computed + 1 and total - len(r.prompt) < r.params.max_tokens
+            and total < self.max_model_len)
+
   def _schedule(self):
-    """The decode rows and the prefill rows ``(request, start, length)`` of this step."""
+    """The decode rows and the prefill rows ``(request, start, length)`` of this step. A request
+    preempted meanwhile (by a later one's :meth:`_reserve`) has no slot any more."""
     decode = []
     for r in list(self.running):
-      if r in self.running and r.pending == 1 and self._reserve(r, r.computed + 1):
+      if r.slot is not None and self._decode_ready(r) and self._reserve(r, r.computed + 1):
         decode.append(r)
     prefill, budget = [], self.serve.token_budget
     bs = self.serve.block_size
     for r in list(self.running):
       if len(prefill) == self.serve.prefill_rows or budget == 0:
         break
-      if r not in self.running or r.pending <= 1:
+      if r.slot is None or r.inflight or r.pending <= 1:
         continue
       n = min(r.pending, bs - r.computed % bs, budget)
       if self._reserve(r, r.computed + n):
         prefill.append((r, r.computed, n))
         budget -= n
-    decode = [r for r in decode if r in self.running]
-    prefill = [x for x in prefill if x[0] in self.running]
-    return decode, prefill
+    return [r for r in decode if r.slot is not None], [x for x in prefill if x[0].slot is not None]
 
   def _preempt(self, r: _Request) -> None:
     self._release(r)
     r.computed, r.blocks = 0, []
+    r.inflight, r.epoch = 0, r.epoch + 1  # tokens in flight are sampled again, the same ones
     self.running.remove(r)
     self.waiting.appendleft(r)
     self.stats.preemptions += 1
@@ -526,13 +596,22 @@ class Engine:
       r.slot = None
 
   def _finish(self, r: _Request, reason: str, error: str | None = None) -> None:
+    self._drop(r)
+    r.callback(TokenOutput(r.id, None, finish_reason=reason, error=error,
+                           prompt_tokens=len(r.prompt), cached_tokens=r.cached))
+
+  def _drop(self, r: _Request) -> None:
+    """Takes ``r`` out of the engine: its cache released, its outputs in flight dropped."""
     if r in self.running:
       self._release(r)
       self.running.remove(r)
     elif r in self.waiting:
       self.waiting.remove(r)
-    r.callback(TokenOutput(r.id, None, finish_reason=reason, error=error,
-                           prompt_tokens=len(r.prompt), cached_tokens=r.cached))
+    elif self.paused.pop(r.id, None) is not None or r in self._resumed:
+      if r in self._resumed:
+        self._resumed.remove(r)
+      self._release(r)
+    r.inflight, r.epoch = 0, r.epoch + 1
 
   def _copy_pending(self, pairs: list[tuple[int, int]], *, zero_src: bool) -> None:
     """Runs the queued slot copies (``zero_src``: source 0 means zeros) and drops the
@@ -556,29 +635,41 @@ class Engine:
     sizes = self.decode_sizes if decode else self.prefill_sizes
     n = _fit(sizes, len(rows))
     t = 1 if decode else _fit(self.chunk_sizes, max(c for _, _, c in rows))
-    tokens = np.zeros((n, t), np.int32)
-    starts = np.zeros(n, np.int32)
-    nvalid = np.ones(n, np.int32)
+    pad = n - len(rows)
+    reqs = [r for r, _, _ in rows]
+    col = lambda values, fill, dtype: np.array(list(values) + [fill] * pad, dtype)
+    starts = col((s for _, s, _ in rows), 0, np.int32)
+    nvalid = col((c for _, _, c in rows), 1, np.int32)
+    slots = col((r.slot for r in reqs), 0, np.int32)
+    temp = col((r.params.temperature for r in reqs), 0.0, np.float32)
+    top_p = col((r.params.top_p for r in reqs), 1.0, np.float32)
+    top_k = col((r.params.top_k for r in reqs), 0, np.int32)
+    seeds = col((r.seed for r in reqs), 0, np.uint32)
+    counters = col((len(r.tokens) + r.inflight - len(r.prompt) for r in reqs), 0, np.int32)
+    # a decode row whose token the host has not read takes it from the previous steps' outputs
+    src = col((-1 if s < len(r.tokens) else r.feed for r, s, _ in rows), -1, np.int32)
     table = np.zeros((n, self.table_width), np.int32)
-    slots = np.zeros(n, np.int32)
-    temp, top_p = np.zeros(n, np.float32), np.ones(n, np.float32)
-    top_k, seeds, counters = np.zeros(n, np.int32), np.zeros(n, np.uint32), np.zeros(n, np.int32)
-    for i, (r, start, c) in enumerate(rows):
-      tokens[i, :c] = r.tokens[start:start + c]
-      starts[i], nvalid[i], slots[i] = start, c, r.slot
+    for i, r in enumerate(reqs):
       table[i, :len(r.pages)] = r.pages
-      p = r.params
-      temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
-      seeds[i], counters[i] = r.seed, r.generated
+    if decode:
+      tokens = col((r.tokens[s] if s < len(r.tokens) else 0 for r, s, _ in rows), 0, np.int32)
+      tokens = tokens[:, None]
+    else:
+      tokens = np.zeros((n, t), np.int32)
+      for i, (r, s, c) in enumerate(rows):
+        tokens[i, :c] = r.tokens[s:s + c]
     fn = self._compiled(decode, n, t)
     args = (tokens, starts, nvalid, table, slots, temp, top_p, top_k, seeds, counters)
     if self._rows is not None:
       args = jax.device_put(args, self._rows)
-    if self._visual_shape is not None and not decode:
-      args = (*args, self._vision_inputs(rows, n, t))
+      src = jax.device_put(src, self._rows)
+    if decode:
+      args = (*args, (*self._feed, src))
+    elif self._visual_shape is not None:
+      args = (*args, None, self._vision_inputs(rows, n, t))
     with self._scope():
-      self._pools, *out = fn(self._params, self._pools, *args)
-    return [c for _, _, c in rows], out
+      self._pools, *out = fn(self._leaves, self._pools, *args)
+    return out
 
   # ------------------------------------------------------------------------------ images
 
@@ -613,40 +704,46 @@ class Engine:
       count = jax.device_put(count, self._rows)
     return {"visual_tokens": stacked, "num_tokens": count}
 
-  def _advance(self, r: _Request, count: int, out) -> list[tuple[_Request, TokenOutput]]:
-    """Books ``count`` computed tokens of ``r`` (registering a completed block) and, when its
-    tokens are all computed, its sampled token. Returns the outputs to hand out."""
-    tok, lp, top_ids, top_lp = out
-    r.computed += count
-    self._register(r)
-    if r.computed < len(r.tokens):
-      return []
-    r.visual = None  # every placeholder is in the cache
-    t = int(tok)
-    r.tokens.append(t)
-    r.keys.append(t)
-    self.stats.generation_tokens += 1
-    if r.generated == 1:
-      self.stats.prompt_tokens += len(r.prompt)
-    reason = None
-    if t in r.stop_ids:
-      reason = "stop"
-    elif r.generated >= r.params.max_tokens or len(r.tokens) >= self.max_model_len:
-      reason = "length"
-    k = r.params.logprobs
-    o = TokenOutput(r.id, t, float(lp), tuple(zip(top_ids[:k].tolist(), top_lp[:k].tolist())),
-                    finish_reason=reason, prompt_tokens=len(r.prompt), cached_tokens=r.cached)
-    if reason is not None:
-      self._release(r)
-      self.running.remove(r)
-    return [(r, o)]
+  def _receive(self, steps) -> list[tuple[_Request, TokenOutput]]:
+    """Reads the sampled tokens of ``steps`` (:meth:`_book`'s) and books them: each request
+    still in the epoch it was dispatched in takes its token, and ends on a stop token or its
+    length. Returns the outputs to hand out."""
+    emitted = []
+    outs = jax.device_get([out for _, out in steps])
+    for (booked, _), (tok, lp, top_ids, top_lp) in zip(steps, outs):
+      tok, lp = tok.tolist(), lp.tolist()
+      for r, epoch, i in booked:
+        if r.epoch != epoch:
+          continue
+        r.inflight -= 1
+        r.visual = None  # every placeholder is in the cache
+        t = tok[i]
+        r.tokens.append(t)
+        r.keys.append(t)
+        self.stats.generation_tokens += 1
+        if r.generated == 1:
+          self.stats.prompt_tokens += len(r.prompt)
+        reason = None
+        if t in r.stop_ids:
+          reason = "stop"
+        elif r.generated >= r.params.max_tokens or len(r.tokens) >= self.max_model_len:
+          reason = "length"
+        k = r.params.logprobs
+        top = tuple(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist())) if k else ()
+        emitted.append((r, TokenOutput(r.id, t, lp[i], top,
+                                       finish_reason=reason, prompt_tokens=len(r.prompt),
+                                       cached_tokens=r.cached)))
+        if reason is not None:
+          self._drop(r)
+    return emitted
 
   def _register(self, r: _Request) -> None:
     """Puts the block ``r`` just completed into the prefix index, with a KDA checkpoint every
     ``serve.checkpoint_every`` blocks."""
     bs = self.serve.block_size
     i = r.computed // bs - 1
-    if not self.serve.prefix_cache or r.computed % bs or len(r.blocks) != i:
+    if (not self.serve.prefix_cache or r.computed % bs or len(r.blocks) != i
+        or len(r.keys) < r.computed):
       return
     tokens = r.keys[i * bs:(i + 1) * bs]
     parent = r.blocks[-1] if r.blocks else None

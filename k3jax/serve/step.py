@@ -10,6 +10,11 @@ changes no cached state), its pages in ``page_table[b]`` and its KDA entry ``slo
 steps (``T = 1``) take the token recurrence kernel on the slot pool in place; prefill steps take
 the chunked KDA kernel from the slot's state and the paged MLA attention over the cached pages and
 the chunk. Sampling runs on device with per-row parameters and per-request random streams.
+
+A step's sampled tokens also come out padded to a fixed width (its kind's largest row count), so
+that the next decode step can take a row's input token straight from the previous steps' outputs
+(``fed``) while the host has not read them yet: the engine dispatches step ``s + 1`` before it
+reads step ``s``.
 """
 
 from __future__ import annotations
@@ -82,20 +87,30 @@ def forward(model: K3Model, pools: list[dict], tokens, starts, nvalid, page_tabl
   return model.logits(last), pools
 
 
-def step(graphdef, decode: bool, params, pools, tokens, starts, nvalid, page_table, slots,
-         temperature, top_p, top_k, seeds, counters, vision=None):
-  """One engine step (jit with ``graphdef`` and ``decode`` bound, pools donated); ``vision``
-  as :func:`forward`'s (prefill steps of a model with a vision tower). Returns (pools, tokens
-  ``[N]``, their logprobs ``[N]``, top ids ``[N, TOP_LOGPROBS]`` and their logprobs): logprobs
-  of the model's distribution, before temperature and filtering."""
-  model = nnx.merge(graphdef, params)
+def step(graphdef, treedef, decode: bool, width: int, leaves, pools, tokens, starts, nvalid,
+         page_table, slots, temperature, top_p, top_k, seeds, counters, fed=None, vision=None):
+  """One engine step (jit with ``graphdef``, ``treedef``, ``decode`` and ``width`` bound, pools
+  donated). ``leaves``: the parameters as ``jax.tree.leaves`` of the model's state (``treedef``
+  its structure; a flat list costs the host no state flattening per step). ``fed`` (decode
+  steps): (``feed_decode [M]``, ``feed_prefill [P]``, ``src [N]``) int32, the previous decode and
+  prefill steps' padded tokens and, per row, the index into their concatenation of its input
+  token (``-1``: ``tokens`` has it). ``vision`` as :func:`forward`'s (prefill steps of a model
+  with a vision tower). Returns (pools, tokens ``[width]`` (the ``N`` sampled, then zeros), their
+  logprobs ``[N]``, top ids ``[N, TOP_LOGPROBS]`` and their logprobs): logprobs of the model's
+  distribution, before temperature and filtering."""
+  model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+  if fed is not None:
+    feed_d, feed_p, src = fed
+    prev = jnp.concatenate([feed_d, feed_p])[jnp.maximum(src, 0)]
+    tokens = jnp.where(src[:, None] >= 0, prev[:, None], tokens)
   logits, pools = forward(model, pools, tokens, starts, nvalid, page_table, slots, decode=decode,
                           vision=vision)
   tok = sample_rows(logits, seeds, counters, temperature, top_p, top_k)
   lp = jax.nn.log_softmax(logits, axis=-1)
   top_lp, top_ids = jax.lax.top_k(lp, TOP_LOGPROBS)
   chosen = jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
-  return pools, tok, chosen, top_ids.astype(jnp.int32), top_lp
+  padded = jnp.zeros((width,), jnp.int32).at[:tok.shape[0]].set(tok)
+  return pools, padded, chosen, top_ids.astype(jnp.int32), top_lp
 
 
 def _spec(tree):
@@ -105,22 +120,28 @@ def _spec(tree):
 
 
 def lower(graphdef, params, pools, *, decode: bool, rows: int, tokens: int, table_width: int,
-          row_sharding=None, visual: tuple | None = None):
+          feed: tuple[int, int], row_sharding=None, visual: tuple | None = None):
   """:func:`step` for ``rows`` rows of ``tokens`` tokens, jitted (pools donated) and lowered for
-  ``params`` and ``pools`` as they are laid out (arrays or ``ShapeDtypeStruct``s with shardings:
-  compile-only devices too) and per-row inputs placed by ``row_sharding``; ``visual``: (width
-  ``d``, dtype) of the visual tokens ``[rows, tokens, d]`` that the prefill steps of a model with
-  a vision tower take (:func:`visual_window`)."""
+  ``params`` (the model's state) and ``pools`` as they are laid out (arrays or
+  ``ShapeDtypeStruct``s with shardings: compile-only devices too) and per-row inputs placed by
+  ``row_sharding``. ``feed``: (M, P), the widths of the decode and prefill steps' padded tokens
+  (their largest row counts). ``visual``: (width ``d``, dtype) of the visual tokens ``[rows,
+  tokens, d]`` that the prefill steps of a model with a vision tower take
+  (:func:`visual_window`). Call the result with ``jax.tree.leaves(params)``."""
   row = lambda dt, *s: jax.ShapeDtypeStruct(s, dt, sharding=row_sharding)
   i32, f32, n = jnp.int32, jnp.float32, rows
-  fn = jax.jit(functools.partial(step, graphdef, decode), donate_argnums=1)
-  vision = None
-  if visual is not None:
+  leaves, treedef = jax.tree.flatten(params)
+  fn = jax.jit(functools.partial(step, graphdef, treedef, decode, feed[0 if decode else 1]),
+               donate_argnums=1)
+  extra = ()
+  if decode:
+    extra = ((row(i32, feed[0]), row(i32, feed[1]), row(i32, n)),)
+  elif visual is not None:
     d, dtype = visual
-    vision = {"visual_tokens": row(dtype, n, tokens, d), "num_tokens": row(i32, n)}
-  return fn.lower(_spec(params), _spec(pools), row(i32, n, tokens), row(i32, n), row(i32, n),
+    extra = (None, {"visual_tokens": row(dtype, n, tokens, d), "num_tokens": row(i32, n)})
+  return fn.lower(_spec(leaves), _spec(pools), row(i32, n, tokens), row(i32, n), row(i32, n),
                   row(i32, n, table_width), row(i32, n), row(f32, n), row(f32, n), row(i32, n),
-                  row(jnp.uint32, n), row(i32, n), *(() if vision is None else (vision,)))
+                  row(jnp.uint32, n), row(i32, n), *extra)
 
 
 @functools.partial(jax.jit, static_argnums=2)
