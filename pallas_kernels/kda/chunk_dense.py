@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda import chunk_ops, wu_mgpu
+from pallas_kernels.kda import a_mgpu, chunk_ops, wu_mgpu
 from pallas_kernels.kda.chunk_ops import call, lower_inverse, tok
 from pallas_kernels.kda.config import BF16, MAX_EXP, SUB, KdaOptions, interpret, store_dtype
 from pallas_kernels.kda.reference import L2_EPS
@@ -515,20 +515,25 @@ def _cont(seg, c):
 
 
 def chunk_a(cfg: KdaOptions, q, k, v, g, beta, A_log, dt_bias, seg, t):
-  """``kda_chunk_a``: (pkk, aqk, qg, kd, kg, gc, rq, rk, redo), see :func:`_dense_a_kernel`; on
-  sub-chunks then ``kda_chunk_a_sub`` for the chunks it flags in ``redo`` [B, Tp, HV]
+  """``kda_chunk_a``: (pkk, aqk, qg, kd, kg, gc, rq, rk, redo), see :func:`_dense_a_kernel` (or
+  ``a_mgpu``'s kernel where the tuning asks for it and it takes the operands); on sub-chunks
+  then ``kda_chunk_a_sub`` for the chunks it flags in ``redo`` [B, Tp, HV]
   (:func:`_dense_a_sub_kernel`; None on the bounded gate's blocks), which the backward's
   ``kda_chunk_dqkg_sub`` reads."""
   bsz, tp, h, kd = q.shape
   hv, c = v.shape[2], cfg.chunk
   dt, f32 = jnp.dtype(cfg.dtype), jnp.float32
-  rows = jax.ShapeDtypeStruct((bsz, tp, hv), f32)
-  kern = functools.partial(_dense_a_kernel, cfg=cfg, hv=hv, group=hv // h, t=t)
   ins = (q, k, g, beta, A_log, dt_bias, seg)
-  out = call(cfg, kern, "kda_chunk_a", (tp // c, bsz * hv),
-             [tok(v, c, f32), tok(v, c, dt), tok(v, kd, dt), tok(v, kd, dt), tok(v, kd, dt),
-              jax.ShapeDtypeStruct((bsz, tp // c, hv, kd), f32)]
-             + [rows] * (3 if cfg.sub_chunks else 2), *ins, chunk_axis=0)
+  if cfg.tuning.chunk_a == "mosaic" and a_mgpu.supported(cfg, q, k, g):
+    out = list(a_mgpu.chunk_a(cfg, q, k, g, A_log, dt_bias, seg, _cont(seg, c), t, hv=hv,
+                              interpret=interpret()))
+  else:
+    rows = jax.ShapeDtypeStruct((bsz, tp, hv), f32)
+    kern = functools.partial(_dense_a_kernel, cfg=cfg, hv=hv, group=hv // h, t=t)
+    out = call(cfg, kern, "kda_chunk_a", (tp // c, bsz * hv),
+               [tok(v, c, f32), tok(v, c, dt), tok(v, kd, dt), tok(v, kd, dt), tok(v, kd, dt),
+                jax.ShapeDtypeStruct((bsz, tp // c, hv, kd), f32)]
+               + [rows] * (3 if cfg.sub_chunks else 2), *ins, chunk_axis=0)
   if not cfg.sub_chunks:
     return (*out, None)
   *out, redo = out

@@ -1,0 +1,199 @@
+"""``kda_chunk_a`` of the dense path as a Mosaic GPU kernel (Hopper: TMA, wgmma from registers).
+
+Same results as ``chunk_dense._dense_a_kernel`` (Triton) on the middle-row reference blocks of
+``diag_rows`` rows: per chunk of C = 64 tokens the gate (fused from the raw f or given), its
+cumulative sum G, P_kk [C, C] (strict, same segment, float32, no beta), A_qk (``scale``,
+inclusive), QG = scale cont q e^G, KD = last k e^{G_C - G}, KG = k e^G, gC = cont_last e^{G_C}
+and the rows' inverse L2 norms of q and k. For a gate without a bound (``sub_chunks``) the
+exponents are clamped to ``MAX_EXP`` and each row's largest ``|G - r|`` is returned, from which
+:func:`chunk_a` flags the chunks that ``kda_chunk_a_sub`` (Triton) redoes on sub-chunks.
+
+One warpgroup per (chunk, batch * value head); the K axis in 64-channel slices:
+  - q, k and g of the chunk arrive by TMA; G is ``tril @ g`` on three bf16 parts of g (the sum in
+    float32, as ``chunk_dense.dot_cumsum``), a wgmma whose left operand (the ones) is in
+    registers;
+  - G goes through SMEM (float32) for the reference rows r_I and G_C;
+  - per block I the column factor ``k e^{r_I - G}`` (zero from the block's end) goes to SMEM and
+    both pair products take ``(k|q) e^{G - r}`` masked to the block's rows from registers;
+  - QG, KD, KG overwrite the slice's q, k, g tiles in SMEM, P_kk the float32 G buffer and A_qk a
+    column-factor buffer, all stored by TMA.
+Shapes: q, k ``[B, Tp, H, K]``, g ``[B, Tp, HV, K]`` (all of the kernels' dtype, bf16 or float32
+whose products are TF32's), A_log ``[HV]``, dt_bias ``[HV, K]`` float32, seg ``[B, Tp]`` int32;
+results as ``chunk_dense.chunk_a``'s (the kernel writes the per-row values as ``[B, HV, n, Tp]``,
+TMA's contiguous rows, transposed after).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import kernel_output, wgmma
+from pallas_kernels.kda.config import MAX_EXP, KdaOptions
+from pallas_kernels.kda.recurrence_mgpu import CHUNK
+from pallas_kernels.kda.reference import L2_EPS
+
+SLICE = 64  # K channels per slice (a [C, SLICE] float32 tile is 32 registers a thread)
+
+
+def supported(cfg: KdaOptions, q, k, g) -> bool:
+  """Whether the kernel takes these operands: 64-token chunks on the middle-row blocks, K = 64
+  or 128, q, k and g of the kernels' dtype (bf16 or float32)."""
+  dt = jnp.dtype(cfg.dtype)
+  return (cfg.chunk == CHUNK and cfg.diag_rows > 0 and q.shape[-1] in (64, 128)
+          and all(x.dtype == dt for x in (q, k, g)))
+
+
+def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, qg_ref, kd_ref, kg_ref, gc_ref, *rest, cfg, hv, group, t, interpret):
+  n_rows = 2 * cfg.use_qk_l2norm + cfg.sub_chunks
+  rows_ref, (q_smem, k_smem, g_smem, ops, g32, gc_smem, rows_smem, landed) = (
+      (rest[0], rest[1:]) if n_rows else (None, rest))
+  c, f32, bk = CHUNK, jnp.float32, SLICE
+  dt = jnp.dtype(cfg.dtype)
+  ns = q_ref.shape[-1] // bk
+  wg = plgpu.Layout.WGMMA
+  ci, bh = lax.axis_index("c"), lax.axis_index("bh")
+  b, h = lax.div(bh, jnp.int32(hv)), lax.rem(bh, jnp.int32(hv))  # equal dtypes under x64 too
+  hq = lax.div(h, jnp.int32(group))
+  rows = pl.ds(ci * c, c)
+  cols = lambda s: pl.ds(s * bk, bk)
+  for s in range(ns):
+    plgpu.copy_gmem_to_smem(q_ref.at[b, rows, hq, cols(s)], q_smem.at[s], landed)
+    plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hq, cols(s)], k_smem.at[s], landed)
+    plgpu.copy_gmem_to_smem(g_ref.at[b, rows, h, cols(s)], g_smem.at[s], landed)
+  vec = lambda ref, layout: plgpu.load(ref, layout=layout, optimized=False)
+  bcast = lambda x, dim: lax.broadcast_in_dim(x, (c, c), [dim])  # [C] -> [C, C] (C = SLICE)
+  # (one load per row of marks: two layouts of one ref defeat the layout inference)
+  seg_r, cont, last = (bcast(vec(marks_ref.at[b, j, rows], wgmma.ROWS), 0) for j in range(3))
+  same = seg_r == bcast(vec(marks_ref.at[b, 3, rows], wgmma.COLS), 1)
+  rid = plgpu.broadcasted_iota(jnp.int32, (c, c), 0, layout=wg)
+  cid = plgpu.broadcasted_iota(jnp.int32, (c, c), 1, layout=wg)
+  tril = (rid >= cid).astype(jnp.bfloat16)
+  plgpu.barrier_wait(landed)
+
+  ld = lambda ref: plgpu.load(ref, layout=wg).astype(f32)
+  norms = []
+  if cfg.use_qk_l2norm:
+    norms = [lax.rsqrt(sum(jnp.sum(jnp.square(ld(x.at[s])), axis=1) for s in range(ns)) + L2_EPS)
+             for x in (q_smem, k_smem)]
+  n = cfg.diag_rows
+  nb = c // n
+  at = [i * n + n // 2 - 1 for i in range(nb)]  # the blocks' middle rows
+  # a gate without a bound: exponents clamped (where the clamp bites, the chunk is redone)
+  exp = (lambda x: jnp.exp(jnp.minimum(x, MAX_EXP))) if cfg.sub_chunks else jnp.exp
+  akk = aqk = span = None
+  for s in range(ns):
+    q, k, x = ld(q_smem.at[s]), ld(k_smem.at[s]), ld(g_smem.at[s])
+    if norms:
+      q, k = q * bcast(norms[0], 0), k * bcast(norms[1], 0)
+    if cfg.gate is not None:
+      x = x + bcast(vec(dtb_ref.at[h, cols(s)], wgmma.COLS), 1)
+      e = jnp.exp(alog_ref[h])
+      if cfg.gate == "bounded":
+        x = cfg.lower_bound / (1.0 + jnp.exp(-e * x))
+      else:  # -e softplus(x)
+        x = -e * (jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x))))
+    if t % c:  # padded tokens leave the state alone
+      x = jnp.where(ci * c + rid < t, x, 0.0)
+    # G = tril @ g on g's three bf16 parts (g = a + b + c exactly to float32)
+    for buf in ops[:3]:
+      part = x.astype(jnp.bfloat16)
+      x = x - part.astype(f32)
+      buf[...] = part.astype(buf.dtype)
+    plgpu.commit_smem()
+    G = wgmma.product((c, bk), *[(wgmma.Regs(tril), buf) for buf in ops[:3]],
+                      interpret=interpret)
+    g32[...] = G
+    plgpu.commit_smem()
+    refs = [bcast(vec(g32.at[i], wgmma.COLS), 1) for i in at]
+    gl = vec(g32.at[c - 1], wgmma.COLS)
+    gc_smem.at[cols(s)][...] = marks_ref[b, 1, ci * c + c - 1] * jnp.exp(gl)  # cont_last e^{G_C}
+    gl = bcast(gl, 1)
+    ref_rows = refs[0]
+    for i in range(1, nb):
+      ref_rows = jnp.where(rid >= i * n, refs[i], ref_rows)
+    if cfg.sub_chunks:
+      far = jnp.max(jnp.abs(G - ref_rows), axis=1)
+      span = far if span is None else jnp.maximum(span, far)
+    e_row = exp(G - ref_rows)
+    for i in range(nb):  # column factors of the blocks (zero from the block's end)
+      ops[i][...] = (k * jnp.where(rid < (i + 1) * n, exp(refs[i] - G), 0.0)).astype(dt)
+    eg = jnp.exp(G)
+    lk, lq = k * e_row, q * e_row
+    block = lambda a, i: wgmma.Regs(jnp.where((rid >= i * n) & (rid < (i + 1) * n), a,
+                                              0.0).astype(dt))
+    pk, pq = wgmma.products(((c, c), [(block(lk, i), ops[i].T) for i in range(nb)]),
+                            ((c, c), [(block(lq, i), ops[i].T) for i in range(nb)]),
+                            interpret=interpret)
+    akk, aqk = (pk, pq) if akk is None else (akk + pk, aqk + pq)
+    q_smem.at[s][...] = (cfg.scale * cont * q * eg).astype(dt)
+    k_smem.at[s][...] = (last * k * jnp.exp(gl - G)).astype(dt)
+    g_smem.at[s][...] = (eg * k).astype(dt)
+    plgpu.commit_smem()
+    for buf, out in ((q_smem, qg_ref), (k_smem, kd_ref), (g_smem, kg_ref)):
+      plgpu.copy_smem_to_gmem(buf.at[s], out.at[b, rows, h, cols(s)])
+
+  g32[...] = jnp.where(same & (rid > cid), akk, 0.0)
+  ops[0][...] = jnp.where(same & (rid >= cid), cfg.scale * aqk, 0.0).astype(dt)
+  for j, v in enumerate(norms + ([span] if cfg.sub_chunks else [])):
+    rows_smem.at[j][...] = v
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(g32, pkk_ref.at[b, rows, h])
+  plgpu.copy_smem_to_gmem(ops[0], a_ref.at[b, rows, h])
+  plgpu.copy_smem_to_gmem(gc_smem, gc_ref.at[b, ci, h])
+  for j in range(n_rows):
+    plgpu.copy_smem_to_gmem(rows_smem.at[j], rows_ref.at[b, h, j, rows])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def chunk_a(cfg: KdaOptions, q, k, g, A_log, dt_bias, seg, cont, t, *, hv: int,
+            interpret: bool):
+  """(pkk, aqk, qg, kd, kg, gc, rq, rk) and, on sub-chunks, the chunks to redo ``[B, Tp, HV]``
+  (1 on their rows), as ``chunk_dense._dense_a_kernel`` writes them; ``cont`` ``[B, Tp]``
+  float32 (1 where a token continues the state entering its chunk)."""
+  bsz, tp, h, kd = q.shape
+  c, nc, f32 = CHUNK, tp // CHUNK, jnp.float32
+  dt = jnp.dtype(cfg.dtype)
+  n_rows = 2 * cfg.use_qk_l2norm + cfg.sub_chunks
+  tok = lambda d, dtype: jax.ShapeDtypeStruct((bsz, tp, hv, d), dtype)
+  out_type = [tok(c, f32), tok(c, dt), tok(kd, dt), tok(kd, dt), tok(kd, dt),
+              jax.ShapeDtypeStruct((bsz, nc, hv, kd), f32)]
+  if n_rows:
+    out_type.append(jax.ShapeDtypeStruct((bsz, hv, n_rows, tp), f32))
+  ends = jnp.arange(tp) // c * c + c - 1
+  segf = seg.astype(f32)  # exact to 2^24 segments
+  # per token: segment (rows), cont, in its chunk's last segment, segment (columns)
+  marks = jnp.stack([segf, cont, (seg == seg[:, ends]).astype(f32), segf], axis=1)
+  kern = functools.partial(_kernel, cfg=cfg, hv=hv, group=hv // h, t=t, interpret=interpret)
+  kern.__name__ = "kda_chunk_a_mgpu"
+  tile = lambda n: wgmma.swizzled((n, c, SLICE), dt)
+  scratch = (
+      tile(kd // SLICE),  # q in, QG out
+      tile(kd // SLICE),  # k in, KD out
+      tile(kd // SLICE),  # g in, KG out
+      # g's bf16 parts, then the blocks' column factors, then A_qk
+      [wgmma.swizzled((c, SLICE), dt) for _ in range(max(3, c // cfg.diag_rows))],
+      plgpu.SMEM((c, c), f32),  # G, then P_kk
+      plgpu.SMEM((kd,), f32),  # gC
+      plgpu.SMEM((max(n_rows, 1), c), f32),  # the rows' norms and exponent spans
+      plgpu.Barrier(num_arrivals=3 * (kd // SLICE)),
+  )
+  outs = plgpu.kernel(
+      kern, out_type=tuple(out_type), scratch_types=scratch, grid=(nc, bsz * hv),
+      grid_names=("c", "bh"), **wgmma.kernel_params(interpret))(
+          q, k, g, A_log.astype(f32), dt_bias.astype(f32), marks)
+  outs = [kernel_output(x) for x in outs]
+  pkk, aqk, qg, kdec, kg, gc = outs[:6]
+  per_row = [jnp.swapaxes(outs[6][:, :, j], 1, 2) for j in range(n_rows)]
+  ones = jnp.ones((bsz, tp, hv), f32)
+  rq, rk = per_row[:2] if cfg.use_qk_l2norm else (ones, ones)
+  if not cfg.sub_chunks:
+    return pkk, aqk, qg, kdec, kg, gc, rq, rk
+  far = jnp.max(per_row[-1].reshape(bsz, nc, c, hv), axis=2)
+  redo = jnp.repeat(jnp.where(far <= MAX_EXP, 0.0, 1.0), c, axis=1)
+  return pkk, aqk, qg, kdec, kg, gc, rq, rk, redo
