@@ -51,7 +51,7 @@ def supported(cfg: KdaOptions, q, k, g) -> bool:
 
 def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, qg_ref, kd_ref, kg_ref, gc_ref, *rest, cfg, hv, group, t, interpret):
   n_rows = 2 * cfg.use_qk_l2norm + cfg.sub_chunks
-  rows_ref, (q_smem, k_smem, g_smem, ops, g32, gc_smem, rows_smem, landed) = (
+  rows_ref, (q_smem, k_smem, g_smem, parts, extra, g32, gc_smem, rows_smem, landed) = (
       (rest[0], rest[1:]) if n_rows else (None, rest))
   c, f32, bk = CHUNK, jnp.float32, SLICE
   dt = jnp.dtype(cfg.dtype)
@@ -83,6 +83,10 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, q
              for x in (q_smem, k_smem)]
   n = cfg.diag_rows
   nb = c // n
+  regs = dt.itemsize == 2
+  # the blocks' column factors (then A_qk): bf16 in the parts' buffers and beyond; float32 in
+  # one buffer, the row factors in two more
+  ops, lhs = (list(parts) + list(extra), None) if regs else (extra[:1], extra[1:])
   at = [i * n + n // 2 - 1 for i in range(nb)]  # the blocks' middle rows
   # a gate without a bound: exponents clamped (where the clamp bites, the chunk is redone)
   exp = (lambda x: jnp.exp(jnp.minimum(x, MAX_EXP))) if cfg.sub_chunks else jnp.exp
@@ -101,12 +105,12 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, q
     if t % c:  # padded tokens leave the state alone
       x = jnp.where(ci * c + rid < t, x, 0.0)
     # G = tril @ g on g's three bf16 parts (g = a + b + c exactly to float32)
-    for buf in ops[:3]:
+    for buf in parts:
       part = x.astype(jnp.bfloat16)
       x = x - part.astype(f32)
-      buf[...] = part.astype(buf.dtype)
+      buf[...] = part
     plgpu.commit_smem()
-    G = wgmma.product((c, bk), *[(wgmma.Regs(tril), buf) for buf in ops[:3]],
+    G = wgmma.product((c, bk), *[(wgmma.Regs(tril), buf) for buf in parts],
                       interpret=interpret)
     g32[...] = G
     plgpu.commit_smem()
@@ -121,16 +125,23 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, q
       far = jnp.max(jnp.abs(G - ref_rows), axis=1)
       span = far if span is None else jnp.maximum(span, far)
     e_row = exp(G - ref_rows)
-    for i in range(nb):  # column factors of the blocks (zero from the block's end)
-      ops[i][...] = (k * jnp.where(rid < (i + 1) * n, exp(refs[i] - G), 0.0)).astype(dt)
     eg = jnp.exp(G)
     lk, lq = k * e_row, q * e_row
-    block = lambda a, i: wgmma.Regs(jnp.where((rid >= i * n) & (rid < (i + 1) * n), a,
-                                              0.0).astype(dt))
-    pk, pq = wgmma.products(((c, c), [(block(lk, i), ops[i].T) for i in range(nb)]),
-                            ((c, c), [(block(lq, i), ops[i].T) for i in range(nb)]),
-                            interpret=interpret)
-    akk, aqk = (pk, pq) if akk is None else (akk + pk, aqk + pq)
+    # per block: the column factor (zero from the block's end) in SMEM, the row factors masked
+    # to its rows from registers (16-bit) or SMEM (float32: TF32 takes no register operand),
+    # every block at once or (float32) one at a time
+    for blocks in ([range(nb)] if regs else [[i] for i in range(nb)]):
+      pairs = ([], [])
+      for j, i in enumerate(blocks):
+        ops[j][...] = (k * jnp.where(rid < (i + 1) * n, exp(refs[i] - G), 0.0)).astype(dt)
+        for a, pair, buf in zip((lk, lq), pairs, (None, None) if regs else lhs):
+          a = jnp.where((rid >= i * n) & (rid < (i + 1) * n), a, 0.0).astype(dt)
+          if buf is not None:
+            buf[...] = a
+          pair.append((wgmma.Regs(a) if buf is None else buf, ops[j].T))
+      plgpu.commit_smem()
+      pk, pq = wgmma.products(*(((c, c), pair) for pair in pairs), interpret=interpret)
+      akk, aqk = (pk, pq) if akk is None else (akk + pk, aqk + pq)
     q_smem.at[s][...] = (cfg.scale * cont * q * eg).astype(dt)
     k_smem.at[s][...] = (last * k * jnp.exp(gl - G)).astype(dt)
     g_smem.at[s][...] = (eg * k).astype(dt)
@@ -172,12 +183,15 @@ def chunk_a(cfg: KdaOptions, q, k, g, A_log, dt_bias, seg, cont, t, *, hv: int,
   kern = functools.partial(_kernel, cfg=cfg, hv=hv, group=hv // h, t=t, interpret=interpret)
   kern.__name__ = "kda_chunk_a_mgpu"
   tile = lambda n: wgmma.swizzled((n, c, SLICE), dt)
+  nb = c // cfg.diag_rows
   scratch = (
       tile(kd // SLICE),  # q in, QG out
       tile(kd // SLICE),  # k in, KD out
       tile(kd // SLICE),  # g in, KG out
-      # g's bf16 parts, then the blocks' column factors, then A_qk
-      [wgmma.swizzled((c, SLICE), dt) for _ in range(max(3, c // cfg.diag_rows))],
+      [wgmma.swizzled((c, SLICE), jnp.bfloat16) for _ in range(3)],  # g's bf16 parts
+      # bf16: the blocks' column factors beyond the parts' buffers; float32: one column factor
+      # and the two row factors
+      [wgmma.swizzled((c, SLICE), dt) for _ in range(nb - 3 if dt.itemsize == 2 else 3)],
       plgpu.SMEM((c, c), f32),  # G, then P_kk
       plgpu.SMEM((kd,), f32),  # gC
       plgpu.SMEM((max(n_rows, 1), c), f32),  # the rows' norms and exponent spans

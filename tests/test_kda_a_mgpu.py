@@ -1,0 +1,139 @@
+"""The Mosaic GPU ``kda_chunk_a`` (``pallas_kernels.kda.a_mgpu``, ``KdaGpuConfig.chunk_a``): in
+GPU interpret mode on CPU its outputs against a float64 NumPy loop (both gates, segments, odd T,
+every reference block size, the unbounded gates' redo flags), the op through the shared KDA
+cases with it on (values and every gradient against float64), the choice of kernel, and its
+CUDA lowering."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kda_cases import CASES, check
+from kda_numpy import preprocess
+from numerics import max_rel_err
+from pallas_kernels.kda import a_mgpu, chunk_dense, config
+
+C = a_mgpu.CHUNK
+NAMES = ("pkk", "aqk", "qg", "kd", "kg", "gc", "rq", "rk")
+MOSAIC = [c for c in CASES if c.name in (
+    "bounded_chunk64_K128_T100", "bounded_chunk64_K64_T1", "bounded_unfused_l2_chunk64_T70",
+    "softplus_subchunks_chunk64_K128_T77", "unfused_subchunks_chunk64_T83")]
+
+
+@pytest.fixture(autouse=True)
+def _highest_precision():
+  """float32 products in the XLA references (as ``test_kda_gpu.py``)."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
+@pytest.mark.parametrize("case", MOSAIC, ids=lambda c: c.name)
+def test_op_cases(case):
+  """The op with ``chunk_a="mosaic"`` passes the shared cases' checks (float32 inputs: the
+  kernel's TF32 products are exact float32 in interpret mode)."""
+  tuning = dataclasses.replace(config.default_config(
+      (1, case.t, case.hv, case.vd), use_qk_l2norm=case.fused, beta_is_logit=case.fused),
+      chunk_a="mosaic")
+  check(case, "pallas_gpu", config=tuning)
+
+
+def _inputs(seed, dtype, t, h, hv, kd, cuts, wild):
+  """q, k ``[1, Tp, H, K]``, raw g ``[1, Tp, HV, K]`` (zero after T, as the op pads them), A_log,
+  dt_bias ``[HV, K]`` around -4 (slow decays: earlier segments of a chunk still count) and
+  segment ids ``[1, Tp]`` (edge-padded); with ``wild`` a quarter of the channels of value head 0
+  in the second chunk decay by ~10 per token, so only that chunk's middle-row exponents exceed
+  MAX_EXP."""
+  rng = np.random.default_rng(seed)
+  tp = -(-t // C) * C
+  n = lambda *s: rng.standard_normal(s)
+  q, k, g = n(1, tp, h, kd), n(1, tp, h, kd), n(1, tp, hv, kd)
+  if wild:
+    g[0, C:, 0, :kd // 4] = 3 * g[0, C:, 0, :kd // 4] + 16.0
+  for x in (q, k, g):
+    x[:, t:] = 0.0
+  seg = np.zeros((1, tp), np.int32)
+  for cut in cuts:
+    seg[:, cut:] += 1
+  seg[:, t:] = seg[:, t - 1:t]
+  cast = lambda x: jnp.asarray(x, jnp.float32).astype(dtype)
+  return cast(q), cast(k), cast(g), jnp.asarray(0.5 * n(hv), jnp.float32), jnp.asarray(
+      0.5 * n(hv, kd) - 4.0, jnp.float32), jnp.asarray(seg)
+
+
+def _loop(cfg, q, k, g, A_log, dt_bias, seg, t, speculative_rows):
+  """float64 (pkk, aqk, qg, kd, kg, gc, rq, rk) of ``chunk_dense.chunk_a`` by chunk, pair by pair
+  (each exponent G_i - G_j formed on its own), and the chunks whose ``speculative_rows``-row
+  middle-row references leave an exponent above MAX_EXP (flags ``[B, Tp, HV]``)."""
+  f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  q, k, g, seg = f64(q), f64(k), f64(g), np.asarray(seg)
+  _, tp, h, kd = q.shape
+  hv = g.shape[2]
+  sq = lambda x: 1 / np.sqrt((x * x).sum(-1) + 1e-6)
+  rq, rk = (np.repeat(sq(x), hv // h, axis=2) if cfg.use_qk_l2norm else np.ones((1, tp, hv))
+            for x in (q, k))
+  q, k, g, _ = preprocess(q, k, g, np.zeros(1), hv=hv, l2=cfg.use_qk_l2norm, gate=cfg.gate,
+                          A_log=f64(A_log), dt_bias=f64(dt_bias), lb=cfg.lower_bound,
+                          beta_logit=False)
+  g[:, t:] = 0.0
+  out = dict(pkk=np.zeros((1, tp, hv, C)), aqk=np.zeros((1, tp, hv, C)), qg=np.zeros(g.shape),
+             kd=np.zeros(g.shape), kg=np.zeros(g.shape), gc=np.zeros((1, tp // C, hv, kd)),
+             rq=rq, rk=rk)
+  redo = np.zeros((1, tp, hv))
+  low = np.tril(np.ones((C, C), bool))
+  for j in range(hv):
+    for ci in range(tp // C):
+      r = slice(ci * C, (ci + 1) * C)
+      qc, kc, G = q[0, r, j * h // hv], k[0, r, j * h // hv], np.cumsum(g[0, r, j], axis=0)
+      sg, prev = seg[0, r], seg[0, max(ci * C - 1, 0)]
+      incl = low & (sg[:, None] == sg[None, :])
+      decay = np.exp(np.where(low[:, :, None], G[:, None] - G[None, :], -np.inf))  # [C, C, K]
+      out["pkk"][0, r, j] = np.where(incl & ~np.eye(C, dtype=bool),
+                                     np.einsum("id,jd,ijd->ij", kc, kc, decay), 0.0)
+      out["aqk"][0, r, j] = np.where(incl, cfg.scale * np.einsum("id,jd,ijd->ij", qc, kc, decay),
+                                     0.0)
+      out["qg"][0, r, j] = cfg.scale * (sg == prev)[:, None] * qc * np.exp(G)
+      out["kd"][0, r, j] = (sg == sg[-1])[:, None] * kc * np.exp(G[-1] - G)
+      out["kg"][0, r, j] = kc * np.exp(G)
+      out["gc"][0, ci, j] = (sg[-1] == prev) * np.exp(G[-1])
+      n = speculative_rows
+      refs = np.repeat(G[n // 2 - 1::n], n, axis=0)
+      redo[0, r, j] = np.abs(G - refs).max() > config.MAX_EXP
+  return out, redo
+
+
+# (dtype, gate, lower bound (reference blocks of 32, 16 and 64 rows), L2 norm fused, T, H, HV,
+# K, segment starts, wild decays in one chunk): every gate, segments inside and at the edge of a
+# chunk, odd T and T = 1, grouped values, one and two K slices
+@pytest.mark.parametrize("dtype,gate,lb,fused,t,h,hv,kd,cuts,wild", [
+    (jnp.float32, "bounded", -5.0, True, 100, 1, 2, 128, (30, 64, 65), False),
+    (jnp.bfloat16, "bounded", -8.0, True, 50, 1, 1, 64, (20,), False),
+    (jnp.float32, "bounded", -2.0, False, 1, 1, 1, 64, (), False),
+    (jnp.bfloat16, "softplus", -5.0, True, 77, 1, 2, 128, (30,), True),
+    (jnp.float32, None, -5.0, False, 83, 2, 2, 64, (17, 40), True),
+], ids=["f32_bounded_T100", "bf16_bounded_lb8", "f32_rows64_T1", "bf16_softplus_redo",
+        "f32_given_g_redo"])
+def test_matches_float64(dtype, gate, lb, fused, t, h, hv, kd, cuts, wild):
+  q, k, g, A_log, dt_bias, seg = _inputs(kd + t, dtype, t, h, hv, kd, cuts, wild)
+  if gate is None:  # g is the log decay itself
+    g = (-jnp.exp(g.astype(jnp.float32) - 4.0)).astype(dtype)
+  tuning = config.KdaGpuConfig(chunk_a="mosaic")
+  rows, sub = config.chunk_path(gate, lb, C, tuning)
+  cfg = config.KdaOptions(scale=kd ** -0.5, chunk=C, use_qk_l2norm=fused, gate=gate,
+                          lower_bound=lb, beta_is_logit=False, diag_rows=rows, sub_chunks=sub,
+                          dtype=jnp.dtype(dtype).name, tuning=tuning)
+  assert a_mgpu.supported(cfg, q, k, g)
+  v = jnp.zeros(g.shape[:3] + (16,), dtype)
+  got = chunk_dense.chunk_a(cfg, q, k, v, g, jnp.zeros(g.shape[:3]), A_log, dt_bias, seg, t)
+  want, redo = _loop(cfg, q, k, g, A_log, dt_bias, seg, t, rows)
+  tol = 1e-4 if dtype == jnp.float32 else 1.2e-2  # bf16 operands and results
+  for name, x in zip(NAMES, got):
+    assert max_rel_err(np.asarray(x, np.float32), want[name]) < tol, (
+        name, max_rel_err(np.asarray(x, np.float32), want[name]))
+  if sub:
+    assert wild == bool(redo.any())
+    np.testing.assert_array_equal(np.asarray(got[-1]), redo)
+  else:
+    assert got[-1] is None
