@@ -5,6 +5,7 @@ cases with it on (values and every gradient against float64), the choice of kern
 CUDA lowering."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -14,13 +15,15 @@ import pytest
 from kda_cases import CASES, check
 from kda_numpy import preprocess
 from numerics import max_rel_err
-from pallas_kernels.kda import a_mgpu, chunk_dense, config
+from pallas_kernels.kda import a_mgpu, chunk_dense, config, kda
 
 C = a_mgpu.CHUNK
 NAMES = ("pkk", "aqk", "qg", "kd", "kg", "gc", "rq", "rk")
-MOSAIC = [c for c in CASES if c.name in (
-    "bounded_chunk64_K128_T100", "bounded_chunk64_K64_T1", "bounded_unfused_l2_chunk64_T70",
-    "softplus_subchunks_chunk64_K128_T77", "unfused_subchunks_chunk64_T83")]
+# the shared cases at 64-token chunks (over ~5 s each on 2 CPUs: slow)
+SLOW = ("bounded_chunk64_K128_T100", "softplus_subchunks_chunk64_K128_T77",
+        "unfused_subchunks_chunk64_T83")
+MOSAIC = [pytest.param(c, marks=pytest.mark.slow) if c.name in SLOW else c for c in CASES
+          if c.name in SLOW + ("bounded_chunk64_K64_T1", "bounded_unfused_l2_chunk64_T70")]
 
 
 @pytest.fixture(autouse=True)
@@ -137,3 +140,58 @@ def test_matches_float64(dtype, gate, lb, fused, t, h, hv, kd, cuts, wild):
     np.testing.assert_array_equal(np.asarray(got[-1]), redo)
   else:
     assert got[-1] is None
+
+
+def test_the_op_takes_it_where_asked_and_supported(monkeypatch):
+  """``chunk_dense.chunk_a`` takes the Mosaic kernel with ``chunk_a="mosaic"`` for 64-token
+  chunks, K = 64 or 128 and q, k, g of the kernels' dtype; Triton's otherwise."""
+  calls = []  # which kernel each call traced (spies on both)
+  monkeypatch.setattr(a_mgpu, "chunk_a", lambda *a, **k: calls.append(1) or (None,) * 8)
+  monkeypatch.setattr(chunk_dense, "call", lambda *a, **k: calls.append(0) or (None,) * 8)
+
+  def run(kd=128, chunk=C, dtype=jnp.bfloat16, g_dtype=jnp.bfloat16, chunk_a="mosaic"):
+    tok = lambda d, dt=dtype: jnp.zeros((1, 128, 2, d), dt)
+    cfg = config.KdaOptions(scale=1.0, chunk=chunk, use_qk_l2norm=True, gate="bounded",
+                            lower_bound=-5.0, beta_is_logit=True, diag_rows=32,
+                            dtype=jnp.dtype(dtype).name,
+                            tuning=config.KdaGpuConfig(chunk_a=chunk_a))
+    chunk_dense.chunk_a(cfg, tok(kd), tok(kd), tok(64), tok(kd, g_dtype), tok(1)[..., 0],
+                        jnp.zeros(2), jnp.zeros((2, kd)), jnp.zeros((1, 128), jnp.int32), 100)
+
+  run()
+  run(kd=64, dtype=jnp.float32, g_dtype=jnp.float32)
+  run(kd=256)
+  run(chunk=32)
+  run(g_dtype=jnp.float32)
+  run(chunk_a="triton")
+  assert calls == [1, 1, 0, 0, 0, 0]
+  with pytest.raises(ValueError, match="chunk_a"):
+    config.KdaGpuConfig(chunk_a="cuda")
+
+
+@pytest.mark.parametrize("gate, shape, dtype", [
+    ("bounded", (1, 16384, 32, 128), jnp.bfloat16), ("softplus", (1, 16384, 32, 128), jnp.bfloat16),
+    (None, (2, 100, 2, 64), jnp.float32)], ids=["bounded_benchmark", "softplus_benchmark", "f32"])
+def test_lowers_for_cuda(h200_lowering, gate, shape, dtype):
+  """The op's forward and backward with ``chunk_a="mosaic"`` lower for an H200 on the CPU
+  (layout inference, register operands, SMEM) with the Mosaic kernel in place of Triton's
+  kda_chunk_a, at the benchmark shape for both gates (inputs as shapes only) and for float32
+  operands; the unbounded gates keep kda_chunk_a_sub behind it."""
+  b, t, h, kd = shape
+  hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0", core_count=132)
+  tuning = dataclasses.replace(config.default_config(
+      (b, t, h, kd), use_qk_l2norm=True, beta_is_logit=True, device=hopper), chunk_a="mosaic")
+
+  def loss(q, k, v, g, beta):
+    o, _ = kda(q, k, v, g, beta, use_qk_l2norm=True, A_log=jnp.zeros(h),
+               dt_bias=jnp.zeros(h * kd), gate=gate, beta_is_logit=True,
+               implementation="pallas_gpu", config=tuning)
+    return jnp.sum(o.astype(jnp.float32))
+
+  args = [jax.ShapeDtypeStruct((b, t, h, kd), dtype)] * 4 + [
+      jax.ShapeDtypeStruct((b, t, h), dtype)]
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "kda_chunk_a_mgpu" in text
+  assert 'name = "kda_chunk_a"' not in text
+  assert ('name = "kda_chunk_a_sub"' in text) == (gate != "bounded")

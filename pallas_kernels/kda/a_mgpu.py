@@ -49,11 +49,12 @@ def supported(cfg: KdaOptions, q, k, g) -> bool:
           and all(x.dtype == dt for x in (q, k, g)))
 
 
-def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, qg_ref, kd_ref, kg_ref, gc_ref, *rest, cfg, hv, group, t, interpret):
+def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, qg_ref, kd_ref,
+            kg_ref, gc_ref, *rest, cfg, hv, group, t, interpret):
   n_rows = 2 * cfg.use_qk_l2norm + cfg.sub_chunks
-  rows_ref, (q_smem, k_smem, g_smem, parts, extra, g32, gc_smem, rows_smem, landed) = (
+  rows_ref, (q_smem, k_smem, g_smem, gc_smem, rows_smem, landed) = (
       (rest[0], rest[1:]) if n_rows else (None, rest))
-  c, f32, bk = CHUNK, jnp.float32, SLICE
+  c, f32, bf16, bk = CHUNK, jnp.float32, jnp.bfloat16, SLICE
   dt = jnp.dtype(cfg.dtype)
   ns = q_ref.shape[-1] // bk
   wg = plgpu.Layout.WGMMA
@@ -73,7 +74,15 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, q
   same = seg_r == bcast(vec(marks_ref.at[b, 3, rows], wgmma.COLS), 1)
   rid = plgpu.broadcasted_iota(jnp.int32, (c, c), 0, layout=wg)
   cid = plgpu.broadcasted_iota(jnp.int32, (c, c), 1, layout=wg)
-  tril = (rid >= cid).astype(jnp.bfloat16)
+  tril = wgmma.Regs((rid >= cid).astype(bf16))
+  tile = lambda dtype: wgmma.swizzled((c, bk), dtype)
+
+  def scoped(body, *bufs):
+    """``pl.run_scoped`` after a barrier: each phase's SMEM takes the last one's place, whose
+    reads (plain loads, or the wgmma of another warp) are then done."""
+    plgpu.commit_smem()
+    return pl.run_scoped(body, *bufs)
+
   plgpu.barrier_wait(landed)
 
   ld = lambda ref: plgpu.load(ref, layout=wg).astype(f32)
@@ -83,13 +92,10 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, q
              for x in (q_smem, k_smem)]
   n = cfg.diag_rows
   nb = c // n
-  regs = dt.itemsize == 2
-  # the blocks' column factors (then A_qk): bf16 in the parts' buffers and beyond; float32 in
-  # one buffer, the row factors in two more
-  ops, lhs = (list(parts) + list(extra), None) if regs else (extra[:1], extra[1:])
   at = [i * n + n // 2 - 1 for i in range(nb)]  # the blocks' middle rows
   # a gate without a bound: exponents clamped (where the clamp bites, the chunk is redone)
   exp = (lambda x: jnp.exp(jnp.minimum(x, MAX_EXP))) if cfg.sub_chunks else jnp.exp
+  regs = dt.itemsize == 2  # 16-bit row factors from registers (TF32 takes none)
   akk = aqk = span = None
   for s in range(ns):
     q, k, x = ld(q_smem.at[s]), ld(k_smem.at[s]), ld(g_smem.at[s])
@@ -104,20 +110,27 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, q
         x = -e * (jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x))))
     if t % c:  # padded tokens leave the state alone
       x = jnp.where(ci * c + rid < t, x, 0.0)
-    # G = tril @ g on g's three bf16 parts (g = a + b + c exactly to float32)
-    for buf in parts:
-      part = x.astype(jnp.bfloat16)
-      x = x - part.astype(f32)
-      buf[...] = part
-    plgpu.commit_smem()
-    G = wgmma.product((c, bk), *[(wgmma.Regs(tril), buf) for buf in parts],
-                      interpret=interpret)
-    g32[...] = G
-    plgpu.commit_smem()
-    refs = [bcast(vec(g32.at[i], wgmma.COLS), 1) for i in at]
-    gl = vec(g32.at[c - 1], wgmma.COLS)
+    def cumsum(*bufs, x=x):
+      """G = tril @ g on g's three bf16 parts (g = a + b + c exactly to float32)."""
+      for buf in bufs:
+        part = x.astype(bf16)
+        x = x - part.astype(f32)
+        buf[...] = part
+      plgpu.commit_smem()
+      return wgmma.product((c, bk), *[(tril, buf) for buf in bufs], interpret=interpret)
+
+    own = (g_smem.at[s],) if dt == bf16 else ()  # g's tile takes a part (read already)
+    G = scoped(lambda *bufs: cumsum(*own, *bufs), *[tile(bf16)] * (3 - len(own)))
+
+    def references(g32):
+      """The blocks' reference rows and G_C ([BK] each) through SMEM."""
+      g32[...] = G
+      plgpu.commit_smem()
+      return [vec(g32.at[i], wgmma.COLS) for i in at + [c - 1]]
+
+    *refs, gl = scoped(references, plgpu.SMEM((c, c), f32))
     gc_smem.at[cols(s)][...] = marks_ref[b, 1, ci * c + c - 1] * jnp.exp(gl)  # cont_last e^{G_C}
-    gl = bcast(gl, 1)
+    refs, gl = [bcast(r, 1) for r in refs], bcast(gl, 1)
     ref_rows = refs[0]
     for i in range(1, nb):
       ref_rows = jnp.where(rid >= i * n, refs[i], ref_rows)
@@ -125,23 +138,33 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, q
       far = jnp.max(jnp.abs(G - ref_rows), axis=1)
       span = far if span is None else jnp.maximum(span, far)
     e_row = exp(G - ref_rows)
-    eg = jnp.exp(G)
     lk, lq = k * e_row, q * e_row
-    # per block: the column factor (zero from the block's end) in SMEM, the row factors masked
-    # to its rows from registers (16-bit) or SMEM (float32: TF32 takes no register operand),
-    # every block at once or (float32) one at a time
-    for blocks in ([range(nb)] if regs else [[i] for i in range(nb)]):
-      pairs = ([], [])
-      for j, i in enumerate(blocks):
-        ops[j][...] = (k * jnp.where(rid < (i + 1) * n, exp(refs[i] - G), 0.0)).astype(dt)
-        for a, pair, buf in zip((lk, lq), pairs, (None, None) if regs else lhs):
-          a = jnp.where((rid >= i * n) & (rid < (i + 1) * n), a, 0.0).astype(dt)
-          if buf is not None:
-            buf[...] = a
-          pair.append((wgmma.Regs(a) if buf is None else buf, ops[j].T))
-      plgpu.commit_smem()
-      pk, pq = wgmma.products(*(((c, c), pair) for pair in pairs), interpret=interpret)
-      akk, aqk = (pk, pq) if akk is None else (akk + pk, aqk + pq)
+
+    def products(*bufs):
+      """(P_kk, P_qk) of this slice: per block the column factor (zero from the block's end)
+      in SMEM, the row factors masked to its rows from registers, every block at once; or
+      (float32) from SMEM too, one block at a time."""
+      ops, lhs = (bufs, (None, None)) if regs else (bufs[:1], bufs[1:])
+      pk = pq = None
+      for blocks in ([range(nb)] if regs else [[i] for i in range(nb)]):
+        if pk is not None:
+          plgpu.commit_smem()  # the last block's products are done with the buffers
+        pairs = ([], [])
+        for j, i in enumerate(blocks):
+          ops[j][...] = (k * jnp.where(rid < (i + 1) * n, exp(refs[i] - G), 0.0)).astype(dt)
+          for a, pair, buf in zip((lk, lq), pairs, lhs):
+            a = jnp.where((rid >= i * n) & (rid < (i + 1) * n), a, 0.0).astype(dt)
+            if buf is not None:
+              buf[...] = a
+            pair.append((wgmma.Regs(a) if buf is None else buf, ops[j].T))
+        plgpu.commit_smem()
+        p = wgmma.products(*(((c, c), pair) for pair in pairs), interpret=interpret)
+        pk, pq = p if pk is None else (pk + p[0], pq + p[1])
+      return pk, pq
+
+    pk, pq = scoped(products, *[tile(dt)] * (nb if regs else 3))
+    akk, aqk = (pk, pq) if akk is None else (akk + pk, aqk + pq)
+    eg = jnp.exp(G)
     q_smem.at[s][...] = (cfg.scale * cont * q * eg).astype(dt)
     k_smem.at[s][...] = (last * k * jnp.exp(gl - G)).astype(dt)
     g_smem.at[s][...] = (eg * k).astype(dt)
@@ -149,17 +172,21 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, q
     for buf, out in ((q_smem, qg_ref), (k_smem, kd_ref), (g_smem, kg_ref)):
       plgpu.copy_smem_to_gmem(buf.at[s], out.at[b, rows, h, cols(s)])
 
-  g32[...] = jnp.where(same & (rid > cid), akk, 0.0)
-  ops[0][...] = jnp.where(same & (rid >= cid), cfg.scale * aqk, 0.0).astype(dt)
-  for j, v in enumerate(norms + ([span] if cfg.sub_chunks else [])):
-    rows_smem.at[j][...] = v
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(g32, pkk_ref.at[b, rows, h])
-  plgpu.copy_smem_to_gmem(ops[0], a_ref.at[b, rows, h])
-  plgpu.copy_smem_to_gmem(gc_smem, gc_ref.at[b, ci, h])
-  for j in range(n_rows):
-    plgpu.copy_smem_to_gmem(rows_smem.at[j], rows_ref.at[b, h, j, rows])
-  plgpu.wait_smem_to_gmem(0)
+  def store(pkk_smem, a_smem):
+    """P_kk, A_qk, gC and the per-row values by TMA."""
+    pkk_smem[...] = jnp.where(same & (rid > cid), akk, 0.0)
+    a_smem[...] = jnp.where(same & (rid >= cid), cfg.scale * aqk, 0.0).astype(dt)
+    for j, v in enumerate(norms + ([span] if cfg.sub_chunks else [])):
+      rows_smem.at[j][...] = v
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(pkk_smem, pkk_ref.at[b, rows, h])
+    plgpu.copy_smem_to_gmem(a_smem, a_ref.at[b, rows, h])
+    plgpu.copy_smem_to_gmem(gc_smem, gc_ref.at[b, ci, h])
+    for j in range(n_rows):
+      plgpu.copy_smem_to_gmem(rows_smem.at[j], rows_ref.at[b, h, j, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  scoped(store, plgpu.SMEM((c, c), f32), tile(dt))
 
 
 def chunk_a(cfg: KdaOptions, q, k, g, A_log, dt_bias, seg, cont, t, *, hv: int,
@@ -182,17 +209,11 @@ def chunk_a(cfg: KdaOptions, q, k, g, A_log, dt_bias, seg, cont, t, *, hv: int,
   marks = jnp.stack([segf, cont, (seg == seg[:, ends]).astype(f32), segf], axis=1)
   kern = functools.partial(_kernel, cfg=cfg, hv=hv, group=hv // h, t=t, interpret=interpret)
   kern.__name__ = "kda_chunk_a_mgpu"
-  tile = lambda n: wgmma.swizzled((n, c, SLICE), dt)
-  nb = c // cfg.diag_rows
+  tiles = wgmma.swizzled((kd // SLICE, c, SLICE), dt)
   scratch = (
-      tile(kd // SLICE),  # q in, QG out
-      tile(kd // SLICE),  # k in, KD out
-      tile(kd // SLICE),  # g in, KG out
-      [wgmma.swizzled((c, SLICE), jnp.bfloat16) for _ in range(3)],  # g's bf16 parts
-      # bf16: the blocks' column factors beyond the parts' buffers; float32: one column factor
-      # and the two row factors
-      [wgmma.swizzled((c, SLICE), dt) for _ in range(nb - 3 if dt.itemsize == 2 else 3)],
-      plgpu.SMEM((c, c), f32),  # G, then P_kk
+      tiles,  # q in, QG out
+      tiles,  # k in, KD out
+      tiles,  # g in, a part of g, KG out
       plgpu.SMEM((kd,), f32),  # gC
       plgpu.SMEM((max(n_rows, 1), c), f32),  # the rows' norms and exponent spans
       plgpu.Barrier(num_arrivals=3 * (kd // SLICE)),
