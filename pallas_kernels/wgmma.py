@@ -60,16 +60,24 @@ def product(shape, *pairs, interpret: bool = False):
 
 def add(acc, *pairs, interpret: bool):
   """``acc + sum_i a_i @ b_i`` with wgmma (operands as in :func:`products`), accumulating in
-  place. GPU interpret mode lacks
-  ``run_state`` (a preinitialised accumulator), so there the products go to a fresh accumulator
+  place; see :func:`add_all`."""
+  return add_all((acc, pairs), interpret=interpret)[0]
+
+
+def add_all(*specs, interpret: bool):
+  """``[acc + sum_i a_i @ b_i for (acc, pairs) in specs]`` (operands as in :func:`products`),
+  accumulating in place, every product issued before the first wait. GPU interpret mode lacks
+  ``run_state`` (a preinitialised accumulator), so there the products go to fresh accumulators
   and are added."""
   if interpret:
-    return acc + product(acc.shape, *pairs)
+    sums = products(*[(acc.shape, pairs) for acc, pairs in specs], interpret=True)
+    return [acc + p for (acc, _), p in zip(specs, sums)]
 
-  def scope(ref):
-    for a, b in pairs:
-      plgpu.wgmma(ref, a.value if isinstance(a, Regs) else a, b)
-  return pl.run_state(scope)(plgpu.ACC.init(acc))
+  def scope(refs):
+    for ref, (_, pairs) in zip(refs, specs):
+      for a, b in pairs:
+        plgpu.wgmma(ref, a.value if isinstance(a, Regs) else a, b)
+  return list(pl.run_state(scope)(tuple(plgpu.ACC.init(acc) for acc, _ in specs)))
 
 
 def swizzled(shape, dtype, swizzle: int | None = None) -> plgpu.SMEM:

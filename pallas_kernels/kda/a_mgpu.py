@@ -130,7 +130,15 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, q
 
     *refs, gl = scoped(references, plgpu.SMEM((c, c), f32))
     gc_smem.at[cols(s)][...] = marks_ref[b, 1, ci * c + c - 1] * jnp.exp(gl)  # cont_last e^{G_C}
-    refs, gl = [bcast(r, 1) for r in refs], bcast(gl, 1)
+    # QG, KD, KG first: fewer tiles live through the products
+    eg = jnp.exp(G)
+    q_smem.at[s][...] = (cfg.scale * cont * q * eg).astype(dt)
+    k_smem.at[s][...] = (last * k * jnp.exp(bcast(gl, 1) - G)).astype(dt)
+    g_smem.at[s][...] = (eg * k).astype(dt)
+    plgpu.commit_smem()
+    for buf, out in ((q_smem, qg_ref), (k_smem, kd_ref), (g_smem, kg_ref)):
+      plgpu.copy_smem_to_gmem(buf.at[s], out.at[b, rows, h, cols(s)])
+    refs = [bcast(r, 1) for r in refs]
     ref_rows = refs[0]
     for i in range(1, nb):
       ref_rows = jnp.where(rid >= i * n, refs[i], ref_rows)
@@ -138,39 +146,34 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, q
       far = jnp.max(jnp.abs(G - ref_rows), axis=1)
       span = far if span is None else jnp.maximum(span, far)
     e_row = exp(G - ref_rows)
-    lk, lq = k * e_row, q * e_row
 
-    def products(*bufs):
-      """(P_kk, P_qk) of this slice: per block the column factor (zero from the block's end)
-      in SMEM, the row factors masked to its rows from registers, every block at once; or
-      (float32) from SMEM too, one block at a time."""
+    def products(*bufs, akk, aqk):
+      """(P_kk, P_qk) with this slice's added (to fresh accumulators for the first): per block
+      the column factor (zero from the block's end) in SMEM, the row factors masked to its
+      rows from registers, every block at once; or (float32) from SMEM too, one block at a
+      time."""
       ops, lhs = (bufs, (None, None)) if regs else (bufs[:1], bufs[1:])
-      pk = pq = None
+      row_factors = (k * e_row, q * e_row)
       for blocks in ([range(nb)] if regs else [[i] for i in range(nb)]):
-        if pk is not None:
-          plgpu.commit_smem()  # the last block's products are done with the buffers
+        if akk is not None:
+          plgpu.commit_smem()  # the last products are done with the buffers
         pairs = ([], [])
         for j, i in enumerate(blocks):
           ops[j][...] = (k * jnp.where(rid < (i + 1) * n, exp(refs[i] - G), 0.0)).astype(dt)
-          for a, pair, buf in zip((lk, lq), pairs, lhs):
+          for a, pair, buf in zip(row_factors, pairs, lhs):
             a = jnp.where((rid >= i * n) & (rid < (i + 1) * n), a, 0.0).astype(dt)
             if buf is not None:
               buf[...] = a
             pair.append((wgmma.Regs(a) if buf is None else buf, ops[j].T))
         plgpu.commit_smem()
-        p = wgmma.products(*(((c, c), pair) for pair in pairs), interpret=interpret)
-        pk, pq = p if pk is None else (pk + p[0], pq + p[1])
-      return pk, pq
+        if akk is None:
+          akk, aqk = wgmma.products(*(((c, c), pair) for pair in pairs), interpret=interpret)
+        else:
+          akk, aqk = wgmma.add_all((akk, pairs[0]), (aqk, pairs[1]), interpret=interpret)
+      return akk, aqk
 
-    pk, pq = scoped(products, *[tile(dt)] * (nb if regs else 3))
-    akk, aqk = (pk, pq) if akk is None else (akk + pk, aqk + pq)
-    eg = jnp.exp(G)
-    q_smem.at[s][...] = (cfg.scale * cont * q * eg).astype(dt)
-    k_smem.at[s][...] = (last * k * jnp.exp(gl - G)).astype(dt)
-    g_smem.at[s][...] = (eg * k).astype(dt)
-    plgpu.commit_smem()
-    for buf, out in ((q_smem, qg_ref), (k_smem, kd_ref), (g_smem, kg_ref)):
-      plgpu.copy_smem_to_gmem(buf.at[s], out.at[b, rows, h, cols(s)])
+    akk, aqk = scoped(functools.partial(products, akk=akk, aqk=aqk),
+                      *[tile(dt)] * (nb if regs else 3))
 
   def store(pkk_smem, a_smem):
     """P_kk, A_qk, gC and the per-row values by TMA."""
