@@ -20,7 +20,8 @@ when importable, in the same run, within a time budget (the H200 run takes about
   python3 benchmarks/kda.py --check-only   # only the checks (random, similar keys, V tile 128)
   python3 benchmarks/kda.py --set "recurrence='mosaic'"  # a ``KdaGpuConfig`` option (a Python
                                            # literal) over each shape's default_config for the
-                                           # whole run (repeatable)
+                                           # whole run (repeatable); chunk_a='mosaic':
+                                           # kda_chunk_a on Mosaic GPU (a_mgpu)
   python3 benchmarks/kda.py --emulate      # CPU: the check with the GPU's matrix-unit roundings
                                            # emulated, for the default and kda_sweep.GATE_DOTS (~2 min);
                                            # with --gate-kinds K1,K2 the default for those kinds

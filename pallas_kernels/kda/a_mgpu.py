@@ -8,15 +8,17 @@ and the rows' inverse L2 norms of q and k. For a gate without a bound (``sub_chu
 exponents are clamped to ``MAX_EXP`` and each row's largest ``|G - r|`` is returned, from which
 :func:`chunk_a` flags the chunks that ``kda_chunk_a_sub`` (Triton) redoes on sub-chunks.
 
-One warpgroup per (chunk, batch * value head); the K axis in 64-channel slices:
+One warpgroup per (chunk, batch * value head), the K axis in 64-channel slices, each phase's
+SMEM scoped so the next phase's takes its place (74 KB a CTA at K = 128, bf16: three CTAs an SM):
   - q, k and g of the chunk arrive by TMA; G is ``tril @ g`` on three bf16 parts of g (the sum in
     float32, as ``chunk_dense.dot_cumsum``), a wgmma whose left operand (the ones) is in
-    registers;
+    registers, the first part in g's own tile;
   - G goes through SMEM (float32) for the reference rows r_I and G_C;
+  - QG, KD, KG overwrite the slice's q, k, g tiles and go out by TMA;
   - per block I the column factor ``k e^{r_I - G}`` (zero from the block's end) goes to SMEM and
-    both pair products take ``(k|q) e^{G - r}`` masked to the block's rows from registers;
-  - QG, KD, KG overwrite the slice's q, k, g tiles in SMEM, P_kk the float32 G buffer and A_qk a
-    column-factor buffer, all stored by TMA.
+    both pair products take ``(k|q) e^{G - r}`` masked to the block's rows from registers
+    (float32: through SMEM, TF32 takes no register operand), accumulating over the slices;
+  - P_kk, A_qk, gC and the per-row values go out by TMA at the end.
 Shapes: q, k ``[B, Tp, H, K]``, g ``[B, Tp, HV, K]`` (all of the kernels' dtype, bf16 or float32
 whose products are TF32's), A_log ``[HV]``, dt_bias ``[HV, K]`` float32, seg ``[B, Tp]`` int32;
 results as ``chunk_dense.chunk_a``'s (the kernel writes the per-row values as ``[B, HV, n, Tp]``,
@@ -110,6 +112,7 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, q
         x = -e * (jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x))))
     if t % c:  # padded tokens leave the state alone
       x = jnp.where(ci * c + rid < t, x, 0.0)
+
     def cumsum(*bufs, x=x):
       """G = tril @ g on g's three bf16 parts (g = a + b + c exactly to float32)."""
       for buf in bufs:

@@ -20,7 +20,7 @@ product is a sum of full products whose left operand is masked to one row block:
 The work is split into short kernels with their intermediates in HBM, so that no program holds
 more than a few [C, C] / [C, BK] float32 tiles and many programs are in flight:
   forward  ``kda_chunk_a``    gate, cumsum, P_kk [C, C] (strict, float32), A_qk, KD,
-                              KG = k e^G, QG, gC;
+                              KG = k e^G, QG, gC (or ``a_mgpu``, Mosaic GPU);
            ``kda_chunk_a_sub`` (sub-chunks) P_kk, A_qk again where kda_chunk_a flagged;
            ``kda_chunk_wu``   X = (I + diag(beta) P_kk)^-1 (float32, kept for the backward),
                               W = X diag(beta) KG, U = X diag(beta) v (or ``wu_mgpu``);
