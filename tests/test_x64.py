@@ -15,6 +15,7 @@ import kda_cases
 import test_attn_res_kernels
 import test_conv_kernels
 import test_glu_kernels
+import test_kda_a_mgpu
 import test_kda_decode
 import test_kda_recurrence_mgpu
 import test_kda_wu_mgpu
@@ -50,6 +51,8 @@ CASES = {
         test_kda_recurrence_mgpu.test_forward_and_backward_match_float64_loops,
         1, 2, 1, 64, 16, 16, 2),
     "kda_wu_mgpu": _p(test_kda_wu_mgpu.test_matches_float64, 1, 1, 1, 64, 128, (), 0.0),
+    "kda_chunk_a_mgpu": _p(test_kda_a_mgpu.test_matches_float64, jnp.bfloat16, "softplus", -5.0,
+                           True, 77, 1, 2, 128, (30,), True),
     "kda_decode_gpu": _p(test_kda_decode.test_kda_decode, "gpu", 3, "softplus", True),
     "kda_decode_tpu": _p(test_kda_decode.test_kda_decode, "tpu", 3, "softplus", True),
     "conv_pallas_gpu": _p(test_conv_kernels.test_values_and_grads_match_numpy,
