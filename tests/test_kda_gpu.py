@@ -148,17 +148,18 @@ def test_saved_residuals_give_the_same_gradients(case, unbounded):
   chex.assert_trees_all_equal(g0, g1)
 
 
-@pytest.mark.parametrize("gate", ["bounded", "softplus"])
-def test_bf16_dense_path_matches_the_float32_recurrence(gate):
+@pytest.mark.parametrize("gate, chunk_a", [("bounded", "triton"), ("softplus", "triton"),
+                                           ("bounded", "mosaic"), ("softplus", "mosaic")])
+def test_bf16_dense_path_matches_the_float32_recurrence(gate, chunk_a):
   """bf16 inputs on the dense path, as trained: the kernels' bf16 residuals (the chunk states,
   their gradients and dV', ``KdaGpuConfig.bf16_stores``) and kda_chunk_a's programs walking
   several chunks (``chunk_loop``: at least 4 per program, here all 4) keep outputs and every
   gradient within bf16 accuracy of the float32 recurrence on the same (bf16-rounded) inputs
   (relative error of the whole array), for K3's bounded gate and Kimi Linear's softplus gate
-  (sub-chunks) alike."""
+  (sub-chunks) alike, with kda_chunk_a in Triton or Mosaic GPU (``chunk_a``)."""
   case = Case("bf16", 256, 1, 1, 64, 32, 64, gate, True, (90, 91))
   x, seg, opts = inputs(case)
-  tuning = _tuning(case)
+  tuning = _tuning(case, chunk_a=chunk_a)
   assert tuning.chunk_loop_of("kda_chunk_a")[0] >= 4 and "h" in tuning.bf16_stores
   low = {n: jnp.asarray(x[n], jnp.float32 if n in ("s0", "A_log", "dt_bias") else jnp.bfloat16)
          for n in case.names()}
