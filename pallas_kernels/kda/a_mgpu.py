@@ -108,8 +108,10 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, q
       e = jnp.exp(alog_ref[h])
       if cfg.gate == "bounded":
         x = cfg.lower_bound / (1.0 + jnp.exp(-e * x))
-      else:  # -e softplus(x)
-        x = -e * (jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x))))
+      else:  # -e softplus(x) = -e (max(x, 0) + log1p(u)), u = e^{-|x|}
+        u = jnp.exp(-jnp.abs(x))
+        w = 1.0 + u  # log1p(u) = log(w) u / (w - 1) to float32 (Mosaic GPU lowers no log1p)
+        x = -e * (jnp.maximum(x, 0.0) + jnp.where(w == 1.0, u, jnp.log(w) * (u / (w - 1.0))))
     if t % c:  # padded tokens leave the state alone
       x = jnp.where(ci * c + rid < t, x, 0.0)
 
