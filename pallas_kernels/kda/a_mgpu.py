@@ -158,7 +158,7 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, q
       rows from registers, every block at once; or (float32) from SMEM too, one block at a
       time."""
       ops, lhs = (bufs, (None, None)) if regs else (bufs[:1], bufs[1:])
-      row_factors = (k * e_row, q * e_row)
+      row_factors = ((k * e_row).astype(dt), (q * e_row).astype(dt))  # (16-bit: fewer registers)
       for blocks in ([range(nb)] if regs else [[i] for i in range(nb)]):
         if akk is not None:
           plgpu.commit_smem()  # the last products are done with the buffers
@@ -166,7 +166,7 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, q
         for j, i in enumerate(blocks):
           ops[j][...] = (k * jnp.where(rid < (i + 1) * n, exp(refs[i] - G), 0.0)).astype(dt)
           for a, pair, buf in zip(row_factors, pairs, lhs):
-            a = jnp.where((rid >= i * n) & (rid < (i + 1) * n), a, 0.0).astype(dt)
+            a = jnp.where((rid >= i * n) & (rid < (i + 1) * n), a, jnp.zeros((), dt))
             if buf is not None:
               buf[...] = a
             pair.append((wgmma.Regs(a) if buf is None else buf, ops[j].T))
