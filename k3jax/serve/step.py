@@ -110,6 +110,8 @@ def step(graphdef, treedef, decode: bool, width: int, leaves, pools, tokens, sta
   top_lp, top_ids = jax.lax.top_k(lp, TOP_LOGPROBS)
   chosen = jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
   padded = jnp.zeros((width,), jnp.int32).at[:tok.shape[0]].set(tok)
+  if not jax.sharding.get_abstract_mesh().empty:  # on every device, as the next step takes it
+    padded = jax.lax.with_sharding_constraint(padded, jax.sharding.PartitionSpec())
   return pools, padded, chosen, top_ids.astype(jnp.int32), top_lp
 
 
