@@ -144,16 +144,18 @@ def test_matches_float64(dtype, gate, lb, fused, t, h, hv, kd, cuts, wild):
 
 def test_the_op_takes_it_where_asked_and_supported(monkeypatch):
   """``chunk_dense.chunk_a`` takes the Mosaic kernel with ``chunk_a="mosaic"`` for 64-token
-  chunks, K = 64 or 128 and q, k, g of the kernels' dtype; Triton's otherwise."""
+  chunks, K = 64 or 128 and q, k, g of the kernels' dtype, and with ``chunk_a="bounded"`` for the
+  bounded gate's blocks only (not on sub-chunks); Triton's otherwise."""
   calls = []  # which kernel each call traced (spies on both)
   monkeypatch.setattr(a_mgpu, "chunk_a", lambda *a, **k: calls.append(1) or (None,) * 8)
   monkeypatch.setattr(chunk_dense, "call", lambda *a, **k: calls.append(0) or (None,) * 8)
 
-  def run(kd=128, chunk=C, dtype=jnp.bfloat16, g_dtype=jnp.bfloat16, chunk_a="mosaic"):
+  def run(kd=128, chunk=C, dtype=jnp.bfloat16, g_dtype=jnp.bfloat16, chunk_a="mosaic",
+          sub_chunks=False):
     tok = lambda d, dt=dtype: jnp.zeros((1, 128, 2, d), dt)
     cfg = config.KdaOptions(scale=1.0, chunk=chunk, use_qk_l2norm=True, gate="bounded",
                             lower_bound=-5.0, beta_is_logit=True, diag_rows=32,
-                            dtype=jnp.dtype(dtype).name,
+                            sub_chunks=sub_chunks, dtype=jnp.dtype(dtype).name,
                             tuning=config.KdaGpuConfig(chunk_a=chunk_a))
     chunk_dense.chunk_a(cfg, tok(kd), tok(kd), tok(64), tok(kd, g_dtype), tok(1)[..., 0],
                         jnp.zeros(2), jnp.zeros((2, kd)), jnp.zeros((1, 128), jnp.int32), 100)
@@ -164,7 +166,10 @@ def test_the_op_takes_it_where_asked_and_supported(monkeypatch):
   run(chunk=32)
   run(g_dtype=jnp.float32)
   run(chunk_a="triton")
-  assert calls == [1, 1, 0, 0, 0, 0]
+  run(chunk_a="bounded")
+  with pytest.raises(AttributeError):  # the spy's outputs go no further than the kernel choice
+    run(chunk_a="bounded", sub_chunks=True)
+  assert calls == [1, 1, 0, 0, 0, 0, 1, 0]
   with pytest.raises(ValueError, match="chunk_a"):
     config.KdaGpuConfig(chunk_a="cuda")
 

@@ -524,7 +524,9 @@ def chunk_a(cfg: KdaOptions, q, k, v, g, beta, A_log, dt_bias, seg, t):
   hv, c = v.shape[2], cfg.chunk
   dt, f32 = jnp.dtype(cfg.dtype), jnp.float32
   ins = (q, k, g, beta, A_log, dt_bias, seg)
-  if cfg.tuning.chunk_a == "mosaic" and a_mgpu.supported(cfg, q, k, g):
+  mosaic = cfg.tuning.chunk_a == "mosaic" or (
+      cfg.tuning.chunk_a == "bounded" and not cfg.sub_chunks)
+  if mosaic and a_mgpu.supported(cfg, q, k, g):
     out = list(a_mgpu.chunk_a(cfg, q, k, g, A_log, dt_bias, seg, _cont(seg, c), t, hv=hv,
                               interpret=interpret()))
   else:

@@ -81,7 +81,10 @@ class KdaGpuConfig:
   # Ring slots the Mosaic passes ask for (``recurrence_mgpu.ring_slots`` caps them by SMEM)
   mgpu_stages: int = 3
   chunk_wu: str = "mosaic"  # WY factors: "mosaic" (``wu_mgpu`` where it applies) or "triton"
-  # kda_chunk_a: "mosaic" (``a_mgpu`` where it applies: 64-token chunks, K = 64 or 128) or "triton"
+  # kda_chunk_a: "mosaic" (``a_mgpu`` where it applies: 64-token chunks, K = 64 or 128),
+  # "bounded" (``a_mgpu`` for the bounded gate only: gates without a bound ran 4x slower on it at
+  # B4 T4096 H32) or "triton". Triton stays the default until a card checks a_mgpu's numerics
+  # (benchmarks/RESULTS.md, KDA run 8: 21% faster forward for the bounded gate)
   chunk_a: str = "triton"
   # The Mosaic inverse's products as three bf16 products of split operands (about 16 bits, any
   # range) instead of one float16 product (11 bits, for entries of order 1)
@@ -105,8 +108,9 @@ class KdaGpuConfig:
                        "'backward' or 'triton'")
     if self.chunk_wu not in ("mosaic", "triton"):
       raise ValueError(f"KdaGpuConfig: chunk_wu {self.chunk_wu!r} must be 'mosaic' or 'triton'")
-    if self.chunk_a not in ("mosaic", "triton"):
-      raise ValueError(f"KdaGpuConfig: chunk_a {self.chunk_a!r} must be 'mosaic' or 'triton'")
+    if self.chunk_a not in ("mosaic", "bounded", "triton"):
+      raise ValueError(f"KdaGpuConfig: chunk_a {self.chunk_a!r} must be 'mosaic', 'bounded' or "
+                       "'triton'")
     if self.speculative_rows not in (16, 32, 64):
       raise ValueError(f"KdaGpuConfig: speculative_rows {self.speculative_rows} must be 16, 32 "
                        "or 64")
