@@ -17,6 +17,11 @@
 
 Weight decay (decoupled, scaled by the learning rate) applies to matrices only: never to norms,
 biases, ``A_log``, ``dt_bias`` or the AttnRes vectors.
+
+Under ``model.scan_layers`` the transformation runs on the tree with the scanned layers stacked
+by position (:mod:`k3jax.layer_stacks`): one op per position and parameter instead of one per
+layer, the same arithmetic per layer. It still takes and returns per-layer trees and keeps its
+state per layer.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers
 
+from k3jax import layer_stacks
 from k3jax.config import Config, OptimizerConfig
 
 NO_DECAY_NAMES = ("A_log", "dt_bias", "bias")
@@ -79,10 +85,12 @@ def _names(path) -> tuple:
 
 
 def decay_mask(params) -> Any:
-  """True for the leaves that get weight decay: matrices (ndim >= 2) other than norms/biases."""
+  """True for the leaves that get weight decay: matrices (ndim >= 2, not counting the stacked
+  axis of a :mod:`~k3jax.layer_stacks` leaf) other than norms/biases."""
   def decays(path, x):
     names = _names(path)
-    return x.ndim >= 2 and not any(n in NO_DECAY_NAMES or "norm" in str(n) for n in names)
+    ndim = x.ndim - (names[:1] == (layer_stacks.STACKS,))
+    return ndim >= 2 and not any(n in NO_DECAY_NAMES or "norm" in str(n) for n in names)
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
@@ -139,6 +147,19 @@ def muon_roles(cfg: Config, params) -> Any:
   return jax.tree_util.tree_map_with_path(role, params)
 
 
+def _stacked_role(*roles: _Role) -> _Role:
+  """The role of the layers' leaves ``roles`` (one role) stacked on a new leading axis: that axis
+  is one more batch axis of Muon's matrices."""
+  if any(r != roles[0] for r in roles):
+    raise ValueError(f"stacked layers with different optimizer roles: {roles}")
+  view, dims = (len(roles),) + roles[0].view, roles[0].dims
+  if dims is not None:
+    shift = lambda a: tuple(x + 1 for x in _as_axes(a))
+    dims = MuonDimensionNumbers(reduction_axis=shift(dims.reduction_axis),
+                                output_axis=shift(dims.output_axis))
+  return _Role(view, dims)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Placement:
   """A leaf's logical axis names (None: replicated), parameter shape and Muon view."""
@@ -167,18 +188,43 @@ class _Placement:
     return jax.sharding.PartitionSpec(*(spec[:i] + (spec[i], None) + spec[i + 1:]))
 
 
-def _placements(cfg: Config, params, roles, names=None) -> Any:
+def _is_names(x) -> bool:
+  return x is None or (isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x))
+
+
+def _placements(cfg: Config, params, roles, names=None, stacks=()) -> Any:
   """A :class:`_Placement` per leaf of ``params`` by its logical axis ``names`` (built from the
-  model when None), or None when ``params`` is not the model's parameter tree."""
+  model when None; per layer, stacked here by ``stacks`` as ``params`` is), or None when
+  ``params`` is not the model's parameter tree."""
   from k3jax.train_state import abstract_model
   from sharding.mesh import names_tree
-  is_names = lambda x: x is None or (isinstance(x, tuple)
-                                     and all(isinstance(a, (str, type(None))) for a in x))
   names = names_tree(abstract_model(cfg)) if names is None else names
-  if jax.tree.structure(names, is_leaf=is_names) != jax.tree.structure(params):
+  names = layer_stacks.stack(names, stacks, join=lambda n, *_: None if n is None
+                             else ("layers",) + n, is_leaf=_is_names)
+  if jax.tree.structure(names, is_leaf=_is_names) != jax.tree.structure(params):
     return None
   return jax.tree.map(lambda n, x, r: _Placement(n, tuple(x.shape), r.view), names, params, roles,
-                      is_leaf=is_names)
+                      is_leaf=_is_names)
+
+
+def _per_layer(inner: optax.GradientTransformation, stacks: list[list[int]]
+               ) -> optax.GradientTransformation:
+  """``inner`` (a transformation of trees stacked by ``stacks``, :mod:`k3jax.layer_stacks`) on
+  per-layer trees: updates (which may come stacked already), parameters and state are stacked on
+  the way in and unstacked on the way out, so the state keeps one entry per layer."""
+  if not stacks:
+    return inner
+  st = lambda tree: layer_stacks.stack(tree, stacks)
+  un = lambda tree: layer_stacks.unstack(tree, stacks)
+
+  def init(params):
+    return un(inner.init(st(params)))
+
+  def update(updates, state, params=None):
+    new, state = inner.update(st(updates), st(state), None if params is None else st(params))
+    return un(new), un(state)
+
+  return optax.GradientTransformation(init, update)
 
 
 def _viewed(inner: optax.GradientTransformation, roles) -> optax.GradientTransformation:
@@ -408,11 +454,13 @@ def make_optimizer(cfg: Config, params, names=None
   Muon lays out its Newton-Schulz on a mesh."""
   o = cfg.optimizer
   schedule = make_schedule(o, total_steps(cfg))
+  stacks = layer_stacks.positions(cfg.model)
   if o.name == "adamw":
     base = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                        mask=decay_mask)
   else:
-    roles = muon_roles(cfg, params)
+    roles = layer_stacks.stack(muon_roles(cfg, params), stacks, join=_stacked_role)
+    params = jax.eval_shape(lambda p: layer_stacks.stack(p, stacks), params)
     is_role = lambda r: isinstance(r, _Role)
     labels = jax.tree.map(lambda r: "adam" if r.dims is None else "muon", roles, is_leaf=is_role)
     dims = jax.tree.map(lambda r: r.dims, roles, is_leaf=is_role)
@@ -421,7 +469,7 @@ def make_optimizer(cfg: Config, params, names=None
     muon_dims = lambda p: jax.tree.map(lambda d, x: d if hasattr(x, "shape") else x, dims, p,
                                        is_leaf=lambda d: d is None or
                                        isinstance(d, MuonDimensionNumbers))
-    placements = _placements(cfg, params, roles, names)
+    placements = _placements(cfg, params, roles, names, stacks)
     is_placement = lambda v: isinstance(v, _Placement)
     muon_specs = None if placements is None else (
         lambda p: jax.tree.map(lambda pl, x: pl.spec() if hasattr(x, "shape") else x,
@@ -438,7 +486,7 @@ def make_optimizer(cfg: Config, params, names=None
                        mask=decay_mask)
     base = _viewed(optax.partition({"muon": muon, "adam": adam}, labels), roles)
   parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
-  return optax.chain(*parts, base), schedule
+  return _per_layer(optax.chain(*parts, base), stacks), schedule
 
 
 def update_rms(updates) -> jax.Array:

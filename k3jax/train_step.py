@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from k3jax import losses, router
+from k3jax import layer_stacks, losses, router
 from k3jax.config import Config, TrainConfig, VisionConfig
 from k3jax.vision_prompt import VISION_PREFIX, batch_vision
 
@@ -71,13 +71,15 @@ def _bias_of(biases, i: int) -> jax.Array:
 def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, loss: Callable | None = None) -> Callable:
   """The (unjitted) step ``(params, opt_state, biases, step, rng, batch) -> (params, opt_state,
-  biases, metrics)``. ``loss``: ``(graphdef, params, biases, micro-batch) -> (summed token loss,
+  biases, metrics)``; ``tx``: :func:`k3jax.optim.make_optimizer`'s of ``cfg`` (it takes the
+  gradients with the scanned layers stacked, :mod:`k3jax.layer_stacks`). ``loss``: ``(graphdef, params, biases, micro-batch) -> (summed token loss,
   (summed weights, per-layer router stats, {name: summed per-token metric}))``; None: next-token
   cross-entropy."""
   accum = cfg.train.grad_accum
   grad_fn = jax.value_and_grad(loss or functools.partial(_loss, train=cfg.train), argnums=1,
                                has_aux=True)
   layers = moe_layers(cfg)
+  stacks = layer_stacks.positions(cfg.model)
 
   def train_step(params, opt_state, biases, step, rng, batch: Batch):
     del rng  # the model has no stochastic parts; kept in the signature for ones that do
@@ -100,9 +102,12 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation,
       stats_list = [jax.tree.map(lambda x, a=a: x[a], stacked) for a in range(accum)]
 
     denom = jnp.maximum(weight_sum, 1.0)
+    # the scanned layers' gradients stacked as the scan produced them, one op per position, and
+    # so handed to the optimizer (which takes them either way)
+    grads = layer_stacks.stack(grads, stacks)
     grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
-    loss = loss_sum / denom
     grad_norm = optax.tree.norm(grads)
+    loss = loss_sum / denom
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
     def apply(operands):

@@ -93,6 +93,7 @@ def test_expert_parallel_dispatch():
 def test_muon_update_on_meshes_matches_one_device():
   out = _run("muon_sharded")
   assert out["expert"] < 1e-4 and out["fsdp"] < 1e-4, out
+  assert out["expert_stacked"] < 1e-4 and out["fsdp_stacked"] < 1e-4, out
   # On fsdp=8 every matrix's rows or columns are split: all-to-alls hand each device whole
   # matrices, its eighth of them (and zero matrices padding each stack to a multiple of 8), for
   # Newton-Schulz; on data=2,expert=4 the experts' matrices are whole where they lie and every

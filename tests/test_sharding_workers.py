@@ -313,8 +313,9 @@ def conv_sharded():
 def muon_sharded():
   """One Muon update of the tiny preset's parameters (float32, Newton-Schulz in float32) with
   the parameters split over expert and FSDP meshes vs one device: the stacked Newton-Schulz of
-  same-shaped leaves must give every leaf its own update on any layout; and how many matrices
-  Newton-Schulz iterates per device (all 255 on one device)."""
+  same-shaped leaves must give every leaf its own update on any layout, also with the layers
+  stacked by scan position (``model.scan_layers``, k3jax/layer_stacks.py); and how many
+  matrices Newton-Schulz iterates per device (all 255 on one device)."""
   from flax import nnx
   from k3jax import optim
   from k3jax.config import load
@@ -327,8 +328,11 @@ def muon_sharded():
   grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), params)
   names = mesh_lib.names_tree(model)
   tx, _ = optim.make_optimizer(cfg, params, names)
+  stacked, _ = optim.make_optimizer(
+      load("configs/k3_tiny.yaml", ["optimizer.name=muon", "optimizer.muon_ns_precision=f32",
+                                    "model.scan_layers=true"]), params, names)
 
-  def update(p, g):
+  def update(p, g, tx=tx):
     return tx.update(g, tx.init(p), p)[0]
 
   iterated = []  # matrices per Newton-Schulz call, as traced (per device inside shard_map)
@@ -344,8 +348,11 @@ def muon_sharded():
       with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
         got = jax.jit(update)(mesh_lib.shard_params(params, mesh, names),
                               mesh_lib.shard_params(grads, mesh, names))
-      out[name] = max(jax.tree.leaves(jax.tree.map(_max_rel, ref, got)))
-      out[name + "_iterated"] = sum(iterated)
+        out[name] = max(jax.tree.leaves(jax.tree.map(_max_rel, ref, got)))
+        out[name + "_iterated"] = sum(iterated)
+        got = jax.jit(lambda p, g: update(p, g, stacked))(
+            mesh_lib.shard_params(params, mesh, names), mesh_lib.shard_params(grads, mesh, names))
+        out[name + "_stacked"] = max(jax.tree.leaves(jax.tree.map(_max_rel, ref, got)))
   finally:
     optim._iterate = iterate
   return out
