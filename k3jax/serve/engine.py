@@ -630,8 +630,8 @@ class Engine:
             self.slots.decref(s)
 
   def _run(self, decode: bool, rows: list[tuple[_Request, int, int]]):
-    """Dispatches one compiled step over ``rows`` (request, start, tokens); returns (the token
-    counts, device arrays of the sampled tokens, logprobs, top ids, top logprobs)."""
+    """Dispatches one compiled step over ``rows`` (request, start, tokens); returns its device
+    outputs: the sampled tokens padded to the feed width, logprobs, top ids, top logprobs."""
     sizes = self.decode_sizes if decode else self.prefill_sizes
     n = _fit(sizes, len(rows))
     t = 1 if decode else _fit(self.chunk_sizes, max(c for _, _, c in rows))
