@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import dataclasses
 import itertools
 import logging
 import math
@@ -47,8 +46,10 @@ from k3jax import vision, vision_prompt
 from k3jax.config import ConfigError, MeshConfig, ServeConfig
 from k3jax.generate import GenerateError, check_decoding
 from k3jax.model import K3Model
+from k3jax.serve import batch
 from k3jax.serve import step as step_lib
-from k3jax.serve.cache import Allocator, Block, Hit, PrefixIndex, chain_key
+from k3jax.serve.batch import Request
+from k3jax.serve.cache import Allocator, Hit, PrefixIndex, chain_key
 from k3jax.serve.types import TOP_LOGPROBS, EngineStats, RequestError, SamplingParams, TokenOutput
 from sharding import mesh as mesh_lib
 from sharding.rules import DEFAULT_RULES
@@ -59,57 +60,6 @@ _MIN_CHUNK = 16
 _POOL_NAMES = {"pages": (None, None, None), "state": (None, "kv_heads", None, None),
                "conv_q": (None, None, "kv_heads"), "conv_k": (None, None, "kv_heads"),
                "conv_v": (None, None, "kv_heads")}
-
-
-def buckets(limit: int, smallest: int = 1) -> tuple[int, ...]:
-  """Powers of two from ``smallest`` below ``limit``, then ``limit``."""
-  out = []
-  n = smallest
-  while n < limit:
-    out.append(n)
-    n *= 2
-  return tuple(out) + (limit,)
-
-
-def _fit(sizes: tuple[int, ...], n: int) -> int:
-  return next(s for s in sizes if s >= n)
-
-
-@dataclasses.dataclass(eq=False)
-class _Request:
-  id: int
-  prompt: tuple[int, ...]
-  params: SamplingParams
-  callback: Callable[[TokenOutput], None]
-  seed: int
-  stop_ids: frozenset[int]
-  tokens: list[int] = dataclasses.field(default_factory=list)  # prompt + generated
-  computed: int = 0  # leading tokens whose cache entries are written
-  slot: int | None = None
-  pages: list[int] = dataclasses.field(default_factory=list)  # page of each page-size span
-  blocks: list[Block] = dataclasses.field(default_factory=list)  # its prefix-index blocks, in order
-  cached: int = 0  # prompt tokens of the first admission served from the prefix cache
-  # images: their vision items (in placeholder order); keys: what the prefix index hashes per
-  # token (an image's placeholders by the image's digest); before[p]: placeholders before p;
-  # visual: the items' visual tokens [M, d] on device while prompt placeholders remain to prefill
-  images: tuple = ()
-  keys: list = dataclasses.field(default_factory=list)
-  before: np.ndarray | None = None
-  visual: jax.Array | None = None
-  # dispatched steps that sample a token of this request whose output the host has not read;
-  # feed: the index of the newest one's token in the previous steps' outputs (Engine._feed);
-  # epoch: bumped whenever outputs in flight must be dropped (finished, preempted)
-  inflight: int = 0
-  feed: int = -1
-  epoch: int = 0
-
-  @property
-  def generated(self) -> int:
-    return len(self.tokens) - len(self.prompt)
-
-  @property
-  def pending(self) -> int:
-    return len(self.tokens) - self.computed
 
 
 class Engine:
@@ -137,9 +87,9 @@ class Engine:
     # rows split over the mesh's batch axes come in multiples of their product
     f = 1 if self.mesh is None else math.prod(
         dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))[a] for a in DEFAULT_RULES["batch"])
-    self.decode_sizes = buckets(-(-serve.max_batch // f) * f, f)
-    self.prefill_sizes = buckets(-(-serve.prefill_rows // f) * f, f)
-    self.chunk_sizes = buckets(bs, min(_MIN_CHUNK, bs))
+    self.decode_sizes = batch.buckets(-(-serve.max_batch // f) * f, f)
+    self.prefill_sizes = batch.buckets(-(-serve.prefill_rows // f) * f, f)
+    self.chunk_sizes = batch.buckets(bs, min(_MIN_CHUNK, bs))
     self._graphdef, params = nnx.split(model)
     self._pools = step_lib.init_pools(model, num_pages=num_pages, page_size=ps,
                                       num_slots=num_slots)
@@ -168,18 +118,18 @@ class Engine:
     self._copy = jax.jit(step_lib.copy_slots, donate_argnums=0)
     self._copy_width = 2 * max(serve.max_batch, serve.prefill_rows)
     self.stats = EngineStats(pages_total=self.pages.total, slots_total=self.slots.total)
-    self.waiting: collections.deque[_Request] = collections.deque()
-    self.running: list[_Request] = []
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.running: list[Request] = []
     self._ids = itertools.count(1)
     self._wake = threading.Condition()
-    self._inbox: list[_Request] = []
+    self._inbox: list[Request] = []
     self._cancels: set[int] = set()
     self._thread: threading.Thread | None = None
     self._stop = False
     self._restores: list[tuple[int, int]] = []  # (checkpoint slot or 0 to zero, request slot)
     self._checkpoints: list[tuple[int, int]] = []  # (request slot, checkpoint slot)
-    self.paused: dict[int, _Request] = {}  # paused requests, holding their pages and slot
-    self._resumed: collections.deque[_Request] = collections.deque()  # admitted before waiting
+    self.paused: dict[int, Request] = {}  # paused requests, holding their pages and slot
+    self._resumed: collections.deque[Request] = collections.deque()  # admitted before waiting
 
   # ------------------------------------------------------------------------------ requests
 
@@ -239,7 +189,7 @@ class Engine:
     stop = set(params.stop_token_ids)
     if not params.ignore_eos:
       stop.add(self.cfg.eos_token_id)
-    r = _Request(next(self._ids), tuple(int(t) for t in prompt), params, callback,
+    r = Request(next(self._ids), tuple(int(t) for t in prompt), params, callback,
                  secrets.randbits(32) if params.seed is None else params.seed, frozenset(stop))
     r.tokens = list(r.prompt)
     r.keys = list(r.prompt)
@@ -466,7 +416,7 @@ class Engine:
     for r, o in self._receive(done):
       r.callback(o)
 
-  def _book(self, rows: list[_Request], counts: list[int], out, offset: int):
+  def _book(self, rows: list[Request], counts: list[int], out, offset: int):
     """Books a dispatched step: each row's ``counts`` tokens are computed, and a row whose last
     known or awaited token was among them awaits the token sampled after it (at ``offset`` plus
     its row in the feed). Returns (the sampling rows ``(request, epoch, row)``, the outputs)."""
@@ -528,7 +478,7 @@ class Engine:
         r.visual = self._encode_images(r)
       self.running.append(r)
 
-  def _reserve(self, r: _Request, end: int) -> bool:
+  def _reserve(self, r: Request, end: int) -> bool:
     """Maps pages for positions ``< end`` of ``r``, preempting newer requests when the cache is
     full; False if ``r`` itself had to go."""
     need = -(-end // self.serve.page_size)
@@ -543,7 +493,7 @@ class Engine:
       r.pages.append(p)
     return True
 
-  def _decode_ready(self, r: _Request) -> bool:
+  def _decode_ready(self, r: Request) -> bool:
     """Whether ``r`` has exactly one token to feed: the host's, or one the previous step
     samples (then not when that token ends ``r`` by length)."""
     if not r.inflight:
@@ -572,7 +522,7 @@ class Engine:
         budget -= n
     return [r for r in decode if r.slot is not None], [x for x in prefill if x[0].slot is not None]
 
-  def _preempt(self, r: _Request) -> None:
+  def _preempt(self, r: Request) -> None:
     self._release(r)
     r.computed, r.blocks = 0, []
     r.inflight, r.epoch = 0, r.epoch + 1  # tokens in flight are sampled again, the same ones
@@ -580,7 +530,7 @@ class Engine:
     self.waiting.appendleft(r)
     self.stats.preemptions += 1
 
-  def _release(self, r: _Request) -> None:
+  def _release(self, r: Request) -> None:
     r.visual = None
     for p in r.pages:
       self.pages.decref(p)
@@ -595,12 +545,12 @@ class Engine:
       self.slots.decref(r.slot)
       r.slot = None
 
-  def _finish(self, r: _Request, reason: str, error: str | None = None) -> None:
+  def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
     self._drop(r)
     r.callback(TokenOutput(r.id, None, finish_reason=reason, error=error,
                            prompt_tokens=len(r.prompt), cached_tokens=r.cached))
 
-  def _drop(self, r: _Request) -> None:
+  def _drop(self, r: Request) -> None:
     """Takes ``r`` out of the engine: its cache released, its outputs in flight dropped."""
     if r in self.running:
       self._release(r)
@@ -617,47 +567,26 @@ class Engine:
     """Runs the queued slot copies (``zero_src``: source 0 means zeros) and drops the
     references the restores held on their checkpoints."""
     while pairs:
-      batch, pairs[:] = pairs[:self._copy_width], pairs[self._copy_width:]
+      chunk, pairs[:] = pairs[:self._copy_width], pairs[self._copy_width:]
       src = np.zeros(self._copy_width, np.int32)
       dst = np.zeros(self._copy_width, np.int32)
-      src[:len(batch)], dst[:len(batch)] = zip(*batch)
+      src[:len(chunk)], dst[:len(chunk)] = zip(*chunk)
       zero = (src == 0) & (dst != 0) if zero_src else np.zeros_like(src, bool)
       with self._scope():
         self._pools = self._copy(self._pools, src, dst, zero)
       if zero_src:
-        for s, _ in batch:
+        for s, _ in chunk:
           if s:
             self.slots.decref(s)
 
-  def _run(self, decode: bool, rows: list[tuple[_Request, int, int]]):
+  def _run(self, decode: bool, rows: list[tuple[Request, int, int]]):
     """Dispatches one compiled step over ``rows`` (request, start, tokens); returns its device
     outputs: the sampled tokens padded to the feed width, logprobs, top ids, top logprobs."""
     sizes = self.decode_sizes if decode else self.prefill_sizes
-    n = _fit(sizes, len(rows))
-    t = 1 if decode else _fit(self.chunk_sizes, max(c for _, _, c in rows))
-    pad = n - len(rows)
-    reqs = [r for r, _, _ in rows]
-    col = lambda values, fill, dtype: np.array(list(values) + [fill] * pad, dtype)
-    starts = col((s for _, s, _ in rows), 0, np.int32)
-    nvalid = col((c for _, _, c in rows), 1, np.int32)
-    slots = col((r.slot for r in reqs), 0, np.int32)
-    temp = col((r.params.temperature for r in reqs), 0.0, np.float32)
-    top_p = col((r.params.top_p for r in reqs), 1.0, np.float32)
-    top_k = col((r.params.top_k for r in reqs), 0, np.int32)
-    seeds = col((r.seed for r in reqs), 0, np.uint32)
-    counters = col((len(r.tokens) + r.inflight - len(r.prompt) for r in reqs), 0, np.int32)
-    # a decode row whose token the host has not read takes it from the previous steps' outputs
-    src = col((-1 if s < len(r.tokens) else r.feed for r, s, _ in rows), -1, np.int32)
-    table = np.zeros((n, self.table_width), np.int32)
-    for i, r in enumerate(reqs):
-      table[i, :len(r.pages)] = r.pages
-    if decode:
-      tokens = col((r.tokens[s] if s < len(r.tokens) else 0 for r, s, _ in rows), 0, np.int32)
-      tokens = tokens[:, None]
-    else:
-      tokens = np.zeros((n, t), np.int32)
-      for i, (r, s, c) in enumerate(rows):
-        tokens[i, :c] = r.tokens[s:s + c]
+    n = batch.fit(sizes, len(rows))
+    t = 1 if decode else batch.fit(self.chunk_sizes, max(c for _, _, c in rows))
+    (tokens, starts, nvalid, table, slots, temp, top_p, top_k, seeds, counters,
+     src) = batch.host_inputs(rows, n, t, self.table_width, decode=decode)
     fn = self._compiled(decode, n, t)
     args = (tokens, starts, nvalid, table, slots, temp, top_p, top_k, seeds, counters)
     if self._rows is not None:
@@ -680,7 +609,7 @@ class Engine:
         self._encoder = step_lib.lower_encoder(self._graphdef, self._params, example,
                                                self._rows).compile()
 
-  def _encode_images(self, r: _Request) -> jax.Array:
+  def _encode_images(self, r: Request) -> jax.Array:
     """The visual tokens ``[M, d]`` of ``r``'s images, on device (run once per admission)."""
     self._compile_encoder()
     arrays = vision.batch(list(r.images), self.cfg.vision.max_patches)
@@ -704,7 +633,7 @@ class Engine:
       count = jax.device_put(count, self._rows)
     return {"visual_tokens": stacked, "num_tokens": count}
 
-  def _receive(self, steps) -> list[tuple[_Request, TokenOutput]]:
+  def _receive(self, steps) -> list[tuple[Request, TokenOutput]]:
     """Reads the sampled tokens of ``steps`` (:meth:`_book`'s) and books them: each request
     still in the epoch it was dispatched in takes its token, and ends on a stop token or its
     length. Returns the outputs to hand out."""
@@ -737,7 +666,7 @@ class Engine:
           self._drop(r)
     return emitted
 
-  def _register(self, r: _Request) -> None:
+  def _register(self, r: Request) -> None:
     """Puts the block ``r`` just completed into the prefix index, with a KDA checkpoint every
     ``serve.checkpoint_every`` blocks."""
     bs = self.serve.block_size
