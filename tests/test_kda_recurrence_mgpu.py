@@ -90,7 +90,10 @@ def _close(got, want, tol, name):
 
 # (batch, chunks, value heads, K, V, V tile, ring slots): one chunk (fewer chunks than the
 # prologue fetches), two and five (both S / V' buffers reused, the ring wrapping), two V tiles;
-# K = 128 with a 128-wide V tile: single-buffered S / V' / O, dS / dV' (three chunks reuse them)
+# K = 128 with a 128-wide V tile: single-buffered S / V' / O, dS / dV' (three chunks reuse them).
+# The state checkpoints every 2 chunks beside the stores of h and V', and every chunk alone (the
+# staging buffer reused chunk after chunk), in 2 column pieces at K = 128 with a 32-wide V tile
+# and 4 at 128 wide
 @pytest.mark.slow
 @pytest.mark.parametrize("b,nc,hv,kd,vd,bv,stages", [
     (1, 1, 1, 64, 32, 32, 3), (2, 2, 2, 64, 16, 16, 2), (1, 5, 1, 128, 64, 32, 3),
@@ -98,7 +101,7 @@ def _close(got, want, tol, name):
 def test_forward_and_backward_match_float64_loops(b, nc, hv, kd, vd, bv, stages):
   w, u, qg, aqk, kdec, gc, s0 = _factors(nc + kd, b, nc, hv, kd, vd)
   o_want, st_want, h_want, vn_want, after = _forward_loop(w, u, qg, aqk, kdec, gc, s0)
-  for store, every in ((False, 0), (True, 0), (True, 2)):
+  for store, every in ((False, 0), (True, 0), (True, 2), (False, 1)):
     outs = recurrence_mgpu.recurrence_fwd(w, u, qg, aqk, kdec, gc, s0, out_dtype=BF16,
                                           store=store, block_v=bv, stages=stages, interpret=True,
                                           every=every)
@@ -109,10 +112,11 @@ def test_forward_and_backward_match_float64_loops(b, nc, hv, kd, vd, bv, stages)
       _close(outs[2], h_want, 1e-3, "h")  # the same bf16 values up to rounding flips
       _close(outs[3], vn_want, 1e-3, "vn")
     if every:  # float32 states after chunks every - 1, 2 every - 1, ... (none if nc < every)
-      assert outs[4].shape == (b, max(nc // every, 1), hv, kd, vd)
-      assert outs[4].dtype == jnp.float32
+      states = outs[-1]
+      assert states.shape == (b, max(nc // every, 1), hv, kd, vd)
+      assert states.dtype == jnp.float32
       for m in range(nc // every):
-        _close(outs[4][:, m], after[:, (m + 1) * every - 1], 1e-4, f"state {m}")
+        _close(states[:, m], after[:, (m + 1) * every - 1], 1e-4, f"state {m} (every {every})")
   do = u[..., ::-1]  # any bf16 [B, Tp, HV, V] tile other than U
   dvn, dh, ds0 = recurrence_mgpu.recurrence_bwd(do, qg, aqk, kdec, w, gc, s0, block_v=bv,
                                                 stages=stages, interpret=True)
@@ -146,11 +150,13 @@ def test_kernels_lower_for_cuda(h200_lowering):
   assert 'name = "kda_fwd_recurrence"' not in text  # the Triton passes are not used
 
 
-def test_states_forward_lowers_on_the_mosaic_pass(h200_lowering):
-  """``output_states_every`` (serving's prefix states) at the benchmark shape takes the Mosaic
-  forward pass too, lowered for an H200 on the CPU."""
+@pytest.mark.parametrize("b,t,h", [(1, 16384, 32), (1, 65536, 16), (4, 4096, 32)])
+def test_states_forward_lowers_on_the_mosaic_pass(h200_lowering, b, t, h):
+  """``output_states_every`` (serving's prefix states) at the benchmark shapes takes the Mosaic
+  forward pass too, lowered for an H200 on the CPU (its SMEM staging of the checkpoints within
+  the limit: whole at the 64-wide V tile of B1 H32 and H16, in 4 pieces at B4 H32's 128-wide)."""
   from pallas_kernels.kda import kda
-  b, t, h, kd = 1, 16384, 32, 128
+  kd = 128
   tuning = config.default_config((b, t, h, kd), use_qk_l2norm=True, beta_is_logit=True,
                                  device=H200)
   fn = lambda q, k, v, g, beta: kda(
@@ -179,20 +185,24 @@ def test_unsupported_factors_take_the_triton_passes():
 @pytest.mark.parametrize("kd,bv", [(64, 16), (128, 32), (128, 64), (128, 128)])
 def test_every_supported_tiling_fits_shared_memory(kd, bv):
   """Both passes at each supported K and V tile, at most ``ring_slots`` slots, lowered for an
-  H200 (Mosaic GPU refuses more than 227 KiB of SMEM per CTA); double-buffered up to a 64-wide
-  V tile at K = 128, single-buffered at 128."""
+  H200 (Mosaic GPU refuses more than 227 KiB of SMEM per CTA), the forward also with the state
+  checkpoints' staging buffer; double-buffered up to a 64-wide V tile at K = 128, single-buffered
+  at 128, where the checkpoints go in 4 column pieces (whole ones would take a ring slot)."""
   assert recurrence_mgpu.buffers(kd, bv, True) == recurrence_mgpu.buffers(kd, bv, False) == (
       1 if kd * bv > 128 * 64 else 2)
+  assert recurrence_mgpu.checkpoint_pieces(kd, bv, 8) == {32: 2, 128: 4}.get(bv, 1)
   sds = jax.ShapeDtypeStruct
   tok = lambda d: sds((1, 256, 2, d), BF16)
   gc, state = sds((1, 4, 2, kd), jnp.float32), sds((1, 2, kd, 2 * bv), jnp.float32)
-  fwd = lambda *a: recurrence_mgpu.recurrence_fwd(*a, out_dtype=BF16, store=True, block_v=bv,
-                                                  stages=8, interpret=False)
+  fwd = lambda *a, every: recurrence_mgpu.recurrence_fwd(
+      *a, out_dtype=BF16, store=True, block_v=bv, stages=8, interpret=False, every=every)
   bwd = lambda *a: recurrence_mgpu.recurrence_bwd(*a, block_v=bv, stages=8, interpret=False)
   dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  fwd_args = (tok(kd), tok(2 * bv), tok(kd), tok(C), tok(kd), gc, state)
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
                                                                 abstract_device=dev)):
-    for fn, args in ((fwd, (tok(kd), tok(2 * bv), tok(kd), tok(C), tok(kd), gc, state)),
+    for fn, args in ((functools.partial(fwd, every=0), fwd_args),
+                     (functools.partial(fwd, every=1), fwd_args),
                      (bwd, (tok(2 * bv), tok(kd), tok(C), tok(kd), tok(kd), gc, state))):
       assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
