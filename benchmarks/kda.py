@@ -439,8 +439,9 @@ def _try(label, fn):
 def gates(shapes, kinds, peers, left):
   """Issue 40's run (``--gates``): each gate kind checked against the float32 recurrence, then
   at each shape ours per kind and jla (the softplus gate's decay precomputed; its time does not
-  depend on the decay's values), forward and forward+backward, after the first shape
-  :func:`gates_first` (the kernels one by one, the states' forward, decode); the first kind's
+  depend on the decay's values), forward and forward+backward, and the first kind's forward with
+  the states every 4 chunks, after the first shape :func:`gates_first` (the kernels one by one,
+  decode); the first kind's
   profile beside jla's; fla's ``chunk_kda`` per shape while ``left()`` allows (its autotuning
   takes minutes per shape). Steps are skipped, and said so, when the budget runs out."""
   argv = sys.argv
@@ -461,6 +462,10 @@ def gates(shapes, kinds, peers, left):
       if res:
         name = "jla" if kind == "jla" else f"ours {kind}"
         emit(name=f"{name} {tag}", **{k: round(v, 4) for k, v in res.items()})
+    if left() > 60:  # the prefix cache's states every 4 chunks from the same forward
+      res = _try("states", lambda: time_states(shape, kinds[0], 4))
+      if res:
+        emit(name=f"ours {kinds[0]} output_states_every=4 {tag}", fwd=round(res, 4))
     if i == 0:  # the breakdown and decode before the other shapes (the budget may end first)
       gates_first(shape, tag, kinds, left)
   if "--no-profile" not in argv and left() > 60:
@@ -471,17 +476,13 @@ def gates(shapes, kinds, peers, left):
 
 
 def gates_first(shape, tag, kinds, left):
-  """At the first shape: the first kind's kernels one by one, its forward with the states every
-  4 chunks, and the decode pool kernel for both gates."""
+  """At the first shape: the first kind's kernels one by one and the decode pool kernel for both
+  gates."""
   argv = sys.argv
   if "--no-parts" not in argv and left() > 60:
     res = _try(f"parts {kinds[0]}", lambda: time_parts(shape, kinds[0])[0])
     if res:
       emit(name=f"ours parts {kinds[0]} {tag}", **{k: round(v, 4) for k, v in res.items()})
-  if left() > 60:  # the prefix cache's states every 4 chunks from the same forward
-    res = _try("states", lambda: time_states(shape, kinds[0], 4))
-    if res:
-      emit(name=f"ours {kinds[0]} output_states_every=4 {tag}", fwd=round(res, 4))
   if "--no-decode" not in argv and left() > 30:
     kda_decode_bench.decode(GATE_DECODE_N, ("softplus", "bounded"))
 
@@ -522,6 +523,12 @@ def gates_table(shapes, kinds):
         cells = " | ".join(f"{x:.3f}" if x else "-" for x in peer)
         ratios = " | ".join(f"{x / o[p]:.2f}x" if x else "-" for x in peer)
         print(f"| {tag} | {kind} | {p} | {o[p]:.3f} | {cells} | {ratios} |", flush=True)
+  for shape in shapes:  # item 4: the states every 4 chunks cost at most 5% of the forward
+    tag = "B{} T{} H{} K{}".format(*shape)
+    o, st = by.get(f"ours {kinds[0]} {tag}"), by.get(f"ours {kinds[0]} output_states_every=4 {tag}")
+    if o and st:
+      print(f"states every 4 chunks {kinds[0]} {tag}: {st['fwd']:.3f} ms against "
+            f"{o['fwd']:.3f} forward ({100 * (st['fwd'] / o['fwd'] - 1):+.1f}%)", flush=True)
   for kind in ("softplus", "bounded"):
     for n in GATE_DECODE_N:
       r = by.get(f"ours decode {kind} N{n} H32 K128")

@@ -29,8 +29,9 @@ one wave for 128 of them) single-buffered, warpgroup 0 writing the next chunk's 
 ``[B, Tp, HV, V]``, aqk ``[B, Tp, HV, C]`` (bf16), gc ``[B, NC, HV, K]`` and s0 ``[B, HV, K, V]``
 float32; outputs o ``[B, Tp, HV, V]``, the final state ``[B, HV, K, V]`` float32, with
 ``store`` h ``[B, NC, HV, K, V]`` and vn ``[B, Tp, HV, V]`` (bf16), and with ``every`` the
-states after every ``every`` chunks (float32, stored by warpgroup 0 from its registers: the
-prefix cache's checkpoints of serving).
+states after every ``every`` chunks (float32, the prefix cache's checkpoints of serving:
+warpgroup 0 writes them to one SMEM buffer and TMA copies them out while it moves on, in
+:func:`checkpoint_pieces` column pieces so the buffer takes no ring slot).
 """
 
 from __future__ import annotations
