@@ -57,7 +57,7 @@ def run_groups(cfg, layers, layer_call, x, blocks, segment_ids, valid):
   committed AttnRes blocks (a tuple). Returns (x, blocks, {layer index (str): router stats})."""
   start, p, g = cfg.layer_groups()
   end = start + p * g
-  index = [[start + k * p + j for k in range(g)] for j in range(p)]  # [position][group]
+  index = cfg.scan_positions()  # [position][group]
   split = [[nnx.split(layers[i]) for i in row] for row in index]
   graphdefs = [row[0][0] for row in split]
   params = tuple(_stack([state for _, state in row]) for row in split)

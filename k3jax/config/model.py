@@ -242,6 +242,13 @@ class ModelConfig:
     return _layer_groups(tuple((self.layer_kind(i), self.is_moe(i), self.is_remat(i))
                                for i in range(self.num_layers)))
 
+  def scan_positions(self) -> list[list[int]]:
+    """The scanned layers' indices by position in the group, then by group: ``[p][g]`` of
+    :meth:`layer_groups` (K3: 4 lists of 22 layers); the scan and the stacked optimizer share
+    this order."""
+    start, p, g = self.layer_groups()
+    return [[start + k * p + j for k in range(g)] for j in range(p)]
+
 
 @functools.lru_cache(maxsize=64)
 def _layer_groups(keys: tuple) -> tuple[int, int, int]:
