@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.resources
+import os
 from pathlib import Path
 
 from k3jax import config as config_lib
@@ -46,6 +47,16 @@ def resolve_config(name: str | Path) -> Path:
 def load(name: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> config_lib.Config:
   """:func:`k3jax.config.load` of the config ``name`` resolves to."""
   return config_lib.load(resolve_config(name), overrides)
+
+
+def use_compile_cache() -> None:
+  """JAX's persistent compilation cache in ``$K3JAX_CACHE/jax`` (default ``~/.cache/k3jax/jax``)
+  unless one is set already (``JAX_COMPILATION_CACHE_DIR``): a restarted run or server loads its
+  compiled steps from disk instead of compiling them again."""
+  import jax
+  if not jax.config.jax_compilation_cache_dir:
+    cache = Path(os.environ.get("K3JAX_CACHE") or Path.home() / ".cache" / "k3jax") / "jax"
+    jax.config.update("jax_compilation_cache_dir", str(cache))
 
 
 def parser(prog: str, description: str, *, config_default: str | None = None,

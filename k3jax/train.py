@@ -428,6 +428,7 @@ def main(argv=None) -> int:
   # otherwise; JAX reads this when it first touches a device.
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
   args = parse_args(sys.argv[1:] if argv is None else argv)
+  cli.use_compile_cache()  # a resumed run loads its compiled step from disk
   try:
     cfg = cli.load(args.config, args.overrides)
     train(cfg, args.run_dir or f"runs/{cfg.model.name}", progress=not args.no_progress)

@@ -60,3 +60,20 @@ def test_generate_and_convert_take_config_by_name(tmp_path, monkeypatch, capsys)
   from k3jax.convert import cli as convert_cli
   assert convert_cli.main(["orbax-to-hf", "--src", "x", "--dst", "y", "--config", "nope"]) == 2
   assert "'nope' is neither a file nor a packaged config" in capsys.readouterr().err
+
+
+def test_compile_cache_default_and_respected(tmp_path, monkeypatch):
+  """train.py and serve.py keep compiled steps in ``$K3JAX_CACHE/jax`` unless JAX's cache
+  directory is set already, which they leave alone."""
+  import jax
+  before = jax.config.jax_compilation_cache_dir
+  monkeypatch.setenv("K3JAX_CACHE", str(tmp_path / "k3"))
+  try:
+    jax.config.update("jax_compilation_cache_dir", None)
+    cli.use_compile_cache()
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "k3" / "jax")
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
+    cli.use_compile_cache()
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before)

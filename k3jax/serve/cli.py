@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import sys
-from pathlib import Path
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -59,9 +57,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--port", type=int, default=None, help="port (default serve.port; 0: a free one)")
   p.add_argument("--seed", type=int, default=0, help="seed of the random weights without --checkpoint")
   args = cli.parse(p, argv)
-  if not jax.config.jax_compilation_cache_dir:  # a restart loads the step shapes from disk
-    cache = Path(os.environ.get("K3JAX_CACHE") or Path.home() / ".cache" / "k3jax") / "jax"
-    jax.config.update("jax_compilation_cache_dir", str(cache))
+  cli.use_compile_cache()  # a restart loads the step shapes from disk
   logging.basicConfig(format="[%(name)s] %(message)s")
   logging.getLogger("k3jax").setLevel(logging.INFO)  # the engine's compile time
   overrides = list(args.overrides)
