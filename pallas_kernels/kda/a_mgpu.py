@@ -36,11 +36,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import kernel_output, wgmma
+from pallas_kernels.kda.chunk_mgpu import (SLICE, bcast, exact_products, gate, iota, marks,
+                                           scoped, tile, vec)
 from pallas_kernels.kda.config import MAX_EXP, KdaOptions
 from pallas_kernels.kda.recurrence_mgpu import CHUNK
 from pallas_kernels.kda.reference import L2_EPS
-
-SLICE = 64  # K channels per slice (a [C, SLICE] float32 tile is 32 registers a thread)
 
 
 def supported(cfg: KdaOptions, q, k, g) -> bool:
@@ -69,22 +69,10 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, q
     plgpu.copy_gmem_to_smem(q_ref.at[b, rows, hq, cols(s)], q_smem.at[s], landed)
     plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hq, cols(s)], k_smem.at[s], landed)
     plgpu.copy_gmem_to_smem(g_ref.at[b, rows, h, cols(s)], g_smem.at[s], landed)
-  vec = lambda ref, layout: plgpu.load(ref, layout=layout, optimized=False)
-  bcast = lambda x, dim: lax.broadcast_in_dim(x, (c, c), [dim])  # [C] -> [C, C] (C = SLICE)
-  # (one load per row of marks: two layouts of one ref defeat the layout inference)
   seg_r, cont, last = (bcast(vec(marks_ref.at[b, j, rows], wgmma.ROWS), 0) for j in range(3))
   same = seg_r == bcast(vec(marks_ref.at[b, 3, rows], wgmma.COLS), 1)
-  rid = plgpu.broadcasted_iota(jnp.int32, (c, c), 0, layout=wg)
-  cid = plgpu.broadcasted_iota(jnp.int32, (c, c), 1, layout=wg)
-  tril = wgmma.Regs((rid >= cid).astype(bf16))
-  tile = lambda dtype: wgmma.swizzled((c, bk), dtype)
-
-  def scoped(body, *bufs):
-    """``pl.run_scoped`` after a barrier: each phase's SMEM takes the last one's place, whose
-    reads (plain loads, or the wgmma of another warp) are then done."""
-    plgpu.commit_smem()
-    return pl.run_scoped(body, *bufs)
-
+  rid, cid = iota()
+  tril = (rid >= cid).astype(bf16)
   plgpu.barrier_wait(landed)
 
   ld = lambda ref: plgpu.load(ref, layout=wg).astype(f32)
@@ -104,28 +92,14 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, q
     if norms:
       q, k = q * bcast(norms[0], 0), k * bcast(norms[1], 0)
     if cfg.gate is not None:
-      x = x + bcast(vec(dtb_ref.at[h, cols(s)], wgmma.COLS), 1)
-      e = jnp.exp(alog_ref[h])
-      if cfg.gate == "bounded":
-        x = cfg.lower_bound / (1.0 + jnp.exp(-e * x))
-      else:  # -e softplus(x) = -e (max(x, 0) + log1p(u)), u = e^{-|x|}
-        u = jnp.exp(-jnp.abs(x))
-        w = 1.0 + u  # log1p(u) = log(w) u / (w - 1) to float32 (Mosaic GPU lowers no log1p)
-        x = -e * (jnp.maximum(x, 0.0) + jnp.where(w == 1.0, u, jnp.log(w) * (u / (w - 1.0))))
+      x = gate(cfg, x, jnp.exp(alog_ref[h]), bcast(vec(dtb_ref.at[h, cols(s)], wgmma.COLS), 1))
     if t % c:  # padded tokens leave the state alone
       x = jnp.where(ci * c + rid < t, x, 0.0)
 
-    def cumsum(*bufs, x=x):
-      """G = tril @ g on g's three bf16 parts (g = a + b + c exactly to float32)."""
-      for buf in bufs:
-        part = x.astype(bf16)
-        x = x - part.astype(f32)
-        buf[...] = part
-      plgpu.commit_smem()
-      return wgmma.product((c, bk), *[(tril, buf) for buf in bufs], interpret=interpret)
-
-    own = (g_smem.at[s],) if dt == bf16 else ()  # g's tile takes a part (read already)
-    G = scoped(lambda *bufs: cumsum(*own, *bufs), *[tile(bf16)] * (3 - len(own)))
+    # G = tril @ g on g's three bf16 parts; g's tile takes one (read already)
+    own = (g_smem.at[s],) if dt == bf16 else ()
+    G = scoped(lambda *bufs, x=x: exact_products([(tril, x)], *own, *bufs, interpret=interpret),
+               *[tile(bf16)] * (3 - len(own)))
 
     def references(g32):
       """The blocks' reference rows and G_C ([BK] each) through SMEM."""
@@ -211,10 +185,6 @@ def chunk_a(cfg: KdaOptions, q, k, g, A_log, dt_bias, seg, cont, t, *, hv: int,
               jax.ShapeDtypeStruct((bsz, nc, hv, kd), f32)]
   if n_rows:
     out_type.append(jax.ShapeDtypeStruct((bsz, hv, n_rows, tp), f32))
-  ends = jnp.arange(tp) // c * c + c - 1
-  segf = seg.astype(f32)  # exact to 2^24 segments
-  # per token: segment (rows), cont, in its chunk's last segment, segment (columns)
-  marks = jnp.stack([segf, cont, (seg == seg[:, ends]).astype(f32), segf], axis=1)
   kern = functools.partial(_kernel, cfg=cfg, hv=hv, group=hv // h, t=t, interpret=interpret)
   kern.__name__ = "kda_chunk_a_mgpu"
   tiles = wgmma.swizzled((kd // SLICE, c, SLICE), dt)
@@ -229,7 +199,7 @@ def chunk_a(cfg: KdaOptions, q, k, g, A_log, dt_bias, seg, cont, t, *, hv: int,
   outs = plgpu.kernel(
       kern, out_type=tuple(out_type), scratch_types=scratch, grid=(nc, bsz * hv),
       grid_names=("c", "bh"), **wgmma.kernel_params(interpret))(
-          q, k, g, A_log.astype(f32), dt_bias.astype(f32), marks)
+          q, k, g, A_log.astype(f32), dt_bias.astype(f32), marks(seg, cont))
   outs = [kernel_output(x) for x in outs]
   pkk, aqk, qg, kdec, kg, gc = outs[:6]
   per_row = [jnp.swapaxes(outs[6][:, :, j], 1, 2) for j in range(n_rows)]

@@ -27,7 +27,8 @@ more than a few [C, C] / [C, BK] float32 tiles and many programs are in flight:
   backward ``kda_chunk_dwy``  the WY part: dP_kk [C, C], dY = X^T dW [C, K], dv, dbeta;
            ``kda_chunk_dqkg`` one program per ``dqkg_slice_k``-wide K slice: dq, dk, dg from
                               the pair products (dP_qk = scale dO V'^T formed in place from
-                              the dO and V' tiles it loads anyway), the states and dY;
+                              the dO and V' tiles it loads anyway), the states and dY (or
+                              ``dqkg_mgpu``, Mosaic GPU);
            ``kda_chunk_dqkg_sub`` (sub-chunks) the same again where kda_chunk_a flagged.
 Every chunk kernel runs one program per SM (registers: 232-255); kda_chunk_dqkg and
 kda_chunk_dwy spill (benchmarks/RESULTS.md, KDA runs 13-26).
@@ -41,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda import a_mgpu, chunk_ops, wu_mgpu
+from pallas_kernels.kda import a_mgpu, chunk_ops, dqkg_mgpu, wu_mgpu
 from pallas_kernels.kda.chunk_ops import call, lower_inverse, tok
 from pallas_kernels.kda.config import BF16, MAX_EXP, SUB, KdaOptions, interpret, store_dtype
 from pallas_kernels.kda.reference import L2_EPS
@@ -514,6 +515,21 @@ def _cont(seg, c):
   return (seg == seg[:, jnp.maximum(start - 1, 0)]).astype(jnp.float32)
 
 
+def _beta(cfg: KdaOptions, beta, t):
+  """beta ``[B, Tp, HV]`` float32 as the kernels take it: the gate's value (a sigmoid of a logit
+  if asked), zero on the padded tokens after ``t``."""
+  beta = beta.astype(jnp.float32)
+  if cfg.beta_is_logit:
+    beta = jax.nn.sigmoid(beta)
+  return jnp.where((jnp.arange(beta.shape[1]) < t)[None, :, None], beta, 0.0)
+
+
+def _mosaic(choice: str, cfg: KdaOptions) -> bool:
+  """Whether a chunk kernel's tuning ``choice`` asks for its Mosaic GPU version for this call:
+  "mosaic", or "bounded" on the bounded gate's blocks (not on sub-chunks)."""
+  return choice == "mosaic" or (choice == "bounded" and not cfg.sub_chunks)
+
+
 def chunk_a(cfg: KdaOptions, q, k, v, g, beta, A_log, dt_bias, seg, t):
   """``kda_chunk_a``: (pkk, aqk, qg, kd, kg, gc, rq, rk, redo), see :func:`_dense_a_kernel` (or
   ``a_mgpu``'s kernel where the tuning asks for it and it takes the operands); on sub-chunks
@@ -524,9 +540,7 @@ def chunk_a(cfg: KdaOptions, q, k, v, g, beta, A_log, dt_bias, seg, t):
   hv, c = v.shape[2], cfg.chunk
   dt, f32 = jnp.dtype(cfg.dtype), jnp.float32
   ins = (q, k, g, beta, A_log, dt_bias, seg)
-  mosaic = cfg.tuning.chunk_a == "mosaic" or (
-      cfg.tuning.chunk_a == "bounded" and not cfg.sub_chunks)
-  if mosaic and a_mgpu.supported(cfg, q, k, g):
+  if _mosaic(cfg.tuning.chunk_a, cfg) and a_mgpu.supported(cfg, q, k, g):
     out = list(a_mgpu.chunk_a(cfg, q, k, g, A_log, dt_bias, seg, _cont(seg, c), t, hv=hv,
                               interpret=interpret()))
   else:
@@ -552,11 +566,7 @@ def chunk_wu(cfg: KdaOptions, pkk, kg, v, beta, seg, t, keep):
   bsz, tp, hv, vd = v.shape
   c, dt = cfg.chunk, jnp.dtype(cfg.dtype)
   if cfg.tuning.chunk_wu == "mosaic" and wu_mgpu.supported(kg, v, cfg.chunk):
-    beta = beta.astype(jnp.float32)
-    if cfg.beta_is_logit:
-      beta = jax.nn.sigmoid(beta)
-    beta = jnp.where((jnp.arange(tp) < t)[None, :, None], beta, 0.0)  # padded tokens
-    return wu_mgpu.chunk_wu(pkk, kg, v, jnp.swapaxes(beta, 1, 2), _cont(seg, c),
+    return wu_mgpu.chunk_wu(pkk, kg, v, jnp.swapaxes(_beta(cfg, beta, t), 1, 2), _cont(seg, c),
                             keep=keep, split=cfg.tuning.wu_split, interpret=interpret())
   kern = functools.partial(_dense_wu_kernel, cfg=cfg, hv=hv, t=t)
   return call(cfg, kern, "kda_chunk_wu", (tp // c, bsz * hv),
@@ -586,8 +596,9 @@ def chunk_dwy(cfg: KdaOptions, v, beta, seg, x, pkk, kg, hs, dvn, t):
 
 def chunk_dqkg(cfg: KdaOptions, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, vn, do, dy, dpkk,
                rq, rk, redo, t):
-  """``kda_chunk_dqkg``: (dq, dk, dg), see :func:`_dense_dqkg_kernel`; then, with ``redo`` (the
-  chunks ``kda_chunk_a`` flagged), ``kda_chunk_dqkg_sub`` in place for those
+  """``kda_chunk_dqkg``: (dq, dk, dg), see :func:`_dense_dqkg_kernel` (or ``dqkg_mgpu``'s kernel
+  where the tuning's ``chunk_dqkg`` asks for it and it takes the operands); then, with ``redo``
+  (the chunks ``kda_chunk_a`` flagged), ``kda_chunk_dqkg_sub`` in place for those
   (:func:`_dense_dqkg_sub_kernel`)."""
   bsz, tp, h, kd = q.shape
   hv = v.shape[2]
@@ -602,7 +613,13 @@ def chunk_dqkg(cfg: KdaOptions, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, v
     return call(cfg, kern, name, (kd // bk, tp // cfg.chunk, bsz * hv), shapes, *ins, *extra,
                 chunk_axis=1, aliases=aliases)
 
-  out = launch("kda_chunk_dqkg", _dense_dqkg_kernel, cfg.tuning.dqkg_slice_k)
+  if (_mosaic(cfg.tuning.chunk_dqkg, cfg)
+      and dqkg_mgpu.supported(cfg, q, k, g, hs, dh, vn, do, dy, dpkk)):
+    out = dqkg_mgpu.chunk_dqkg(cfg, q, k, g, _beta(cfg, beta, t), A_log, dt_bias, seg,
+                               _cont(seg, cfg.chunk), hs, dh, vn, do, dy, dpkk, rq, rk, t, hv=hv,
+                               out_dtypes=[x.dtype for x in shapes], interpret=interpret())
+  else:
+    out = launch("kda_chunk_dqkg", _dense_dqkg_kernel, cfg.tuning.dqkg_slice_k)
   if redo is None:
     return out
   n = len(ins) + 1  # the outputs alias the inputs after redo

@@ -86,6 +86,9 @@ class KdaGpuConfig:
   # B4 T4096 H32) or "triton". Triton stays the default until a card checks a_mgpu's numerics
   # (benchmarks/RESULTS.md, KDA run 8: 21% faster forward for the bounded gate)
   chunk_a: str = "triton"
+  # kda_chunk_dqkg likewise: "mosaic" (``dqkg_mgpu`` where it applies: 64-token chunks, K and V 64
+  # or 128), "bounded" (the bounded gate only) or "triton"; Triton until a card times it
+  chunk_dqkg: str = "triton"
   # The Mosaic inverse's products as three bf16 products of split operands (about 16 bits, any
   # range) instead of one float16 product (11 bits, for entries of order 1)
   wu_split: bool = False
@@ -111,6 +114,9 @@ class KdaGpuConfig:
     if self.chunk_a not in ("mosaic", "bounded", "triton"):
       raise ValueError(f"KdaGpuConfig: chunk_a {self.chunk_a!r} must be 'mosaic', 'bounded' or "
                        "'triton'")
+    if self.chunk_dqkg not in ("mosaic", "bounded", "triton"):
+      raise ValueError(f"KdaGpuConfig: chunk_dqkg {self.chunk_dqkg!r} must be 'mosaic', 'bounded' "
+                       "or 'triton'")
     if self.speculative_rows not in (16, 32, 64):
       raise ValueError(f"KdaGpuConfig: speculative_rows {self.speculative_rows} must be 16, 32 "
                        "or 64")
