@@ -614,7 +614,7 @@ def chunk_dqkg(cfg: KdaOptions, q, k, v, g, beta, A_log, dt_bias, seg, hs, dh, v
                 chunk_axis=1, aliases=aliases)
 
   if (_mosaic(cfg.tuning.chunk_dqkg, cfg)
-      and dqkg_mgpu.supported(cfg, q, k, g, hs, dh, vn, do, dy, dpkk)):
+      and dqkg_mgpu.supported(cfg, q, k, g, hs, dh, vn, do)):
     out = dqkg_mgpu.chunk_dqkg(cfg, q, k, g, _beta(cfg, beta, t), A_log, dt_bias, seg,
                                _cont(seg, cfg.chunk), hs, dh, vn, do, dy, dpkk, rq, rk, t, hv=hv,
                                out_dtypes=[x.dtype for x in shapes], interpret=interpret())

@@ -7,7 +7,9 @@ the gradient of the state leaving it (dh), V', dO, dY and dP_kk. For a gate with
 (``sub_chunks``) the exponents are clamped to ``MAX_EXP`` as ``a_mgpu``'s are; the chunks that
 ``kda_chunk_a`` flagged are then redone by Triton's ``kda_chunk_dqkg_sub`` in place.
 
-One warpgroup per (K slice, chunk, batch * value head), every input tile by TMA up front:
+One warpgroup per (K slice, chunk, batch * value head), every input tile by TMA up front, each
+phase's SMEM scoped so the next phase's takes its place (105 KB a CTA at K = V = 128, bf16: two
+CTAs an SM; 209 KB for float32):
   - G = tril @ g (three bf16 parts: the sum in float32), its reference rows through SMEM;
   - dO S^T, dP_qk = scale dO V'^T and V' dS^T in one group of wgmmas (SMEM operands);
   - each pair product's gradient (P_qk, then P_kk) block by block: d a = e^{G - r} sum_I
@@ -26,7 +28,6 @@ results as ``chunk_dense.chunk_dqkg``'s.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -65,38 +66,26 @@ def _cross(a, b):
   return [(x, y) for i, x in enumerate(a) for j, y in enumerate(b) if i + j < n]
 
 
-def _smem_bytes(cfg: KdaOptions, ins) -> int:
-  """Bytes of SMEM one CTA takes: the input tiles (``ins``: their shapes and dtypes, as
-  allocated) and the largest phase after them."""
-  dt = jnp.dtype(cfg.dtype)
-  t16 = CHUNK * SLICE * 2  # one bf16 [C, SLICE] tile
-  n = max(_parts(dt, d) for dots in cfg.tuning.gate_dot for d in dots)
-  phases = (3 * t16, 2 * t16, 3 * n * t16, 6 * t16, 6 * t16)  # the last: dq, dk, dg float32
-  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in ins) + max(phases) + 1024
-
-
 def _tiles(q, vn, hs, dy, dpkk):
-  """The SMEM input tiles (q, k, g, dO, V', h, dh, dY, dP_kk) of one CTA."""
+  """The SMEM input tiles of one CTA: (q, k, g, dY, dP_kk) for the whole kernel and (dO, V', h,
+  dh) for its first phase (the products with the states; later phases take their place)."""
   c, vd = CHUNK, vn.shape[-1]
   sw = wgmma.swizzled
-  return (sw((c, SLICE), q.dtype),) * 3 + (sw((c, vd), vn.dtype),) * 2 + (
-      sw((SLICE, vd), hs.dtype),) * 2 + (sw((c, SLICE), dy.dtype), sw((c, c), dpkk.dtype))
+  return ((sw((c, SLICE), q.dtype),) * 3 + (sw((c, SLICE), dy.dtype), sw((c, c), dpkk.dtype)),
+          (sw((c, vd), vn.dtype),) * 2 + (sw((SLICE, vd), hs.dtype),) * 2)
 
 
-def supported(cfg: KdaOptions, q, k, g, hs, dh, vn, do, dy, dpkk) -> bool:
+def supported(cfg: KdaOptions, q, k, g, hs, dh, vn, do) -> bool:
   """Whether the kernel takes these operands: 64-token chunks on the middle-row blocks, K = 64
-  or 128, V = 64 or 128, q, k, g, h, dh, V' and dO of the kernels' dtype (bf16 or float32), and
-  the SMEM it needs within a CTA's."""
+  or 128, V = 64 or 128, q, k, g, h, dh, V' and dO of the kernels' dtype (bf16 or float32)."""
   dt = jnp.dtype(cfg.dtype)
-  ok = (cfg.chunk == CHUNK and cfg.diag_rows > 0 and q.shape[-1] in (64, 128)
-        and vn.shape[-1] in (64, 128) and all(x.dtype == dt for x in (q, k, g, hs, dh, vn, do)))
-  return ok and _smem_bytes(cfg, _tiles(q, vn, hs, dy, dpkk)) <= wgmma.SMEM_BYTES
+  return (cfg.chunk == CHUNK and cfg.diag_rows > 0 and q.shape[-1] in (64, 128)
+          and vn.shape[-1] in (64, 128) and all(x.dtype == dt for x in (q, k, g, hs, dh, vn, do)))
 
 
 def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, rows_ref, h_ref, dh_ref, vn_ref,
-            do_ref, dy_ref, dpkk_ref, dq_ref, dk_ref, dg_ref, q_smem, k_smem, g_smem, do_smem,
-            vn_smem, h_smem, dh_smem, dy_smem, dpkk_smem, vec_smem, landed, *, cfg, hv, group, t,
-            interpret):
+            do_ref, dy_ref, dpkk_ref, dq_ref, dk_ref, dg_ref, q_smem, k_smem, g_smem, dy_smem,
+            dpkk_smem, vec_smem, landed, *, cfg, hv, group, t, state_tiles, interpret):
   c, f32, bf16, bk = CHUNK, jnp.float32, jnp.bfloat16, SLICE
   dt = jnp.dtype(cfg.dtype)
   wg = plgpu.Layout.WGMMA
@@ -104,21 +93,29 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, rows_ref, h_ref, 
   b, h = lax.div(bh, jnp.int32(hv)), lax.rem(bh, jnp.int32(hv))  # equal dtypes under x64 too
   hq = lax.div(h, jnp.int32(group))
   rows, cols = pl.ds(ci * c, c), pl.ds(s * bk, bk)
-  for src, dst in ((q_ref.at[b, rows, hq, cols], q_smem), (k_ref.at[b, rows, hq, cols], k_smem),
-                   (g_ref.at[b, rows, h, cols], g_smem), (do_ref.at[b, rows, h], do_smem),
-                   (vn_ref.at[b, rows, h], vn_smem), (h_ref.at[b, ci, h, cols], h_smem),
-                   (dh_ref.at[b, ci, h, cols], dh_smem), (dy_ref.at[b, rows, h, cols], dy_smem),
-                   (dpkk_ref.at[b, rows, h], dpkk_smem)):
-    plgpu.copy_gmem_to_smem(src, dst, landed)
+  ld = lambda ref: plgpu.load(ref, layout=wg).astype(f32)
+
+  def states(do_smem, vn_smem, h_smem, dh_smem):
+    """Every tile by TMA; dO S^T, dP_qk = dO V'^T, V' dS^T [C, BK | C] (one group of wgmmas) and
+    sum_V h dh per channel to ``vec_smem``."""
+    for src, dst in ((q_ref.at[b, rows, hq, cols], q_smem),
+                     (k_ref.at[b, rows, hq, cols], k_smem), (g_ref.at[b, rows, h, cols], g_smem),
+                     (dy_ref.at[b, rows, h, cols], dy_smem), (dpkk_ref.at[b, rows, h], dpkk_smem),
+                     (do_ref.at[b, rows, h], do_smem), (vn_ref.at[b, rows, h], vn_smem),
+                     (h_ref.at[b, ci, h, cols], h_smem), (dh_ref.at[b, ci, h, cols], dh_smem)):
+      plgpu.copy_gmem_to_smem(src, dst, landed)
+    plgpu.barrier_wait(landed)
+    vec_smem[...] = jnp.sum(ld(h_smem) * ld(dh_smem), axis=1)
+    return wgmma.products(((c, bk), [(do_smem, h_smem.T)]), ((c, c), [(do_smem, vn_smem.T)]),
+                          ((c, bk), [(vn_smem, dh_smem.T)]), interpret=interpret)
+
+  dq, dpqk, dkd = pl.run_scoped(states, *state_tiles)
   seg_r, cont, last = (bcast(vec(marks_ref.at[b, j, rows], wgmma.ROWS), 0) for j in range(3))
   same = seg_r == bcast(vec(marks_ref.at[b, 3, rows], wgmma.COLS), 1)
   beta, rq, rk = (bcast(vec(rows_ref.at[b, h, j, rows], wgmma.ROWS), 0) for j in range(3))
   cont_last = marks_ref[b, 1, ci * c + c - 1]
   rid, cid = iota()
   incl = same & (rid >= cid)
-  plgpu.barrier_wait(landed)
-
-  ld = lambda ref: plgpu.load(ref, layout=wg).astype(f32)
   q, k, x = ld(q_smem) * rq, ld(k_smem) * rk, ld(g_smem)
   if cfg.gate is not None:
     x = gate(cfg, x, jnp.exp(alog_ref[h]), bcast(vec(dtb_ref.at[h, cols], wgmma.COLS), 1))
@@ -146,9 +143,6 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, rows_ref, h_ref, 
   e_row = exp(G - ref_rows)
   eg = jnp.exp(G)
 
-  # the products with the states and V' (one group of wgmmas)
-  dq, dpqk, dkd = wgmma.products(((c, bk), [(do_smem, h_smem.T)]), ((c, c), [(do_smem, vn_smem.T)]),
-                                 ((c, bk), [(vn_smem, dh_smem.T)]), interpret=interpret)
   dq = cfg.scale * cont * eg * dq
   dpqk = jnp.where(incl, cfg.scale * dpqk, 0.0)
   dkd = last * jnp.exp(gl - G) * dkd
@@ -196,17 +190,12 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, rows_ref, h_ref, 
   dk = dk + dak + dbk + dky + dkd
   dG = dG + k * (dak - dbk + dky - dkd)
 
-  def state_sum(v32):
-    """cont_last e^{G_C} sum_V h dh per channel [C, BK] (the same in every row), through SMEM
-    from a value per row of the states to one per column."""
-    v32[...] = jnp.sum(ld(h_smem) * ld(dh_smem), axis=1)
-    plgpu.commit_smem()
-    return cont_last * jnp.exp(gl) * bcast(vec(v32, wgmma.COLS), 1)
-
-  # dg_i = sum_{t >= i} dG_t + sum_rows k dKD + cont_last e^{G_C} sum_V h dh
-  dg = state_sum(vec_smem) + scoped(lambda *bufs: exact_products(
+  # dg_i = sum_{t >= i} dG_t + sum_rows k dKD + cont_last e^{G_C} sum_V h dh (the last through
+  # SMEM, from a value per row of the states to one per column)
+  sums = scoped(lambda *bufs: exact_products(
       [((rid <= cid).astype(bf16), dG), ((rid >= 0).astype(bf16), k * dkd)], *bufs,
       interpret=interpret), *[tile(bf16)] * 6)
+  dg = sums + cont_last * jnp.exp(gl) * bcast(vec(vec_smem, wgmma.COLS), 1)
 
   def store(dq_smem, dk_smem, dg_smem):
     for buf, val in ((dq_smem, dq), (dk_smem, dk), (dg_smem, dg)):
@@ -228,9 +217,11 @@ def chunk_dqkg(cfg: KdaOptions, q, k, g, beta, A_log, dt_bias, seg, cont, hs, dh
   bsz, tp, h, kd = q.shape
   f32 = jnp.float32
   per_row = jnp.transpose(jnp.stack([beta, rq, rk], axis=-1).astype(f32), (0, 2, 3, 1))
-  kern = functools.partial(_kernel, cfg=cfg, hv=hv, group=hv // h, t=t, interpret=interpret)
+  tiles, state_tiles = _tiles(q, vn, hs, dy, dpkk)
+  kern = functools.partial(_kernel, cfg=cfg, hv=hv, group=hv // h, t=t, state_tiles=state_tiles,
+                           interpret=interpret)
   kern.__name__ = "kda_chunk_dqkg_mgpu"
-  scratch = _tiles(q, vn, hs, dy, dpkk) + (plgpu.SMEM((SLICE,), f32), plgpu.Barrier(num_arrivals=9))
+  scratch = tiles + (plgpu.SMEM((SLICE,), f32), plgpu.Barrier(num_arrivals=9))
   out_type = tuple(jax.ShapeDtypeStruct((bsz, tp, hv, kd), d) for d in out_dtypes)
   outs = plgpu.kernel(
       kern, out_type=out_type, scratch_types=scratch, grid=(kd // SLICE, tp // CHUNK, bsz * hv),
