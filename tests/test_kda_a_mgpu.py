@@ -174,18 +174,20 @@ def test_the_op_takes_it_where_asked_and_supported(monkeypatch):
     config.KdaGpuConfig(chunk_a="cuda")
 
 
-@pytest.mark.parametrize("gate, shape, dtype", [
+# (gate, shape [B, T, H, K], dtype) of the CUDA lowering tests of the Mosaic chunk kernels: the
+# benchmark shape for both gates (inputs as shapes only) and float32 operands
+LOWERINGS = pytest.mark.parametrize("gate, shape, dtype", [
     ("bounded", (1, 16384, 32, 128), jnp.bfloat16), ("softplus", (1, 16384, 32, 128), jnp.bfloat16),
     (None, (2, 100, 2, 64), jnp.float32)], ids=["bounded_benchmark", "softplus_benchmark", "f32"])
-def test_lowers_for_cuda(h200_lowering, gate, shape, dtype):
-  """The op's forward and backward with ``chunk_a="mosaic"`` lower for an H200 on the CPU
-  (layout inference, register operands, SMEM) with the Mosaic kernel in place of Triton's
-  kda_chunk_a, at the benchmark shape for both gates (inputs as shapes only) and for float32
-  operands; the unbounded gates keep kda_chunk_a_sub behind it."""
+
+
+def lowered(gate, shape, dtype, **changes) -> str:
+  """The op's forward and backward lowered for an H200 (under the ``h200_lowering`` fixture) as
+  text, at ``shape`` [B, T, H, K] with the Hopper default tuning and ``changes``."""
   b, t, h, kd = shape
   hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0", core_count=132)
   tuning = dataclasses.replace(config.default_config(
-      (b, t, h, kd), use_qk_l2norm=True, beta_is_logit=True, device=hopper), chunk_a="mosaic")
+      (b, t, h, kd), use_qk_l2norm=True, beta_is_logit=True, device=hopper), **changes)
 
   def loss(q, k, v, g, beta):
     o, _ = kda(q, k, v, g, beta, use_qk_l2norm=True, A_log=jnp.zeros(h),
@@ -195,8 +197,17 @@ def test_lowers_for_cuda(h200_lowering, gate, shape, dtype):
 
   args = [jax.ShapeDtypeStruct((b, t, h, kd), dtype)] * 4 + [
       jax.ShapeDtypeStruct((b, t, h), dtype)]
-  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(
       lowering_platforms=("cuda",)).as_text()
+
+
+@LOWERINGS
+def test_lowers_for_cuda(h200_lowering, gate, shape, dtype):
+  """The op's forward and backward with ``chunk_a="mosaic"`` lower for an H200 on the CPU
+  (layout inference, register operands, SMEM) with the Mosaic kernel in place of Triton's
+  kda_chunk_a, at the benchmark shape for both gates (inputs as shapes only) and for float32
+  operands; the unbounded gates keep kda_chunk_a_sub behind it."""
+  text = lowered(gate, shape, dtype, chunk_a="mosaic")
   assert "kda_chunk_a_mgpu" in text
   assert 'name = "kda_chunk_a"' not in text
   assert ('name = "kda_chunk_a_sub"' in text) == (gate != "bounded")

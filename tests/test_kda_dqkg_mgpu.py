@@ -5,7 +5,6 @@ gradient including A_log and dt_bias, the unbounded gates' chunks redone on sub-
 float64, its bf16 gradients beside Triton's, the choice of kernel, and its CUDA lowering."""
 
 import dataclasses
-import types
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,8 @@ import pytest
 from kda_cases import Case, check, inputs, reference, run
 from kda_cases import _weights as weights
 from numerics import max_rel_err
-from pallas_kernels.kda import chunk_dense, config, dqkg_mgpu, kda
+from pallas_kernels.kda import chunk_dense, config, dqkg_mgpu
+from test_kda_a_mgpu import LOWERINGS, lowered
 from pallas_kernels.kda.chunk_ops import gpu_rounding
 
 # KDA cases at 64-token chunks with V = 64 (the kernel's smallest V); over ~5 s each on 2 CPUs
@@ -125,29 +125,13 @@ def test_the_op_takes_it_where_asked_and_supported(monkeypatch):
     config.KdaGpuConfig(chunk_dqkg="cuda")
 
 
-@pytest.mark.parametrize("gate, shape, dtype", [
-    ("bounded", (1, 16384, 32, 128), jnp.bfloat16), ("softplus", (1, 16384, 32, 128), jnp.bfloat16),
-    (None, (2, 100, 2, 64), jnp.float32)], ids=["bounded_benchmark", "softplus_benchmark", "f32"])
+@LOWERINGS
 def test_lowers_for_cuda(h200_lowering, gate, shape, dtype):
   """The op's backward with ``chunk_dqkg="mosaic"`` lowers for an H200 on the CPU (layout
   inference, register and transposed operands, SMEM) with the Mosaic kernel in place of
-  Triton's kda_chunk_dqkg, at the benchmark shape for both gates (inputs as shapes only) and for
-  float32 operands; the unbounded gates keep kda_chunk_dqkg_sub behind it."""
-  b, t, h, kd = shape
-  hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0", core_count=132)
-  tuning = dataclasses.replace(config.default_config(
-      (b, t, h, kd), use_qk_l2norm=True, beta_is_logit=True, device=hopper), chunk_dqkg="mosaic")
-
-  def loss(q, k, v, g, beta):
-    o, _ = kda(q, k, v, g, beta, use_qk_l2norm=True, A_log=jnp.zeros(h),
-               dt_bias=jnp.zeros(h * kd), gate=gate, beta_is_logit=True,
-               implementation="pallas_gpu", config=tuning)
-    return jnp.sum(o.astype(jnp.float32))
-
-  args = [jax.ShapeDtypeStruct((b, t, h, kd), dtype)] * 4 + [
-      jax.ShapeDtypeStruct((b, t, h), dtype)]
-  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(
-      lowering_platforms=("cuda",)).as_text()
+  Triton's kda_chunk_dqkg, at the benchmark shape for both gates and for float32 operands; the
+  unbounded gates keep kda_chunk_dqkg_sub behind it."""
+  text = lowered(gate, shape, dtype, chunk_dqkg="mosaic")
   assert "kda_chunk_dqkg_mgpu" in text
   assert 'name = "kda_chunk_dqkg"' not in text
   assert ('name = "kda_chunk_dqkg_sub"' in text) == (gate != "bounded")
