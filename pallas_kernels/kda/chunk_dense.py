@@ -24,7 +24,8 @@ more than a few [C, C] / [C, BK] float32 tiles and many programs are in flight:
            ``kda_chunk_a_sub`` (sub-chunks) P_kk, A_qk again where kda_chunk_a flagged;
            ``kda_chunk_wu``   X = (I + diag(beta) P_kk)^-1 (float32, kept for the backward),
                               W = X diag(beta) KG, U = X diag(beta) v (or ``wu_mgpu``);
-  backward ``kda_chunk_dwy``  the WY part: dP_kk [C, C], dY = X^T dW [C, K], dv, dbeta;
+  backward ``kda_chunk_dwy``  the WY part: dP_kk [C, C], dY = X^T dW [C, K], dv, dbeta (or
+                              ``dwy_mgpu``, Mosaic GPU);
            ``kda_chunk_dqkg`` one program per ``dqkg_slice_k``-wide K slice: dq, dk, dg from
                               the pair products (dP_qk = scale dO V'^T formed in place from
                               the dO and V' tiles it loads anyway), the states and dY (or
@@ -42,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda import a_mgpu, chunk_ops, dqkg_mgpu, wu_mgpu
+from pallas_kernels.kda import a_mgpu, chunk_ops, dqkg_mgpu, dwy_mgpu, wu_mgpu
 from pallas_kernels.kda.chunk_ops import call, lower_inverse, tok
 from pallas_kernels.kda.config import BF16, MAX_EXP, SUB, KdaOptions, interpret, store_dtype
 from pallas_kernels.kda.reference import L2_EPS
@@ -583,14 +584,18 @@ def _pair_grad_dtype(cfg, dots):
 
 
 def chunk_dwy(cfg: KdaOptions, v, beta, seg, x, pkk, kg, hs, dvn, t):
-  """``kda_chunk_dwy``: (dpkk, dy, dv, dbeta), see :func:`_dense_dwy_kernel`."""
+  """``kda_chunk_dwy``: (dpkk, dy, dv, dbeta), see :func:`_dense_dwy_kernel` (or ``dwy_mgpu``'s
+  kernel where the tuning's ``chunk_dwy`` asks for it and it takes the operands)."""
   bsz, tp, hv, vd = v.shape
   c, f32 = cfg.chunk, jnp.float32
+  dtypes = (_pair_grad_dtype(cfg, cfg.tuning.gate_dot[1]), store_dtype(cfg, "dy"), v.dtype)
+  if cfg.tuning.chunk_dwy == "mosaic" and dwy_mgpu.supported(cfg, v, kg, hs, dvn, x):
+    return dwy_mgpu.chunk_dwy(v, _beta(cfg, beta, t), seg, _cont(seg, c), x, pkk, kg, hs, dvn,
+                              out_dtypes=dtypes, interpret=interpret())
   kern = functools.partial(_dense_dwy_kernel, cfg=cfg, hv=hv, t=t)
   return call(cfg, kern, "kda_chunk_dwy", (tp // c, bsz * hv),
-              [tok(v, c, _pair_grad_dtype(cfg, cfg.tuning.gate_dot[1])),
-               tok(v, kg.shape[-1], store_dtype(cfg, "dy")), tok(v, vd, v.dtype),
-               jax.ShapeDtypeStruct((bsz, tp, hv), f32)],
+              [tok(v, d, dt) for d, dt in zip((c, kg.shape[-1], vd), dtypes)]
+              + [jax.ShapeDtypeStruct((bsz, tp, hv), f32)],
               v, beta, seg, x, pkk, kg, hs, dvn, chunk_axis=0)
 
 

@@ -89,6 +89,9 @@ class KdaGpuConfig:
   # kda_chunk_dqkg likewise: "mosaic" (``dqkg_mgpu`` where it applies: 64-token chunks, K and V 64
   # or 128), "bounded" (the bounded gate only) or "triton"; Triton until a card times it
   chunk_dqkg: str = "triton"
+  # kda_chunk_dwy: "mosaic" (``dwy_mgpu`` where it applies: 64-token chunks, K and V 64 or 128,
+  # bf16) or "triton"; Triton until a card times it
+  chunk_dwy: str = "triton"
   # The Mosaic inverse's products as three bf16 products of split operands (about 16 bits, any
   # range) instead of one float16 product (11 bits, for entries of order 1)
   wu_split: bool = False
@@ -117,6 +120,8 @@ class KdaGpuConfig:
     if self.chunk_dqkg not in ("mosaic", "bounded", "triton"):
       raise ValueError(f"KdaGpuConfig: chunk_dqkg {self.chunk_dqkg!r} must be 'mosaic', 'bounded' "
                        "or 'triton'")
+    if self.chunk_dwy not in ("mosaic", "triton"):
+      raise ValueError(f"KdaGpuConfig: chunk_dwy {self.chunk_dwy!r} must be 'mosaic' or 'triton'")
     if self.speculative_rows not in (16, 32, 64):
       raise ValueError(f"KdaGpuConfig: speculative_rows {self.speculative_rows} must be 16, 32 "
                        "or 64")
