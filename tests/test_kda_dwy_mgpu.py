@@ -31,7 +31,8 @@ def _inputs(seed, t, kd, vd, cut):
   low = lambda a: jnp.tril(a.transpose(0, 2, 1, 3).reshape(1, HV, nc, C, C), -1).reshape(
       1, HV, tp, C).transpose(0, 2, 1, 3)
   bf16 = jnp.bfloat16
-  x = low(0.3 * n(1, tp, HV, C)) + jnp.tile(jnp.eye(C), (nc, 1))[None, :, None, :]
+  eye = jnp.tile(jnp.eye(C, dtype=jnp.float32), (nc, 1))[None, :, None, :]
+  x = low(0.3 * n(1, tp, HV, C)) + eye
   seg = jnp.asarray((np.arange(tp) >= cut)[None], jnp.int32)
   return dict(v=n(1, tp, HV, vd).astype(bf16), kg=n(1, tp, HV, kd).astype(bf16),
               hs=n(1, nc, HV, kd, vd).astype(bf16), dvn=n(1, tp, HV, vd).astype(bf16),

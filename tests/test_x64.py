@@ -17,6 +17,8 @@ import test_conv_kernels
 import test_glu_kernels
 import test_kda_a_mgpu
 import test_kda_decode
+import test_kda_dqkg_mgpu
+import test_kda_dwy_mgpu
 import test_kda_recurrence_mgpu
 import test_kda_wu_mgpu
 import test_logsumexp_kernels
@@ -53,6 +55,10 @@ CASES = {
     "kda_wu_mgpu": _p(test_kda_wu_mgpu.test_matches_float64, 1, 1, 1, 64, 128, (), 0.0),
     "kda_chunk_a_mgpu": _p(test_kda_a_mgpu.test_matches_float64, jnp.bfloat16, "softplus", -5.0,
                            True, 77, 1, 2, 128, (30,), True),
+    "kda_chunk_dqkg_mgpu": lambda: kda_cases.check(
+        test_kda_dqkg_mgpu.CASES[0], "pallas_gpu",
+        config=test_kda_dqkg_mgpu._tuning(test_kda_dqkg_mgpu.CASES[0])),
+    "kda_chunk_dwy_mgpu": _p(test_kda_dwy_mgpu.test_matches_float64, 64, 64, 128, 70),
     "kda_decode_gpu": _p(test_kda_decode.test_kda_decode, "gpu", 3, "softplus", True),
     "kda_decode_tpu": _p(test_kda_decode.test_kda_decode, "tpu", 3, "softplus", True),
     "conv_pallas_gpu": _p(test_conv_kernels.test_values_and_grads_match_numpy,
