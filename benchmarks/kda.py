@@ -20,8 +20,9 @@ when importable, in the same run, within a time budget (the H200 run takes about
   python3 benchmarks/kda.py --check-only   # only the checks (random, similar keys, V tile 128)
   python3 benchmarks/kda.py --set "recurrence='mosaic'"  # a ``KdaGpuConfig`` option (a Python
                                            # literal) over each shape's default_config for the
-                                           # whole run (repeatable); chunk_a='mosaic':
-                                           # kda_chunk_a on Mosaic GPU (a_mgpu)
+                                           # whole run (repeatable; --emulate too);
+                                           # chunk_a='mosaic', chunk_dqkg='mosaic',
+                                           # chunk_dwy='mosaic': those kernels on Mosaic GPU
   python3 benchmarks/kda.py --emulate      # CPU: the check with the GPU's matrix-unit roundings
                                            # emulated, for the default and kda_sweep.GATE_DOTS (~2 min);
                                            # with --gate-kinds K1,K2 the default for those kinds
@@ -546,17 +547,17 @@ def _shapes_arg(default):
 
 
 def main():
+  for i, arg in enumerate(sys.argv):
+    if arg == "--set":  # a KdaGpuConfig option over each shape's default for the whole run
+      SETS.append(sys.argv[i + 1])
+      replace_options(config.KdaGpuConfig(), SETS)  # a bad name fails here, not mid-run
+      print("KdaGpuConfig", sys.argv[i + 1], flush=True)
   if "--emulate" in sys.argv:
     return emulate(sys.argv[sys.argv.index("--gate-kinds") + 1].split(",")
                    if "--gate-kinds" in sys.argv else None)
   t0 = time.perf_counter()
   budget = float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.argv else 135.0
   left = lambda: budget - (time.perf_counter() - t0)
-  for i, arg in enumerate(sys.argv):
-    if arg == "--set":  # a KdaGpuConfig option over each shape's default for the whole run
-      SETS.append(sys.argv[i + 1])
-      replace_options(config.KdaGpuConfig(), SETS)  # a bad name fails here, not mid-run
-      print("KdaGpuConfig", sys.argv[i + 1], flush=True)
   quick = "--quick" in sys.argv
   shapes = _shapes_arg([(1, 2048, 8, 128)] if quick else SHAPES if "--all-shapes" in sys.argv
                        else SHAPES[:1])
