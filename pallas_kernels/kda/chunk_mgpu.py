@@ -49,6 +49,22 @@ def scoped(body, *bufs):
   return pl.run_scoped(body, *bufs)
 
 
+def split(x, n: int):
+  """``n`` bf16 parts of float32 ``x`` (x ~ their sum), the largest first."""
+  parts = []
+  for _ in range(n):
+    part = x.astype(jnp.bfloat16)
+    x = x - part.astype(jnp.float32)
+    parts.append(part)
+  return parts
+
+
+def store_split(x, bufs):
+  """float32 ``x``'s ``len(bufs)`` bf16 parts (:func:`split`) into the SMEM ``bufs``."""
+  for buf, part in zip(bufs, split(x, len(bufs))):
+    buf[...] = part
+
+
 def exact_products(terms, *bufs, interpret: bool):
   """``sum_i m_i @ x_i`` [C, BK] float32 for ``terms`` ((m_i, x_i), ...): m_i a 0/1 (or other
   bf16-exact) [C, C] bf16 matrix in registers, x_i [C, BK] float32 on its three bf16 parts
@@ -56,10 +72,8 @@ def exact_products(terms, *bufs, interpret: bool):
   without a scan across the rows' threads and warps."""
   pairs, bufs = [], iter(bufs)
   for m, x in terms:
-    for _ in range(3):
+    for part in split(x, 3):
       buf = next(bufs)
-      part = x.astype(jnp.bfloat16)
-      x = x - part.astype(jnp.float32)
       buf[...] = part
       pairs.append((wgmma.Regs(m), buf))
   plgpu.commit_smem()

@@ -10,8 +10,9 @@ the gradient of the state leaving it (dh), V', dO, dY and dP_kk. For a gate with
 One warpgroup per (K slice, chunk, batch * value head), every input tile by TMA up front, each
 phase's SMEM scoped so the next phase's takes its place (105 KB a CTA at K = V = 128, bf16: two
 CTAs an SM; 209 KB for float32):
+  - dO S^T, dP_qk = scale dO V'^T and V' dS^T in one group of wgmmas (SMEM operands), first:
+    the later phases take their tiles' place;
   - G = tril @ g (three bf16 parts: the sum in float32), its reference rows through SMEM;
-  - dO S^T, dP_qk = scale dO V'^T and V' dS^T in one group of wgmmas (SMEM operands);
   - each pair product's gradient (P_qk, then P_kk) block by block: d a = e^{G - r} sum_I
     (dP masked to block I's rows) (k e^{r_I - G}), d k = sum_I e^{r_I - G} dP^T (a e^{G - r}
     masked to block I's rows), dP's parts from registers, dP^T from SMEM (a transposed
@@ -37,7 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import kernel_output, wgmma
 from pallas_kernels.kda.chunk_mgpu import (SLICE, bcast, exact_products, gate, iota, marks,
-                                           scoped, tile, vec)
+                                           scoped, split, store_split, tile, vec)
 from pallas_kernels.kda.config import BF16, MAX_EXP, KdaOptions
 from pallas_kernels.kda.recurrence_mgpu import CHUNK
 
@@ -47,16 +48,6 @@ def _parts(dt, dot) -> int:
   three (about float32), else one for a single bf16 pass and two (three bf16 passes) for
   the rest."""
   return 3 if dt.itemsize == 4 else 1 if dot == BF16 else 2
-
-
-def _split(x, n: int):
-  """``n`` bf16 parts of float32 ``x`` (x ~ their sum), the largest first."""
-  parts = []
-  for _ in range(n):
-    part = x.astype(jnp.bfloat16)
-    x = x - part.astype(jnp.float32)
-    parts.append(part)
-  return parts
 
 
 def _cross(a, b):
@@ -154,7 +145,7 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, rows_ref, h_ref, 
     factors' (each block's in turn)."""
     na, nk = _parts(dt, dots[0]), _parts(dt, dots[1])
     p_bufs, kc_bufs, la_bufs = bufs[:nk], bufs[nk:nk + na], bufs[nk + na:]
-    p_parts = _split(dp, max(na, nk))
+    p_parts = split(dp, max(na, nk))
     for buf, part in zip(p_bufs, p_parts):
       buf[...] = part
     la = a_side * e_row
@@ -164,10 +155,8 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, rows_ref, h_ref, 
         plgpu.commit_smem()  # the last block's products are done with the buffers
       rws = (rid >= i * n) & (rid < (i + 1) * n)
       col = jnp.where(rid < (i + 1) * n, exp(refs[i] - G), 0.0)
-      for buf, part in zip(kc_bufs, _split(k * col, na)):
-        buf[...] = part
-      for buf, part in zip(la_bufs, _split(jnp.where(rws, la, 0.0), nk)):
-        buf[...] = part
+      store_split(k * col, kc_bufs)
+      store_split(jnp.where(rws, la, 0.0), la_bufs)
       plgpu.commit_smem()
       rows_p = [wgmma.Regs(jnp.where(rws, part, jnp.zeros((), bf16))) for part in p_parts[:na]]
       x, y = wgmma.products(((c, bk), _cross(rows_p, kc_bufs)),

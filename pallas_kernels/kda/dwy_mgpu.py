@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import kernel_output, wgmma
-from pallas_kernels.kda.chunk_mgpu import bcast, iota, marks, scoped, vec
+from pallas_kernels.kda.chunk_mgpu import bcast, iota, marks, scoped, split, store_split, vec
 from pallas_kernels.kda.config import KdaOptions
 from pallas_kernels.kda.recurrence_mgpu import CHUNK
 
@@ -38,12 +38,6 @@ def supported(cfg: KdaOptions, v, kg, hs, dvn, x) -> bool:
   bf16 = jnp.dtype(jnp.bfloat16)
   return (cfg.chunk == CHUNK and kg.shape[-1] in (64, 128) and v.shape[-1] in (64, 128)
           and all(a.dtype == bf16 for a in (v, kg, hs, dvn)) and x.dtype == jnp.float32)
-
-
-def _parts(x):
-  """(hi, lo) bf16 of float32 ``x`` (x ~ hi + lo)."""
-  hi = x.astype(jnp.bfloat16)
-  return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
 def _kernel(v_ref, kg_ref, hs_ref, dvn_ref, x_ref, pkk_ref, beta_ref, marks_ref, dpkk_ref, dy_ref,
@@ -69,15 +63,9 @@ def _kernel(v_ref, kg_ref, hs_ref, dvn_ref, x_ref, pkk_ref, beta_ref, marks_ref,
   plgpu.barrier_wait(landed)
 
   xs = [xp_smem.at[j] for j in range(2)]
-  for buf, part in zip(xs, _parts(ld(x_smem))):
-    buf[...] = part
+  store_split(ld(x_smem), xs)
   plgpu.commit_smem()
   xt = [buf.T for buf in xs]  # X^T as the left operand
-
-  def split(x, *bufs):
-    """x's parts into ``bufs``."""
-    for buf, part in zip(bufs, _parts(x)):
-      buf[...] = part
 
   # dZ = X^T dV', dW = -cont dV' S^T
   dz, dw = wgmma.products(((c, vd), [(a, dvn_smem) for a in xt]),
@@ -90,11 +78,11 @@ def _kernel(v_ref, kg_ref, hs_ref, dvn_ref, x_ref, pkk_ref, beta_ref, marks_ref,
   def wy_grads(*bufs):
     """dX = dV' Z^T + dW Y^T and dY = X^T dW (``bufs``: Z's, Y's and dW's parts)."""
     z_bufs, y_bufs, dw_bufs = bufs[:2], bufs[2:4], bufs[4:]
-    split(rowwise(beta, (c, vd)) * v, *z_bufs)
-    split(rowwise(beta, (c, kd)) * ld(kg_smem), *y_bufs)
-    split(dw, *dw_bufs)
+    store_split(rowwise(beta, (c, vd)) * v, z_bufs)
+    store_split(rowwise(beta, (c, kd)) * ld(kg_smem), y_bufs)
+    store_split(dw, dw_bufs)
     plgpu.commit_smem()
-    dwp = [wgmma.Regs(p) for p in _parts(dw)]
+    dwp = [wgmma.Regs(p) for p in split(dw, 2)]
     return wgmma.products(
         ((c, c), [(dvn_smem, z.T) for z in z_bufs]
          + [(dwp[0], y_bufs[0].T), (dwp[0], y_bufs[1].T), (dwp[1], y_bufs[0].T)]),
@@ -107,11 +95,11 @@ def _kernel(v_ref, kg_ref, hs_ref, dvn_ref, x_ref, pkk_ref, beta_ref, marks_ref,
 
   def pair_grad(*dx_bufs):
     """dA_kk = -X^T dX X^T on the strictly lower same-segment pairs."""
-    split(dx, *dx_bufs)
+    store_split(dx, dx_bufs)
     plgpu.commit_smem()
     t1 = wgmma.product((c, c), (xt[0], dx_bufs[0]), (xt[0], dx_bufs[1]), (xt[1], dx_bufs[0]),
                        interpret=interpret)
-    tp = [wgmma.Regs(p) for p in _parts(t1)]
+    tp = [wgmma.Regs(p) for p in split(t1, 2)]
     return wgmma.product((c, c), (tp[0], xs[0].T), (tp[0], xs[1].T), (tp[1], xs[0].T),
                          interpret=interpret)
 
