@@ -6,7 +6,8 @@ inverse of ``kda_chunk_wu``), dW = -cont dV' S^T and dU = dV':
   dZ = X^T dV' (dv = beta dZ), dY = X^T dW, dX = dV' Z^T + dW Y^T,
   dA_kk = -X^T dX X^T (strictly lower same-segment pairs; dpkk = beta dA_kk) and
   dbeta = rowsum(dZ v) + rowsum(dY KG) + rowsum(dA_kk P_kk).
-One warpgroup per (chunk, batch * value head), every input by TMA up front. The float32
+One warpgroup per (chunk, batch * value head), every input by TMA up front (195 KB of SMEM at
+K = V = 128 with the largest phase's). The float32
 operands (X, Z, Y, dW, dX, X^T dX) go in as two bf16 parts (``x ~ hi + lo``: hi hi + hi lo +
 lo hi, about 16 bits, against TF32's 11 in the Triton kernel), X's parts in SMEM for the whole
 kernel (X^T and X^T as the right operand are its transposed views); dV', v, KG and S are bf16
@@ -75,22 +76,26 @@ def _kernel(v_ref, kg_ref, hs_ref, dvn_ref, x_ref, pkk_ref, beta_ref, marks_ref,
   dbeta = jnp.sum(dz * v, axis=1)
   dv = rowwise(beta, (c, vd)) * dz
 
-  def wy_grads(*bufs):
-    """dX = dV' Z^T + dW Y^T and dY = X^T dW (``bufs``: Z's, Y's and dW's parts)."""
-    z_bufs, y_bufs, dw_bufs = bufs[:2], bufs[2:4], bufs[4:]
+  def dx_of(*bufs):
+    """dX = dV' Z^T + dW Y^T (``bufs``: Z's and Y's parts)."""
+    z_bufs, y_bufs = bufs[:2], bufs[2:]
     store_split(rowwise(beta, (c, vd)) * v, z_bufs)
     store_split(rowwise(beta, (c, kd)) * ld(kg_smem), y_bufs)
-    store_split(dw, dw_bufs)
     plgpu.commit_smem()
     dwp = [wgmma.Regs(p) for p in split(dw, 2)]
-    return wgmma.products(
-        ((c, c), [(dvn_smem, z.T) for z in z_bufs]
-         + [(dwp[0], y_bufs[0].T), (dwp[0], y_bufs[1].T), (dwp[1], y_bufs[0].T)]),
-        ((c, kd), [(xt[0], dw_bufs[0]), (xt[0], dw_bufs[1]), (xt[1], dw_bufs[0])]),
-        interpret=interpret)
+    return wgmma.product((c, c), *[(dvn_smem, z.T) for z in z_bufs],
+                         (dwp[0], y_bufs[0].T), (dwp[0], y_bufs[1].T), (dwp[1], y_bufs[0].T),
+                         interpret=interpret)
 
-  dx, dy = scoped(wy_grads, *[wgmma.swizzled((c, vd), bf16)] * 2,
-                  *[wgmma.swizzled((c, kd), bf16)] * 4)
+  def dy_of(*dw_bufs):
+    """dY = X^T dW."""
+    store_split(dw, dw_bufs)
+    plgpu.commit_smem()
+    return wgmma.product((c, kd), (xt[0], dw_bufs[0]), (xt[0], dw_bufs[1]), (xt[1], dw_bufs[0]),
+                         interpret=interpret)
+
+  dx = scoped(dx_of, *[wgmma.swizzled((c, vd), bf16)] * 2, *[wgmma.swizzled((c, kd), bf16)] * 2)
+  dy = scoped(dy_of, *[wgmma.swizzled((c, kd), bf16)] * 2)
   dbeta = dbeta + jnp.sum(dy * ld(kg_smem), axis=1)
 
   def pair_grad(*dx_bufs):
