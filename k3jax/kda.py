@@ -129,18 +129,114 @@ class KDA(nnx.Module):
 
   def init_cache(self, batch: int) -> dict:
     """Decode cache of ``batch`` rows (one per request, or the serving engine's slot pool): conv
-    tails ``[batch, W-1, C]`` and the float32 recurrent state, stored as the decode kernel's
+    tails ``[batch, W-1, C]`` (in the serving layout (:meth:`fuse_inputs`) one ``conv`` of every
+    shard's q, k and v channels) and the float32 recurrent state, stored as the decode kernel's
     K-last pool ``[batch, HV, V, K]`` (``kda_ops.to_pool``)."""
     k = self.cfg.kda
     cd = self.cfg.cdtype
     w = k.conv_size - 1
-    return {
-        "conv_q": jnp.zeros((batch, w, k.num_heads * k.head_dim), cd),
-        "conv_k": jnp.zeros((batch, w, k.num_heads * k.head_dim), cd),
-        "conv_v": jnp.zeros((batch, w, k.value_heads * k.v_head_dim), cd),
-        "state": jnp.zeros((batch, k.value_heads, k.v_head_dim, k.head_dim),  # K-last pool
-                           jnp.promote_types(cd, jnp.float32)),
-    }
+    qc, vc = k.num_heads * k.head_dim, k.value_heads * k.v_head_dim
+    conv = ({"conv": jnp.zeros((batch, w, 2 * qc + vc), cd)} if self.fused else
+            {"conv_q": jnp.zeros((batch, w, qc), cd), "conv_k": jnp.zeros((batch, w, qc), cd),
+             "conv_v": jnp.zeros((batch, w, vc), cd)})
+    return {**conv, "state": jnp.zeros((batch, k.value_heads, k.v_head_dim, k.head_dim),  # K-last
+                                       jnp.promote_types(cd, jnp.float32))}
+
+  @property
+  def fused(self) -> bool:
+    """Whether this layer is in the serving layout (:meth:`fuse_inputs`)."""
+    return "in_proj" in vars(self)
+
+  def fuse_inputs(self, shards: int) -> None:
+    """Turns this layer into the serving layout for ``shards`` head shards (the mesh's ``tensor``
+    size; 1 on one device): the six projections of x become one weight ``in_proj [d, shards,
+    P]`` and the three short convs one ``conv1d [W, shards * C]``, so a decode step runs one
+    matmul and keeps one conv tail per layer. Head-major: shard ``s`` holds its own heads of q,
+    k, v (the conv channels, ``C``), beta and the full output gate, then the unsharded low ranks
+    (f_a and a low-rank gate's g_a) repeated. The serving engine calls this on its own copy of
+    the model (checkpoints and training keep the separate parameters); the layer's cache
+    (:meth:`init_cache`) then holds one ``conv`` tail."""
+    k = self.cfg.kda
+    if k.num_heads % shards or k.value_heads % shards:
+      raise ValueError(f"KDA.fuse_inputs: {k.num_heads} heads and {k.value_heads} value heads "
+                       f"do not split into {shards} shards")
+    split = lambda w: w.reshape(w.shape[0], shards, -1)  # [in, heads] -> [in, shards, heads/shards]
+    whole = lambda w: jnp.broadcast_to(w[:, None], (w.shape[0], shards, w.shape[1]))
+    kernel = lambda name: getattr(self, name).kernel[...]
+    sharded = ("q_proj", "k_proj", "v_proj", "b_proj") + (("g_proj",) if k.output_gate == "full" else ())
+    low = ("f_a_proj",) + (() if k.output_gate == "full" else ("g_a_proj",))
+    w_in = jnp.concatenate([split(kernel(n)) for n in sharded] + [whole(kernel(n)) for n in low], -1)
+    convs = ("q_conv1d", "k_conv1d", "v_conv1d")
+    w_conv = jnp.concatenate([split(kernel(n)) for n in convs], -1).reshape(k.conv_size, -1)
+    self.in_proj = nnx.Param(w_in, sharding_names=("embed", "heads", None), eager_sharding=False)
+    self.conv1d = nnx.Param(w_conv, sharding_names=("conv", "heads"), eager_sharding=False)
+    self.shards = shards
+    for n in sharded + low + convs:
+      delattr(self, n)
+
+  def _fused_inputs(self, x, cache, segment_ids, lengths):
+    """The serving layout's (:meth:`fuse_inputs`) inputs of the KDA op from x ``[B, T, d]`` and
+    the slot pool ``cache``: (q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` after the short convs,
+    f ``[B, T, HV, K]``, beta logits ``[B, T, HV]``, the output gate's logits ``[B, T, HV * V]``,
+    the new conv tails ``[B, W-1, shards * C]``)."""
+    k = self.cfg.kda
+    b, t, _ = x.shape
+    s, h, hv, kd, vd = self.shards, k.num_heads, k.value_heads, k.head_dim, k.v_head_dim
+    y = jnp.einsum("btd,dsp->btsp", x, self.in_proj[...].astype(x.dtype))
+    y = shard(y, ("batch", "length", "heads", None))
+    # The barrier keeps the projection out of the conv's concatenation with the tail (see the
+    # separate layout's) and reads the tails before the pool is written, so that XLA needs no
+    # copy of the pool to order the two.
+    y, tail = jax.lax.optimization_barrier((y, cache["conv"][cache["slots"]]))
+    qs, vs = h * kd // s, hv * vd // s
+    c = 2 * qs + vs
+    conv, tail = short_conv(y[..., :c].reshape(b, t, s * c), self.conv1d[...], segment_ids, tail,
+                            k.conv_implementation, lengths=lengths)
+    conv = conv.reshape(b, t, s, c)
+    names = ("batch", "length", "heads", None)
+    q = shard(conv[..., :qs].reshape(b, t, h, kd), names)
+    kk = shard(conv[..., qs:2 * qs].reshape(b, t, h, kd), names)
+    v = shard(conv[..., 2 * qs:].reshape(b, t, hv, vd), names)
+    beta = y[..., c:c + hv // s].reshape(b, t, hv)
+    rest = y[..., c + hv // s:]
+
+    def low_rank(a, proj):  # each shard's copy of a low-rank input times its heads' columns
+      w = proj.kernel[...].astype(x.dtype)
+      return jnp.einsum("btsr,rsn->btsn", a, w.reshape(w.shape[0], s, -1)).reshape(b, t, -1)
+
+    if k.output_gate == "full":
+      gate, fa = rest[..., :vs].reshape(b, t, hv * vd), rest[..., vs:]
+    else:
+      fa, ga = rest[..., :k.f_rank], rest[..., k.f_rank:]
+      gate = low_rank(ga, self.g_b_proj)
+    f = low_rank(fa, self.f_b_proj).reshape(b, t, hv, kd)
+    return q, kk, v, f, beta, gate, tail
+
+  def _inputs(self, x, cache, rows, segment_ids, lengths):
+    """q, k, v after the short convs, f, beta logits and the new conv tails (by name) of the
+    separate layout, as :meth:`_fused_inputs`."""
+    k = self.cfg.kda
+    b, t, _ = x.shape
+    h, hv, kd, vd = k.num_heads, k.value_heads, k.head_dim, k.v_head_dim
+    proj = {"q": self.q_proj(x), "k": self.k_proj(x), "v": self.v_proj(x)}
+    if cache is not None:
+      # Decoding a few tokens, XLA computes a projection as a reduction and fuses it into the
+      # concatenation with the conv tail, one kernel 100x slower than both apart (serving, H100):
+      # the barrier keeps them apart.
+      proj = jax.lax.optimization_barrier(proj)
+    convs = {"q": self.q_conv1d, "k": self.k_conv1d, "v": self.v_conv1d}
+    out, tails = {}, {}
+    for n in ("q", "k", "v"):
+      tail = None if cache is None else rows(cache["conv_" + n])
+      out[n], tails[n] = short_conv(proj[n], convs[n].kernel[...], segment_ids, tail,
+                                    k.conv_implementation, lengths=lengths)
+    names = ("batch", "length", "heads", None)
+    q = shard(out["q"].reshape(b, t, h, kd), names)
+    kk = shard(out["k"].reshape(b, t, h, kd), names)
+    v = shard(out["v"].reshape(b, t, hv, vd), names)
+    f = self.f_b_proj(self.f_a_proj(x)).reshape(b, t, hv, kd)
+    beta = self.b_proj(x)  # logits [B, T, HV]
+    return q, kk, v, f, beta, tails
 
   def _output_gate(self, x):
     if self.cfg.kda.output_gate == "full":
@@ -159,25 +255,12 @@ class KDA(nnx.Module):
     h, hv, kd, vd = k.num_heads, k.value_heads, k.head_dim, k.v_head_dim
     slots = None if cache is None else cache.get("slots")
     rows = (lambda a: a) if slots is None else (lambda a: a[slots])
-    proj = {"q": self.q_proj(x), "k": self.k_proj(x), "v": self.v_proj(x)}
-    if cache is not None:
-      # Decoding a few tokens, XLA computes a projection as a reduction and fuses it into the
-      # concatenation with the conv tail, one kernel 100x slower than both apart (serving, H100):
-      # the barrier keeps them apart.
-      proj = jax.lax.optimization_barrier(proj)
-    convs = {"q": self.q_conv1d, "k": self.k_conv1d, "v": self.v_conv1d}
     lengths = None if valid is None else valid.sum(1)
-    out, tails = {}, {}
-    for n in ("q", "k", "v"):
-      tail = None if cache is None else rows(cache["conv_" + n])
-      out[n], tails[n] = short_conv(proj[n], convs[n].kernel[...], segment_ids, tail,
-                                    k.conv_implementation, lengths=lengths)
-    names = ("batch", "length", "heads", None)
-    q = shard(out["q"].reshape(b, t, h, kd), names)
-    kk = shard(out["k"].reshape(b, t, h, kd), names)
-    v = shard(out["v"].reshape(b, t, hv, vd), names)
-    f = self.f_b_proj(self.f_a_proj(x)).reshape(b, t, hv, kd)
-    beta = self.b_proj(x)  # logits [B, T, HV]
+    if self.fused:
+      q, kk, v, f, beta, gate, tails = self._fused_inputs(x, cache, segment_ids, lengths)
+    else:
+      q, kk, v, f, beta, tails = self._inputs(x, cache, rows, segment_ids, lengths)
+      gate = self._output_gate(x)
     gate_kw = dict(use_qk_l2norm=True, A_log=self.A_log[...], dt_bias=self.dt_bias[...],
                    gate=k.gate, lower_bound=k.gate_lower_bound, beta_is_logit=True)
     if valid is not None and cache is not None:
@@ -201,12 +284,15 @@ class KDA(nnx.Module):
         state = kda_ops.to_pool(state).astype(cache["state"].dtype)
         if slots is not None:
           state = cache["state"].at[slots].set(state)
-    o = self.o_norm(o) * jax.nn.sigmoid(self._output_gate(x)).reshape(b, t, hv, vd).astype(o.dtype)
+    o = self.o_norm(o) * jax.nn.sigmoid(gate).reshape(b, t, hv, vd).astype(o.dtype)
     y = self.o_proj(o.reshape(b, t, hv * vd))
     if cache is None:
       return y, None
-    new = {"conv_" + n: tails[n] if slots is None else cache["conv_" + n].at[slots].set(tails[n])
-           for n in ("q", "k", "v")}
+    if self.fused:
+      new = {"conv": cache["conv"].at[slots].set(tails)}
+    else:
+      new = {"conv_" + n: tails[n] if slots is None else cache["conv_" + n].at[slots].set(tails[n])
+             for n in ("q", "k", "v")}
     new["state"] = state
     if slots is not None:
       new["slots"] = slots

@@ -58,8 +58,7 @@ log = logging.getLogger("k3jax.serve")
 _MIN_CHUNK = 16
 # logical axis names of the pools' arrays (k3jax.serve.step): slots and pages stay whole
 _POOL_NAMES = {"pages": (None, None, None), "state": (None, "kv_heads", None, None),
-               "conv_q": (None, None, "kv_heads"), "conv_k": (None, None, "kv_heads"),
-               "conv_v": (None, None, "kv_heads")}
+               "conv": (None, None, "kv_heads")}
 
 
 class Engine:
@@ -91,16 +90,19 @@ class Engine:
     self.prefill_sizes = batch.buckets(-(-serve.prefill_rows // f) * f, f)
     self.chunk_sizes = batch.buckets(bs, min(_MIN_CHUNK, bs))
     self._graphdef, params = nnx.split(model)
-    self._pools = step_lib.init_pools(model, num_pages=num_pages, page_size=ps,
-                                      num_slots=num_slots)
+    # the steps' head shards: the serving layout's fused weights hold each shard's heads
+    self._shards = 1 if self.mesh is None else self.mesh.shape.get("tensor", 1)
     self._rows = None  # sharding of the step's per-row inputs
     if self.mesh is not None:
       params = mesh_lib.shard_params(params, self.mesh)
+      self._rows = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    self._set_params(params)
+    self._pools = step_lib.init_pools(nnx.merge(self._step_graphdef, self._step_params),
+                                      num_pages=num_pages, page_size=ps, num_slots=num_slots)
+    if self.mesh is not None:
       names = [{k: _POOL_NAMES[k][-a.ndim:] for k, a in p.items()} for p in self._pools]
       self._pools = jax.device_put(self._pools,
                                    mesh_lib.pure_shardings(self._pools, self.mesh, names))
-      self._rows = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-    self._set_params(params)
     self._steps: dict[tuple[bool, int, int], Callable] = {}
     # the previous steps' sampled tokens, padded to the largest decode and prefill row counts
     self._feed_width = (self.decode_sizes[-1], self.prefill_sizes[-1])
@@ -273,8 +275,15 @@ class Engine:
         r.visual = self._encode_images(r)
 
   def _set_params(self, params) -> None:
+    """Takes ``params`` (the model's state as laid out) and builds the steps' serving layout
+    from them (:func:`step_lib.serving_model`)."""
     self._params = params
-    self._leaves = jax.tree.leaves(params)  # what the steps take (step_lib.step)
+    serving = step_lib.serving_model(nnx.merge(self._graphdef, params), self._shards)
+    self._step_graphdef, state = nnx.split(serving)
+    if self.mesh is not None:
+      state = mesh_lib.shard_params(state, self.mesh)
+    self._step_params = state
+    self._leaves = jax.tree.leaves(state)  # what the steps take (step_lib.step)
 
   def pause(self, request_id: int) -> None:
     """Takes a running or waiting request out of scheduling (between steps; the tokens in flight
@@ -341,9 +350,9 @@ class Engine:
 
   def _lower(self, decode: bool, n: int, t: int):
     with self._scope():
-      return step_lib.lower(self._graphdef, self._params, self._pools, decode=decode, rows=n,
-                            tokens=t, table_width=self.table_width, feed=self._feed_width,
-                            row_sharding=self._rows,
+      return step_lib.lower(self._step_graphdef, self._step_params, self._pools, decode=decode,
+                            rows=n, tokens=t, table_width=self.table_width,
+                            feed=self._feed_width, row_sharding=self._rows,
                             visual=None if decode else self._visual_shape)
 
   def _compiled(self, decode: bool, n: int, t: int):

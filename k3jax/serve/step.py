@@ -1,8 +1,10 @@
 """Device side of the serving engine: the cache pools, the forward-and-sample step and slot copies.
 
-Pools, one entry per decoder layer: an MLA layer's ``{"pages": [P, page_size, R + Dr]}`` latent
-pages, a KDA layer's ``{"conv_q", "conv_k", "conv_v": [S, W-1, C], "state": [S, HV, V, K]
-float32}`` slots (:meth:`k3jax.kda.KDA.init_cache` of S rows). Page 0 and slot 0 are scratch.
+The steps run the model in its serving layout (:func:`serving_model`: each KDA layer's input
+projections one matmul, its short convs one conv tail). Pools, one entry per decoder layer: an
+MLA layer's ``{"pages": [P, page_size, R + Dr]}`` latent pages, a KDA layer's ``{"conv": [S, W-1,
+C], "state": [S, HV, V, K] float32}`` slots (:meth:`k3jax.kda.KDA.init_cache` of S rows in the
+serving layout). Page 0 and slot 0 are scratch.
 
 A step runs ``N`` rows of ``T`` tokens each: row ``b`` continues a request whose first
 ``starts[b]`` tokens are cached, with ``nvalid[b] <= T`` real tokens (the rest is padding that
@@ -31,8 +33,19 @@ from k3jax.serve.types import TOP_LOGPROBS
 _ROW_KEYS = ("page_table", "slots")
 
 
+def serving_model(model: K3Model, shards: int) -> K3Model:
+  """``model``, changed in place, in the serving layout for ``shards`` head shards (the mesh's
+  ``tensor`` size): every KDA layer's input projections and short convs fused
+  (:meth:`k3jax.kda.KDA.fuse_inputs`). Built once per set of weights, not per step."""
+  for layer in model.layers:
+    if layer.kind != "mla":
+      layer.self_attn.fuse_inputs(shards)
+  return model
+
+
 def init_pools(model: K3Model, *, num_pages: int, page_size: int, num_slots: int) -> list[dict]:
-  """Zeroed pools for every layer of ``model`` (see the module docstring)."""
+  """Zeroed pools for every layer of ``model`` (in the serving layout; see the module
+  docstring)."""
   cfg = model.cfg
   width = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
   return [{"pages": jnp.zeros((num_pages, page_size, width), cfg.cdtype)} if layer.kind == "mla"
