@@ -125,6 +125,15 @@ def test_serving_engine_on_a_mesh():
   assert out["state_spec"] == "P(None, 'tensor')"
 
 
+def test_serving_layout_on_a_mesh():
+  """The KDA serving layout (one input matmul, one conv tail, head-major over the shards) on
+  tensor=2 and tensor=4 gives the separate layout's outputs, states and tails (float32)."""
+  out = _run("serve_layout")
+  assert len(out) == 8
+  for case, err in out.items():
+    assert max(err.values()) < 2e-5, (case, err)
+
+
 def test_scanned_model_on_a_mesh():
   """A scanned decoder's loss, gradients and router statistics on data=2,expert=2,context=2 match
   the unrolled one's on that mesh (float32)."""
