@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels.conv as conv_ops
 import pallas_kernels.kda as kda_ops
 from k3jax.config import ModelConfig
-from k3jax.nn import Linear, RMSNorm, constant, param
+from k3jax.nn import Linear, RMSNorm, constant, head_major, param, per_shard
 from sharding import context_parallel
 from sharding.rules import logical_spec, per_device, shard
 
@@ -160,16 +160,14 @@ class KDA(nnx.Module):
     if k.num_heads % shards or k.value_heads % shards:
       raise ValueError(f"KDA.fuse_inputs: {k.num_heads} heads and {k.value_heads} value heads "
                        f"do not split into {shards} shards")
-    split = lambda w: w.reshape(w.shape[0], shards, -1)  # [in, heads] -> [in, shards, heads/shards]
-    whole = lambda w: jnp.broadcast_to(w[:, None], (w.shape[0], shards, w.shape[1]))
     kernel = lambda name: getattr(self, name).kernel[...]
     sharded = ("q_proj", "k_proj", "v_proj", "b_proj") + (("g_proj",) if k.output_gate == "full" else ())
     low = ("f_a_proj",) + (() if k.output_gate == "full" else ("g_a_proj",))
-    w_in = jnp.concatenate([split(kernel(n)) for n in sharded] + [whole(kernel(n)) for n in low], -1)
+    self.in_proj = head_major([kernel(n) for n in sharded], [kernel(n) for n in low], shards)
     convs = ("q_conv1d", "k_conv1d", "v_conv1d")
-    w_conv = jnp.concatenate([split(kernel(n)) for n in convs], -1).reshape(k.conv_size, -1)
-    self.in_proj = nnx.Param(w_in, sharding_names=("embed", "heads", None), eager_sharding=False)
-    self.conv1d = nnx.Param(w_conv, sharding_names=("conv", "heads"), eager_sharding=False)
+    w_conv = head_major([kernel(n) for n in convs], [], shards)[...]  # [W, shards, C]
+    self.conv1d = nnx.Param(w_conv.reshape(k.conv_size, -1), sharding_names=("conv", "heads"),
+                            eager_sharding=False)
     self.shards = shards
     for n in sharded + low + convs:
       delattr(self, n)
@@ -200,16 +198,12 @@ class KDA(nnx.Module):
     beta = y[..., c:c + hv // s].reshape(b, t, hv)
     rest = y[..., c + hv // s:]
 
-    def low_rank(a, proj):  # each shard's copy of a low-rank input times its heads' columns
-      w = proj.kernel[...].astype(x.dtype)
-      return jnp.einsum("btsr,rsn->btsn", a, w.reshape(w.shape[0], s, -1)).reshape(b, t, -1)
-
     if k.output_gate == "full":
       gate, fa = rest[..., :vs].reshape(b, t, hv * vd), rest[..., vs:]
     else:
       fa, ga = rest[..., :k.f_rank], rest[..., k.f_rank:]
-      gate = low_rank(ga, self.g_b_proj)
-    f = low_rank(fa, self.f_b_proj).reshape(b, t, hv, kd)
+      gate = per_shard(ga, self.g_b_proj.kernel[...])
+    f = per_shard(fa, self.f_b_proj.kernel[...]).reshape(b, t, hv, kd)
     return q, kk, v, f, beta, gate, tail
 
   def _inputs(self, x, cache, rows, segment_ids, lengths):

@@ -15,12 +15,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels.mla as mla_ops
 from k3jax.config import ModelConfig
-from k3jax.nn import Linear, RMSNorm
+from k3jax.nn import Linear, RMSNorm, head_major, per_shard
 from sharding import context_parallel
 from sharding.rules import logical_spec, per_device, shard
 
@@ -69,17 +70,63 @@ class MLA(nnx.Module):
 
   def _latent(self, x):
     """``[B, T, R + Dr]``: the normalised latent c and the shared key part k_r."""
-    a = self.cfg.mla
-    kv = self.kv_a_proj_with_mqa(x)
-    c = self.kv_a_layernorm(kv[..., :a.kv_lora_rank])
-    return jnp.concatenate([c, kv[..., a.kv_lora_rank:]], axis=-1)
+    return self._normed_latent(self.kv_a_proj_with_mqa(x))
 
-  def _output(self, x, o):
+  def _normed_latent(self, kv):
+    r = self.cfg.mla.kv_lora_rank
+    return jnp.concatenate([self.kv_a_layernorm(kv[..., :r]), kv[..., r:]], axis=-1)
+
+  @property
+  def fused(self) -> bool:
+    """Whether this layer is in the serving layout (:meth:`fuse_inputs`)."""
+    return "in_proj" in vars(self)
+
+  def fuse_inputs(self, shards: int) -> None:
+    """Turns this layer into the serving layout for ``shards`` head shards (the mesh's ``tensor``
+    size): the projections of x (q or q_a, kv_a and the output gate) become one weight ``in_proj
+    [d, shards, P]`` (:func:`k3jax.nn.head_major`: each shard's heads of q and the gate, then q_a
+    and kv_a repeated), one matmul per layer and step. The serving engine calls this on its own
+    copy of the model; checkpoints and training keep the separate parameters."""
+    a = self.cfg.mla
+    if a.num_heads % shards:
+      raise ValueError(f"MLA.fuse_inputs: {a.num_heads} heads do not split into {shards} shards")
+    sharded = (() if a.q_lora_rank else ("q_proj",)) + (("g_proj",) if a.output_gate else ())
+    whole = (("q_a_proj",) if a.q_lora_rank else ()) + ("kv_a_proj_with_mqa",)
+    kernel = lambda name: getattr(self, name).kernel[...]
+    self.in_proj = head_major([kernel(n) for n in sharded], [kernel(n) for n in whole], shards)
+    self.shards = shards
+    for n in sharded + whole:
+      delattr(self, n)
+
+  def _fused_inputs(self, x):
+    """The serving layout's queries ``[B, T, H, Dq]``, latents ``[B, T, R + Dr]`` and output
+    gate logits ``[B, T, H * Dv]`` (None without the gate) from x ``[B, T, d]``."""
+    a = self.cfg.mla
+    b, t, _ = x.shape
+    s, h = self.shards, a.num_heads
+    y = jnp.einsum("btd,dsp->btsp", x, self.in_proj[...].astype(x.dtype))
+    y = shard(y, ("batch", "length", "heads", None))
+    sizes = ([] if a.q_lora_rank else [h * a.qk_head_dim // s]) + (
+        [h * a.v_head_dim // s] if a.output_gate else []) + (
+        [a.q_lora_rank] if a.q_lora_rank else []) + [a.kv_lora_rank + a.qk_rope_head_dim]
+    parts = jnp.split(y, np.cumsum(sizes)[:-1], axis=-1)
+    q = parts.pop(0).reshape(b, t, -1) if not a.q_lora_rank else None
+    gate = parts.pop(0).reshape(b, t, -1) if a.output_gate else None
+    if a.q_lora_rank:
+      q = per_shard(self.q_a_layernorm(parts.pop(0)), self.q_b_proj.kernel[...])
+    # every shard holds the whole latent: one copy of it
+    lat = self._normed_latent(parts.pop(0)[:, :, 0])
+    q = shard(q.reshape(b, t, h, a.qk_head_dim), ("batch", "length", "heads", None))
+    return q, lat, gate
+
+  def _output(self, x, o, gate=None):
+    """The gated output projection; ``gate``: the output gate's logits when computed already
+    (the serving layout), else from x."""
     a = self.cfg.mla
     b, t = x.shape[:2]
     o = o.reshape(b, t, a.num_heads * a.v_head_dim)
     if a.output_gate:
-      o = o * jax.nn.sigmoid(self.g_proj(x)).astype(o.dtype)
+      o = o * jax.nn.sigmoid(self.g_proj(x) if gate is None else gate).astype(o.dtype)
     return self.o_proj(o)
 
   def __call__(self, x: jax.Array, *, segment_ids=None, valid=None, cache=None, decode=False,
@@ -96,8 +143,10 @@ class MLA(nnx.Module):
     a = self.cfg.mla
     b, t, _ = x.shape
     h, r = a.num_heads, a.kv_lora_rank
-    q = self._queries(x)
-    lat = self._latent(x)  # [B, T, R + Dr]
+    if self.fused:
+      q, lat, gate = self._fused_inputs(x)
+    else:
+      q, lat, gate = self._queries(x), self._latent(x), None  # lat [B, T, R + Dr]
     w_kv = self.kv_b_proj.kernel[...].astype(x.dtype).reshape(r, h, a.qk_nope_head_dim + a.v_head_dim)
     w_uk, w_uv = w_kv[..., :a.qk_nope_head_dim], w_kv[..., a.qk_nope_head_dim:]
     paged = cache is not None and "pages" in cache
@@ -143,4 +192,4 @@ class MLA(nnx.Module):
     o_lat = mla_ops.mla_decode(q_abs, pages, page_table, lengths.astype(jnp.int32),
                                kv_lora_rank=r, scale=self.scale, implementation=a.implementation)
     o = jnp.einsum("bthr,rhd->bthd", o_lat.astype(x.dtype), w_uv)
-    return self._output(x, o), new_cache
+    return self._output(x, o, gate), new_cache

@@ -44,6 +44,26 @@ class Linear(nnx.Module):
     return jnp.dot(x, self.kernel[...].astype(x.dtype))
 
 
+def head_major(sharded: Sequence[jax.Array], whole: Sequence[jax.Array], shards: int) -> nnx.Param:
+  """One input weight ``[in, shards, P]`` for several projections of the same input, ``P`` split
+  over ``shards`` head shards the way each shard needs it: its own share of every ``sharded``
+  kernel's columns (``[in, out]``, heads split over ``tensor``), then every ``whole`` kernel (an
+  unsharded low rank) repeated. Logical names ``("embed", "heads", None)``."""
+  split = lambda w: w.reshape(w.shape[0], shards, -1)
+  rep = lambda w: jnp.broadcast_to(w[:, None], (w.shape[0], shards, w.shape[1]))
+  w = jnp.concatenate([split(w) for w in sharded] + [rep(w) for w in whole], -1)
+  return nnx.Param(w, sharding_names=("embed", "heads", None), eager_sharding=False)
+
+
+def per_shard(a: jax.Array, kernel: jax.Array) -> jax.Array:
+  """Each shard's copy of a low-rank input ``a [B, T, shards, r]`` (a :func:`head_major`
+  weight's repeated part) times its own columns of ``kernel [r, out]`` (heads split over the
+  shards) -> ``[B, T, out]``: the low rank's second projection without gathering a shard."""
+  w = kernel.astype(a.dtype)
+  y = jnp.einsum("btsr,rsn->btsn", a, w.reshape(w.shape[0], a.shape[2], -1))
+  return y.reshape(*a.shape[:2], -1)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
   """RMSNorm over the last axis of x ``[..., d]`` in float32 (or wider), returned in x's dtype;
   weight ``[d]`` or None.

@@ -126,10 +126,11 @@ def test_serving_engine_on_a_mesh():
 
 
 def test_serving_layout_on_a_mesh():
-  """The KDA serving layout (one input matmul, one conv tail, head-major over the shards) on
-  tensor=2 and tensor=4 gives the separate layout's outputs, states and tails (float32)."""
+  """The serving layout of the KDA and MLA layers (one input matmul, one conv tail, head-major
+  over the shards) on tensor=2 and tensor=4 gives the separate layout's outputs and cache writes
+  (float32)."""
   out = _run("serve_layout")
-  assert len(out) == 8
+  assert len(out) == 16
   for case, err in out.items():
     assert max(err.values()) < 2e-5, (case, err)
 

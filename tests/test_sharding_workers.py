@@ -409,7 +409,7 @@ def serve_mesh():
 
 
 def serve_layout():
-  """The KDA serving layout (tests/test_serve_layout.py) with heads over tensor=2 (data=2,
+  """The serving layout (tests/test_serve_layout.py) with heads over tensor=2 (data=2,
   expert=2) and tensor=4 (data=2) against the separate layout on one device."""
   from test_serve_layout import fused_vs_separate
   return {f"tensor{t}/{k}": v for t, mc in ((2, MeshConfig(data=2, expert=2, tensor=2)),

@@ -1,7 +1,7 @@
 """Device side of the serving engine: the cache pools, the forward-and-sample step and slot copies.
 
-The steps run the model in its serving layout (:func:`serving_model`: each KDA layer's input
-projections one matmul, its short convs one conv tail). Pools, one entry per decoder layer: an
+The steps run the model in its serving layout (:func:`serving_model`: each attention layer's
+input projections one matmul, a KDA layer's short convs one conv tail). Pools, one entry per decoder layer: an
 MLA layer's ``{"pages": [P, page_size, R + Dr]}`` latent pages, a KDA layer's ``{"conv": [S, W-1,
 C], "state": [S, HV, V, K] float32}`` slots (:meth:`k3jax.kda.KDA.init_cache` of S rows in the
 serving layout). Page 0 and slot 0 are scratch.
@@ -35,11 +35,11 @@ _ROW_KEYS = ("page_table", "slots")
 
 def serving_model(model: K3Model, shards: int) -> K3Model:
   """``model``, changed in place, in the serving layout for ``shards`` head shards (the mesh's
-  ``tensor`` size): every KDA layer's input projections and short convs fused
-  (:meth:`k3jax.kda.KDA.fuse_inputs`). Built once per set of weights, not per step."""
+  ``tensor`` size): every attention layer's input projections one matmul, a KDA layer's short
+  convs one (:meth:`k3jax.kda.KDA.fuse_inputs`, :meth:`k3jax.mla.MLA.fuse_inputs`). Built once
+  per set of weights, not per step."""
   for layer in model.layers:
-    if layer.kind != "mla":
-      layer.self_attn.fuse_inputs(shards)
+    layer.self_attn.fuse_inputs(shards)
   return model
 
 
