@@ -130,8 +130,9 @@ class KDA(nnx.Module):
   def init_cache(self, batch: int) -> dict:
     """Decode cache of ``batch`` rows (one per request, or the serving engine's slot pool): conv
     tails ``[batch, W-1, C]`` (in the serving layout (:meth:`fuse_inputs`) one ``conv`` of every
-    shard's q, k and v channels) and the float32 recurrent state, stored as the decode kernel's
-    K-last pool ``[batch, HV, V, K]`` (``kda_ops.to_pool``)."""
+    shard's q, k and v channels, which the engine keeps for all layers in one array) and the
+    float32 recurrent state, stored as the decode kernel's K-last pool ``[batch, HV, V, K]``
+    (``kda_ops.to_pool``)."""
     k = self.cfg.kda
     cd = self.cfg.cdtype
     w = k.conv_size - 1
@@ -154,8 +155,10 @@ class KDA(nnx.Module):
     matmul and keeps one conv tail per layer. Head-major: shard ``s`` holds its own heads of q,
     k, v (the conv channels, ``C``), beta and the full output gate, then the unsharded low ranks
     (f_a and a low-rank gate's g_a) repeated. The serving engine calls this on its own copy of
-    the model (checkpoints and training keep the separate parameters); the layer's cache
-    (:meth:`init_cache`) then holds one ``conv`` tail."""
+    the model (checkpoints and training keep the separate parameters). The layer then takes its
+    rows' conv tails already gathered (the cache's ``"tail" [B, W-1, shards * C]`` beside the
+    state pool and ``"slots"``) and returns their new ones the same way: the engine reads and
+    writes every layer's tails at once."""
     k = self.cfg.kda
     if k.num_heads % shards or k.value_heads % shards:
       raise ValueError(f"KDA.fuse_inputs: {k.num_heads} heads and {k.value_heads} value heads "
@@ -174,7 +177,7 @@ class KDA(nnx.Module):
 
   def _fused_inputs(self, x, cache, segment_ids, lengths):
     """The serving layout's (:meth:`fuse_inputs`) inputs of the KDA op from x ``[B, T, d]`` and
-    the slot pool ``cache``: (q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` after the short convs,
+    the rows' conv tails ``cache["tail"]``: (q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` after the short convs,
     f ``[B, T, HV, K]``, beta logits ``[B, T, HV]``, the output gate's logits ``[B, T, HV * V]``,
     the new conv tails ``[B, W-1, shards * C]``)."""
     k = self.cfg.kda
@@ -182,14 +185,13 @@ class KDA(nnx.Module):
     s, h, hv, kd, vd = self.shards, k.num_heads, k.value_heads, k.head_dim, k.v_head_dim
     y = jnp.einsum("btd,dsp->btsp", x, self.in_proj[...].astype(x.dtype))
     y = shard(y, ("batch", "length", "heads", None))
-    # The barrier keeps the projection out of the conv's concatenation with the tail (see the
-    # separate layout's) and reads the tails before the pool is written, so that XLA needs no
-    # copy of the pool to order the two.
-    y, tail = jax.lax.optimization_barrier((y, cache["conv"][cache["slots"]]))
+    # the barrier keeps the projection out of the conv's concatenation with the tail (see the
+    # separate layout's)
+    y = jax.lax.optimization_barrier(y)
     qs, vs = h * kd // s, hv * vd // s
     c = 2 * qs + vs
-    conv, tail = short_conv(y[..., :c].reshape(b, t, s * c), self.conv1d[...], segment_ids, tail,
-                            k.conv_implementation, lengths=lengths)
+    conv, tail = short_conv(y[..., :c].reshape(b, t, s * c), self.conv1d[...], segment_ids,
+                            cache["tail"], k.conv_implementation, lengths=lengths)
     conv = conv.reshape(b, t, s, c)
     names = ("batch", "length", "heads", None)
     q = shard(conv[..., :qs].reshape(b, t, h, kd), names)
@@ -283,7 +285,7 @@ class KDA(nnx.Module):
     if cache is None:
       return y, None
     if self.fused:
-      new = {"conv": cache["conv"].at[slots].set(tails)}
+      new = {"tail": tails}
     else:
       new = {"conv_" + n: tails[n] if slots is None else cache["conv_" + n].at[slots].set(tails[n])
              for n in ("q", "k", "v")}

@@ -72,14 +72,15 @@ def _run(graphdef, state, pool, step):
     kw = {"lengths": rows.pop("lengths")} if "lengths" in rows else {}
     y, new = nnx.merge(graphdef, state)(x, valid=valid, cache=dict(pool, **rows),
                                         decode=step["decode"], **kw)
-    return y, {k: v for k, v in new.items() if k in pool}
+    return y, {k: v for k, v in new.items() if k in pool or k == "tail"}
   valid = None if step["valid"] is None else jnp.asarray(step["valid"])
   return jax.jit(call)(state, pool, jnp.asarray(step["x"], jnp.float32), step["rows"], valid)
 
 
 def fused_vs_separate(mesh_cfg=None) -> dict:
   """Largest relative error of the serving layout (on ``mesh_cfg``'s mesh, or one device) against
-  the separate layout on one device, per case and step: outputs, states, conv tails."""
+  the separate layout on one device, per case and step: outputs and cache writes (KDA: states and
+  the rows' conv tails, which the serving layout takes and returns gathered; MLA: pages)."""
   import sharding
   from sharding import mesh as mesh_lib
   out = {}
@@ -91,20 +92,22 @@ def fused_vs_separate(mesh_cfg=None) -> dict:
     fused = nnx.merge(graphdef, state)
     fused.fuse_inputs(shards)
     f_graphdef, f_state = nnx.split(fused)
-    layout = (lambda p: fused_pool(p, shards)) if kind is KDA else (lambda p: p)
-    f_pool = layout(pool)
+    f_pool = {k: a for k, a in pool.items() if not k.startswith("conv_")}
     for name, step in steps.items():
       y, new = _run(graphdef, state, pool, step)
+      f_step = step
+      if kind is KDA:  # the serving layout's rows' tails, and the separate layout's written ones
+        slots = step["rows"]["slots"]
+        f_step = dict(step, rows=dict(step["rows"], tail=fused_pool(pool, shards)["conv"][slots]))
+        new = {"state": new["state"], "tail": fused_pool(new, shards)["conv"][slots]}
       if mesh is None:
-        fy, fnew = _run(f_graphdef, f_state, f_pool, step)
+        fy, fnew = _run(f_graphdef, f_state, f_pool, f_step)
       else:
-        names = {"conv": (None, None, "kv_heads"), "state": (None, "kv_heads", None, None),
-                 "pages": (None, None, None)}
+        names = {"state": (None, "kv_heads", None, None), "pages": (None, None, None)}
         names = {k: names[k] for k in f_pool}
         with sharding.layout(mesh_cfg), jax.set_mesh(mesh):
           placed = jax.device_put(f_pool, mesh_lib.pure_shardings(f_pool, mesh, names))
-          fy, fnew = _run(f_graphdef, mesh_lib.shard_params(f_state, mesh), placed, step)
-      new = layout(new)
+          fy, fnew = _run(f_graphdef, mesh_lib.shard_params(f_state, mesh), placed, f_step)
       out[f"{case}/{name}"] = {"y": _max_rel(y, fy),
                                **{k: _max_rel(new[k], fnew[k]) for k in new}}
   return out

@@ -58,7 +58,7 @@ log = logging.getLogger("k3jax.serve")
 _MIN_CHUNK = 16
 # logical axis names of the pools' arrays (k3jax.serve.step): slots and pages stay whole
 _POOL_NAMES = {"pages": (None, None, None), "state": (None, "kv_heads", None, None),
-               "conv": (None, None, "kv_heads")}
+               "conv": (None, None, None, "kv_heads")}
 
 
 class Engine:

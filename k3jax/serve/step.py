@@ -1,10 +1,12 @@
 """Device side of the serving engine: the cache pools, the forward-and-sample step and slot copies.
 
 The steps run the model in its serving layout (:func:`serving_model`: each attention layer's
-input projections one matmul, a KDA layer's short convs one conv tail). Pools, one entry per decoder layer: an
-MLA layer's ``{"pages": [P, page_size, R + Dr]}`` latent pages, a KDA layer's ``{"conv": [S, W-1,
-C], "state": [S, HV, V, K] float32}`` slots (:meth:`k3jax.kda.KDA.init_cache` of S rows in the
-serving layout). Page 0 and slot 0 are scratch.
+input projections one matmul, a KDA layer's short convs one conv tail). Pools, one entry per
+decoder layer, then one more: an MLA layer's ``{"pages": [P, page_size, R + Dr]}`` latent pages,
+a KDA layer's ``{"state": [S, HV, V, K] float32}`` slots, and last ``{"conv": [S, L, W-1, C]}``,
+the conv tails of all ``L`` KDA layers per slot (:meth:`k3jax.kda.KDA.init_cache` of S rows in the
+serving layout): a step gathers its rows' tails once and writes them back once, not per layer.
+Page 0 and slot 0 are scratch.
 
 A step runs ``N`` rows of ``T`` tokens each: row ``b`` continues a request whose first
 ``starts[b]`` tokens are cached, with ``nvalid[b] <= T`` real tokens (the rest is padding that
@@ -30,7 +32,7 @@ from flax import nnx
 from k3jax.model import K3Model
 from k3jax.serve.types import TOP_LOGPROBS
 
-_ROW_KEYS = ("page_table", "slots")
+_ROW_KEYS = ("page_table", "slots", "tail")
 
 
 def serving_model(model: K3Model, shards: int) -> K3Model:
@@ -48,8 +50,10 @@ def init_pools(model: K3Model, *, num_pages: int, page_size: int, num_slots: int
   docstring)."""
   cfg = model.cfg
   width = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
-  return [{"pages": jnp.zeros((num_pages, page_size, width), cfg.cdtype)} if layer.kind == "mla"
-          else layer.self_attn.init_cache(num_slots) for layer in model.layers]
+  pools = [{"pages": jnp.zeros((num_pages, page_size, width), cfg.cdtype)} if layer.kind == "mla"
+           else layer.self_attn.init_cache(num_slots) for layer in model.layers]
+  tails = [p.pop("conv") for p in pools if "conv" in p]
+  return pools + ([{"conv": jnp.stack(tails, axis=1)}] if tails else [])
 
 
 def filter_logits(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
@@ -91,12 +95,18 @@ def forward(model: K3Model, pools: list[dict], tokens, starts, nvalid, page_tabl
   placeholders among ``tokens``, in order (:meth:`K3Model.hidden`'s ``visual_tokens`` and
   ``num_tokens``; :func:`visual_window`)."""
   t = tokens.shape[1]
-  cache = [dict(p, page_table=page_table) if "pages" in p else dict(p, slots=slots) for p in pools]
+  layers, conv = pools[:len(model.layers)], pools[len(model.layers):]  # conv: [] without KDA
+  tails = iter(jnp.unstack(conv[0]["conv"][slots], axis=1) if conv else ())  # [N, W-1, C] each
+  cache = [dict(p, page_table=page_table) if "pages" in p else dict(p, slots=slots, tail=next(tails))
+           for p in layers]
   valid = None if decode else jnp.arange(t)[None, :] < nvalid[:, None]
   h, aux = model.hidden(tokens, valid=valid, cache=cache, decode=decode, lengths=starts + t,
                         vision=vision)
   last = jnp.take_along_axis(h, (nvalid - 1)[:, None, None], axis=1)[:, 0]
   pools = [{k: v for k, v in c.items() if k not in _ROW_KEYS} for c in aux["cache"]]
+  if conv:
+    new = jnp.stack([c["tail"] for c in aux["cache"] if "tail" in c], axis=1)
+    pools.append({"conv": conv[0]["conv"].at[slots].set(new)})
   return model.logits(last), pools
 
 
