@@ -164,8 +164,9 @@ class KDA(nnx.Module):
       raise ValueError(f"KDA.fuse_inputs: {k.num_heads} heads and {k.value_heads} value heads "
                        f"do not split into {shards} shards")
     kernel = lambda name: getattr(self, name).kernel[...]
-    sharded = ("q_proj", "k_proj", "v_proj", "b_proj") + (("g_proj",) if k.output_gate == "full" else ())
-    low = ("f_a_proj",) + (() if k.output_gate == "full" else ("g_a_proj",))
+    full = k.output_gate == "full"
+    sharded = ("q_proj", "k_proj", "v_proj", "b_proj") + (("g_proj",) if full else ())
+    low = ("f_a_proj",) + (() if full else ("g_a_proj",))
     self.in_proj = head_major([kernel(n) for n in sharded], [kernel(n) for n in low], shards)
     convs = ("q_conv1d", "k_conv1d", "v_conv1d")
     w_conv = head_major([kernel(n) for n in convs], [], shards)[...]  # [W, shards, C]
@@ -177,9 +178,9 @@ class KDA(nnx.Module):
 
   def _fused_inputs(self, x, cache, segment_ids, lengths):
     """The serving layout's (:meth:`fuse_inputs`) inputs of the KDA op from x ``[B, T, d]`` and
-    the rows' conv tails ``cache["tail"]``: (q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` after the short convs,
-    f ``[B, T, HV, K]``, beta logits ``[B, T, HV]``, the output gate's logits ``[B, T, HV * V]``,
-    the new conv tails ``[B, W-1, shards * C]``)."""
+    the rows' conv tails ``cache["tail"]``: (q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` after the
+    short convs, f ``[B, T, HV, K]``, beta logits ``[B, T, HV]``, the output gate's logits
+    ``[B, T, HV * V]``, the new conv tails ``[B, W-1, shards * C]``)."""
     k = self.cfg.kda
     b, t, _ = x.shape
     s, h, hv, kd, vd = self.shards, k.num_heads, k.value_heads, k.head_dim, k.v_head_dim

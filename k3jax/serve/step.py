@@ -95,10 +95,13 @@ def forward(model: K3Model, pools: list[dict], tokens, starts, nvalid, page_tabl
   placeholders among ``tokens``, in order (:meth:`K3Model.hidden`'s ``visual_tokens`` and
   ``num_tokens``; :func:`visual_window`)."""
   t = tokens.shape[1]
-  layers, conv = pools[:len(model.layers)], pools[len(model.layers):]  # conv: [] without KDA
-  tails = iter(jnp.unstack(conv[0]["conv"][slots], axis=1) if conv else ())  # [N, W-1, C] each
-  cache = [dict(p, page_table=page_table) if "pages" in p else dict(p, slots=slots, tail=next(tails))
-           for p in layers]
+  # conv: [] without KDA layers in the serving layout
+  layers, conv = pools[:len(model.layers)], pools[len(model.layers):]
+  cache = [dict(p, page_table=page_table) if "pages" in p else dict(p, slots=slots) for p in layers]
+  if conv:  # every KDA layer's rows' tails [N, W-1, C]
+    tails = jnp.unstack(conv[0]["conv"][slots], axis=1)
+    for c, tail in zip([c for c in cache if "slots" in c], tails):
+      c["tail"] = tail
   valid = None if decode else jnp.arange(t)[None, :] < nvalid[:, None]
   h, aux = model.hidden(tokens, valid=valid, cache=cache, decode=decode, lengths=starts + t,
                         vision=vision)
