@@ -147,8 +147,9 @@ def xor_middle_of_largest_file(directory):
 def test_a_bit_flipped_checkpoint_is_named_and_the_run_resumes_from_the_previous_one(
     full_run, tmp_path, capsys):
   """The issue's experiment: 64 bytes XOR-ed in the middle of the newest checkpoint's largest data
-  file. The resume names the checkpoint and the arrays whose checksums fail, and goes on from
-  the previous checkpoint to the same losses as the uninterrupted run."""
+  file. The resume names the checkpoint (and the arrays whose checksums fail, where the bytes
+  still decode), and goes on from the previous checkpoint to the same losses as the
+  uninterrupted run."""
   run_dir = tmp_path / "flipped"
   shutil.copytree(full_run, run_dir)
   ckpts = run_dir / "checkpoints"
@@ -157,7 +158,10 @@ def test_a_bit_flipped_checkpoint_is_named_and_the_run_resumes_from_the_previous
   assert train.main(["--no-progress", "--run-dir", str(run_dir), f"train.steps={STEPS}", *SMALL,
                      "train.eval_every=3", "train.eval_batches=1"]) == 0
   out = capsys.readouterr()
-  assert f"checkpoint {ckpts / '6'} does not match its checksums in " in out.err
+  # Where the flipped bytes land decides which check catches them: the checksums, or the
+  # store's own decoding (a compressed chunk's header); either names the checkpoint.
+  assert (f"checkpoint {ckpts / '6'} does not match its checksums in " in out.err
+          or f"checkpoint {ckpts / '6'} is corrupt or unreadable (" in out.err), out.err
   assert "resumed from step 4" in out.out
   assert (ckpts / "6.corrupt").is_dir()
   assert sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) == [2, 4, 6]
