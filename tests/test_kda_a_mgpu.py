@@ -43,21 +43,21 @@ def test_op_cases(case):
   check(case, "pallas_gpu", config=tuning)
 
 
-def _inputs(seed, dtype, t, h, hv, kd, cuts, wild):
-  """q, k ``[1, Tp, H, K]``, raw g ``[1, Tp, HV, K]`` (zero after T, as the op pads them), A_log,
+def _inputs(seed, dtype, t, h, hv, kd, cuts, wild, bsz=1):
+  """q, k ``[B, Tp, H, K]``, raw g ``[B, Tp, HV, K]`` (zero after T, as the op pads them), A_log,
   dt_bias ``[HV, K]`` around -4 (slow decays: earlier segments of a chunk still count) and
-  segment ids ``[1, Tp]`` (edge-padded); with ``wild`` a quarter of the channels of value head 0
+  segment ids ``[B, Tp]`` (edge-padded); with ``wild`` a quarter of the channels of value head 0
   in the second chunk decay by ~10 per token, so only that chunk's middle-row exponents exceed
   MAX_EXP."""
   rng = np.random.default_rng(seed)
   tp = -(-t // C) * C
   n = lambda *s: rng.standard_normal(s)
-  q, k, g = n(1, tp, h, kd), n(1, tp, h, kd), n(1, tp, hv, kd)
+  q, k, g = n(bsz, tp, h, kd), n(bsz, tp, h, kd), n(bsz, tp, hv, kd)
   if wild:
     g[0, C:, 0, :kd // 4] = 3 * g[0, C:, 0, :kd // 4] + 16.0
   for x in (q, k, g):
     x[:, t:] = 0.0
-  seg = np.zeros((1, tp), np.int32)
+  seg = np.zeros((bsz, tp), np.int32)
   for cut in cuts:
     seg[:, cut:] += 1
   seg[:, t:] = seg[:, t - 1:t]
@@ -108,18 +108,22 @@ def _loop(cfg, q, k, g, A_log, dt_bias, seg, t, speculative_rows):
 
 
 # (dtype, gate, lower bound (reference blocks of 32, 16 and 64 rows), L2 norm fused, T, H, HV,
-# K, segment starts, wild decays in one chunk): every gate, segments inside and at the edge of a
-# chunk, odd T and T = 1, grouped values, one and two K slices
-@pytest.mark.parametrize("dtype,gate,lb,fused,t,h,hv,kd,cuts,wild", [
-    (jnp.float32, "bounded", -5.0, True, 100, 1, 2, 128, (30, 64, 65), False),
-    (jnp.bfloat16, "bounded", -8.0, True, 50, 1, 1, 64, (20,), False),
-    (jnp.float32, "bounded", -2.0, False, 1, 1, 1, 64, (), False),
-    (jnp.bfloat16, "softplus", -5.0, True, 77, 1, 2, 128, (30,), True),
-    (jnp.float32, None, -5.0, False, 83, 2, 2, 64, (17, 40), True),
+# K, segment starts, wild decays in one chunk, B): every gate, segments inside and at the edge of
+# a chunk, odd T and T = 1, grouped values, one and two K slices; and the shape of
+# benchmarks/kda.py's check (two batch rows, 3 segments, T = 600), whose op gave NaN on an H100
+# with this kernel (issue 40): run on the card, this test names the outputs that differ
+@pytest.mark.parametrize("dtype,gate,lb,fused,t,h,hv,kd,cuts,wild,bsz", [
+    (jnp.float32, "bounded", -5.0, True, 100, 1, 2, 128, (30, 64, 65), False, 1),
+    (jnp.bfloat16, "bounded", -8.0, True, 50, 1, 1, 64, (20,), False, 1),
+    (jnp.float32, "bounded", -2.0, False, 1, 1, 1, 64, (), False, 1),
+    (jnp.bfloat16, "softplus", -5.0, True, 77, 1, 2, 128, (30,), True, 1),
+    (jnp.float32, None, -5.0, False, 83, 2, 2, 64, (17, 40), True, 1),
+    pytest.param(jnp.bfloat16, "bounded", -5.0, True, 600, 4, 4, 128, (250, 350), False, 2,
+                 marks=pytest.mark.slow),
 ], ids=["f32_bounded_T100", "bf16_bounded_lb8", "f32_rows64_T1", "bf16_softplus_redo",
-        "f32_given_g_redo"])
-def test_matches_float64(dtype, gate, lb, fused, t, h, hv, kd, cuts, wild):
-  q, k, g, A_log, dt_bias, seg = _inputs(kd + t, dtype, t, h, hv, kd, cuts, wild)
+        "f32_given_g_redo", "bf16_check_shape_B2_T600"])
+def test_matches_float64(dtype, gate, lb, fused, t, h, hv, kd, cuts, wild, bsz):
+  q, k, g, A_log, dt_bias, seg = _inputs(kd + t, dtype, t, h, hv, kd, cuts, wild, bsz)
   if gate is None:  # g is the log decay itself
     g = (-jnp.exp(g.astype(jnp.float32) - 4.0)).astype(dtype)
   tuning = config.KdaGpuConfig(chunk_a="mosaic")
@@ -130,11 +134,14 @@ def test_matches_float64(dtype, gate, lb, fused, t, h, hv, kd, cuts, wild):
   assert a_mgpu.supported(cfg, q, k, g)
   v = jnp.zeros(g.shape[:3] + (16,), dtype)
   got = chunk_dense.chunk_a(cfg, q, k, v, g, jnp.zeros(g.shape[:3]), A_log, dt_bias, seg, t)
-  want, redo = _loop(cfg, q, k, g, A_log, dt_bias, seg, t, rows)
+  rows_b = [_loop(cfg, *(x[i:i + 1] for x in (q, k, g)), A_log, dt_bias, seg[i:i + 1], t, rows)
+            for i in range(bsz)]  # (the loop takes one batch row)
+  want = {name: np.concatenate([w[name] for w, _ in rows_b]) for name in NAMES}
+  redo = np.concatenate([r for _, r in rows_b])
   tol = 1e-4 if dtype == jnp.float32 else 1.2e-2  # bf16 operands and results
-  for name, x in zip(NAMES, got):
-    assert max_rel_err(np.asarray(x, np.float32), want[name]) < tol, (
-        name, max_rel_err(np.asarray(x, np.float32), want[name]))
+  errs = {name: (max_rel_err(np.asarray(x, np.float32), want[name]),
+                 int(np.isnan(np.asarray(x, np.float32)).sum())) for name, x in zip(NAMES, got)}
+  assert all(e < tol for e, _ in errs.values()), errs  # (error, NaN count) of every output
   if sub:
     assert wild == bool(redo.any())
     np.testing.assert_array_equal(np.asarray(got[-1]), redo)
