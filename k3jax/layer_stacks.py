@@ -1,12 +1,11 @@
-"""Per-layer trees with layers of one kind stacked, for the work done once per step on them.
+"""Per-layer trees with the scanned layers stacked, for the work done once per step on them.
 
 Under ``model.scan_layers`` the layers at position ``j`` of the scanned groups
 (:meth:`ModelConfig.layer_groups`; K3: 4 positions of 22 layers each) have one structure and
-shapes; unscanned, so do the layers of one mixer and MLP kind. The training step's gradient
-norm and the optimizer see each such group as one ``layer_stacks`` entry whose leaves are the
-layers' leaves stacked on a leading axis, so XLA compiles one op per group and parameter instead
-of one per layer (the scan's own gradients come out stacked in its order). The parameter tree,
-the optimizer state and checkpoints keep one
+shapes. The training step's gradient norm and the optimizer see each such position as one
+``layer_stacks`` entry whose leaves are the layers' leaves stacked on a leading axis, so XLA
+compiles one op per position and parameter instead of one per layer (the scan's own gradients
+come out stacked in this order). The parameter tree, the optimizer state and checkpoints keep one
 entry per layer: trees are stacked where the step needs them and unstacked at its end.
 
 Every dict holding a ``layers`` entry is stacked, wherever it sits in the tree: the parameter
@@ -20,26 +19,19 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from k3jax.config import Config
+from k3jax.config import ModelConfig
 
 STACKS = "layer_stacks"
 
 
-def positions(cfg: Config) -> list[list[int]]:
-  """The layer indices stacked together, one list per stack ([] under
-  ``optimizer.stack_layers=false``): under ``model.scan_layers`` one per position of the scanned
-  groups, in the scan's group order ([] when nothing is scanned); otherwise the layers grouped by
-  mixer and MLP kind (the same parameter shapes), groups of at least two (k3_1b: its 11 KDA MoE
-  layers and 4 MLA MoE layers)."""
-  m = cfg.model
-  if not cfg.optimizer.stack_layers:
+def positions(m: ModelConfig) -> list[list[int]]:
+  """The layer indices stacked together, one list per position of the scanned groups, in the
+  scan's group order; [] when the decoder is not scanned."""
+  if not m.scan_layers:
     return []
-  if m.scan_layers:
-    return m.scan_positions() if m.layer_groups()[2] >= 2 else []
-  groups: dict = {}
-  for i in range(m.num_layers):
-    groups.setdefault((m.layer_kind(i), m.is_moe(i)), []).append(i)
-  return [g for g in groups.values() if len(g) >= 2]
+  if m.layer_groups()[2] < 2:
+    return []
+  return m.scan_positions()
 
 
 def stack(tree, stacks: list[list[int]], join: Callable = lambda *xs: jnp.stack(xs),

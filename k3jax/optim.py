@@ -454,9 +454,7 @@ def make_optimizer(cfg: Config, params, names=None
   Muon lays out its Newton-Schulz on a mesh."""
   o = cfg.optimizer
   schedule = make_schedule(o, total_steps(cfg))
-  stacks = layer_stacks.positions(cfg)
-  if set(params.get("layers", {})) != set(range(cfg.model.num_layers)):
-    stacks = []  # not the model's whole tree (a part of it): leaf by leaf, the same updates
+  stacks = layer_stacks.positions(cfg.model)
   if o.name == "adamw":
     base = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                        mask=decay_mask)

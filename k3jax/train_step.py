@@ -79,7 +79,7 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation,
   grad_fn = jax.value_and_grad(loss or functools.partial(_loss, train=cfg.train), argnums=1,
                                has_aux=True)
   layers = moe_layers(cfg)
-  stacks = layer_stacks.positions(cfg)
+  stacks = layer_stacks.positions(cfg.model)
 
   def train_step(params, opt_state, biases, step, rng, batch: Batch):
     del rng  # the model has no stochastic parts; kept in the signature for ones that do

@@ -1,6 +1,6 @@
-"""The optimizer runs on the layers stacked by scan position (scanned models) or by layer kind
-(unscanned ones) (k3jax/layer_stacks.py): the same updates and state as leaf by leaf, in float64
-on fresh random values, and the state still one entry per layer."""
+"""The optimizer of a scanned model runs on the layers stacked by scan position
+(k3jax/layer_stacks.py): the same updates and state as leaf by leaf, in float64 on fresh random
+values, and the state still one entry per layer."""
 
 import jax
 import jax.numpy as jnp
@@ -52,30 +52,24 @@ def _assert_close(got, want):
 @pytest.mark.slow
 def test_stacked_optimizer_equals_per_leaf():
   """Muon (AdamW on its other leaves, with the weight-decay mask) with per-head views, clipping and
-  weight decay, over three scanned groups of KDA + MLA, and unscanned over the same layers stacked
-  by kind, against the optimizer leaf by leaf."""
+  weight decay, over three scanned groups of KDA + MLA."""
   overrides = [*SMALL, "optimizer.name=muon", "optimizer.muon_ns_precision=f32",
                "optimizer.muon_per_head=true", "optimizer.weight_decay=0.1",
                "optimizer.grad_clip=0.5", "optimizer.warmup_steps=0"]
   plain = tiny_config(*overrides, "model.scan_layers=false")
   scanned = tiny_config(*overrides, "model.scan_layers=true")
-  assert layer_stacks.positions(scanned) == [[1, 3, 5], [2, 4, 6]]
-  # unscanned: the MoE KDA and the MoE MLA layers (layer 0, dense, stays alone)
-  assert layer_stacks.positions(plain) == [[1, 3, 5], [2, 4, 6]]
+  assert layer_stacks.positions(scanned.model) == [[1, 3, 5], [2, 4, 6]]
   params = _random_params(plain, 0)
   grads = [_random_params(plain, 1), _random_params(plain, 2)]
-  per_leaf = tiny_config(*overrides, "model.scan_layers=false", "optimizer.stack_layers=false")
-  assert layer_stacks.positions(per_leaf) == []
-  want, want_state, want_eqns = _steps(per_leaf, params, grads)
-  for cfg in (scanned, plain):
-    got, got_state, got_eqns = _steps(cfg, params, grads)
-    # the state keeps one entry per layer: checkpoints of either setting restore into the other
-    assert jax.tree.structure(got_state) == jax.tree.structure(want_state)
-    _assert_close((got, got_state), (want, want_state))
-    assert got_eqns < want_eqns  # one op per stack, not per layer
+  want, want_state, want_eqns = _steps(plain, params, grads)
+  got, got_state, got_eqns = _steps(scanned, params, grads)
+  # the state keeps one entry per layer: checkpoints of either setting restore into the other
+  assert jax.tree.structure(got_state) == jax.tree.structure(want_state)
+  _assert_close((got, got_state), (want, want_state))
+  assert got_eqns < want_eqns  # one op per scan position, not per layer
   # the step hands the optimizer its gradients stacked as the scan produced them
   tx, _ = optim.make_optimizer(scanned, params)
-  stacked = layer_stacks.stack(grads[0], layer_stacks.positions(scanned))
+  stacked = layer_stacks.stack(grads[0], layer_stacks.positions(scanned.model))
   _assert_close(jax.jit(tx.update)(stacked, tx.init(params), params)[0], want[0])
 
 

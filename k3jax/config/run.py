@@ -53,10 +53,6 @@ class OptimizerConfig:
   muon_ns_precision: str = "bf16"
   # The form of each Newton-Schulz step: "polynomial" or "sums" (k3jax.optim.NS_FORMS).
   ns_form: str = "polynomial"
-  # Update layers of one kind (scanned: of one scan position) as one stacked leaf per parameter
-  # (k3jax.layer_stacks): the same updates, far fewer ops to compile, for a transient copy of
-  # the stacked parameters, gradients and moments during the update.
-  stack_layers: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
