@@ -82,15 +82,15 @@ class KdaGpuConfig:
   mgpu_stages: int = 3
   chunk_wu: str = "mosaic"  # WY factors: "mosaic" (``wu_mgpu`` where it applies) or "triton"
   # kda_chunk_a: "mosaic" (``a_mgpu`` where it applies: 64-token chunks, K = 64 or 128),
-  # "bounded" (``a_mgpu`` for the bounded gate only: gates without a bound ran 4x slower on it at
-  # B4 T4096 H32) or "triton". Triton stays the default until a card checks a_mgpu's numerics
-  # (benchmarks/RESULTS.md, KDA run 8: 21% faster forward for the bounded gate)
+  # "bounded" (``a_mgpu`` for the bounded gate only) or "triton". a_mgpu is under repair: on an
+  # H100 its outputs are NaN while interpret mode agrees with float64 (benchmarks/RESULTS.md, KDA
+  # runs 9-10; tests/test_kda_a_mgpu.py run on the card says which outputs differ)
   chunk_a: str = "triton"
   # kda_chunk_dqkg likewise: "mosaic" (``dqkg_mgpu`` where it applies: 64-token chunks, K and V 64
-  # or 128), "bounded" (the bounded gate only) or "triton"; Triton until a card times it
+  # or 128), "bounded" (the bounded gate only) or "triton"; Triton's is 2.4x faster (KDA run 12)
   chunk_dqkg: str = "triton"
   # kda_chunk_dwy: "mosaic" (``dwy_mgpu`` where it applies: 64-token chunks, K and V 64 or 128,
-  # bf16) or "triton"; Triton until a card times it
+  # bf16) or "triton"; the same time on an H100 (KDA run 12)
   chunk_dwy: str = "triton"
   # The Mosaic inverse's products as three bf16 products of split operands (about 16 bits, any
   # range) instead of one float16 product (11 bits, for entries of order 1)
