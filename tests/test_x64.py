@@ -54,7 +54,7 @@ CASES = {
         1, 2, 1, 64, 16, 16, 2),
     "kda_wu_mgpu": _p(test_kda_wu_mgpu.test_matches_float64, 1, 1, 1, 64, 128, (), 0.0),
     "kda_chunk_a_mgpu": _p(test_kda_a_mgpu.test_matches_float64, jnp.bfloat16, "softplus", -5.0,
-                           True, 77, 1, 2, 128, (30,), True),
+                           True, 77, 1, 2, 128, (30,), True, 1),
     "kda_chunk_dqkg_mgpu": lambda: kda_cases.check(
         test_kda_dqkg_mgpu.CASES[0], "pallas_gpu",
         config=test_kda_dqkg_mgpu._tuning(test_kda_dqkg_mgpu.CASES[0])),
