@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 import sharding
-from k3jax import vision, vision_prompt
+from k3jax import vision_prompt
 from k3jax.config import ConfigError, MeshConfig, ServeConfig
 from k3jax.generate import GenerateError, check_decoding
 from k3jax.model import K3Model
@@ -50,6 +50,7 @@ from k3jax.serve import batch
 from k3jax.serve import step as step_lib
 from k3jax.serve.batch import Request
 from k3jax.serve.cache import Allocator, Hit, PrefixIndex, chain_key
+from k3jax.serve.images import ImageInputs, validate as validate_images
 from k3jax.serve.types import TOP_LOGPROBS, EngineStats, RequestError, SamplingParams, TokenOutput
 from sharding import mesh as mesh_lib
 from sharding.rules import DEFAULT_RULES
@@ -112,11 +113,8 @@ class Engine:
     self._in_flight: list = []  # the dispatched step's rows and outputs, read by the next step
     # prefill steps of a model with a vision tower take, per row, the visual tokens of its
     # chunk's placeholders [T, d] (a row without images: zeros)
-    self._visual_shape = self._no_visual = self._encoder = None
-    if self.cfg.vision is not None:
-      self._visual_shape = (self.cfg.hidden_size, self.cfg.cdtype)
-      self._no_visual = jax.device_put(jnp.zeros((1, self.cfg.hidden_size), self.cfg.cdtype),
-                                       self._rows)
+    self._images = None if self.cfg.vision is None else ImageInputs(
+        self.cfg, self._graphdef, self._rows, self._scope)
     self._copy = jax.jit(step_lib.copy_slots, donate_argnums=0)
     self._copy_width = 2 * max(serve.max_batch, serve.prefill_rows)
     self.stats = EngineStats(pages_total=self.pages.total, slots_total=self.slots.total)
@@ -154,7 +152,7 @@ class Engine:
       raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
     if any(not 0 <= t < vocab for t in params.stop_token_ids):
       raise RequestError(f"stop token ids must lie in [0, {vocab})")
-    self._validate_images(prompt, images)
+    validate_images(self.cfg, prompt, images)
     total = len(prompt) + params.max_tokens
     if total > self.max_model_len:
       raise RequestError(
@@ -164,24 +162,6 @@ class Engine:
     if need > self.pages.total:
       raise RequestError(f"the request needs {need} cache pages of {self.serve.page_size} tokens "
                          f"and the cache holds {self.pages.total} (serve.num_pages)")
-
-  def _validate_images(self, prompt, images) -> None:
-    v = self.cfg.vision
-    if v is None:
-      if images:
-        raise RequestError("this model takes no images (it has no vision tower)")
-      return
-    if len(prompt) and int(prompt[-1]) == v.image_token_id:
-      raise RequestError("the prompt must not end with an image placeholder (text follows it)")
-    slots = sum(int(t) == v.image_token_id for t in prompt)
-    tokens = sum(item.num_tokens for item in images)
-    if slots != tokens:
-      raise RequestError(f"the prompt holds {slots} image placeholders (id {v.image_token_id}) "
-                         f"for images of {tokens} visual tokens")
-    patches = sum(item.num_patches for item in images)
-    if patches > v.max_patches:
-      raise RequestError(f"the request's images have {patches} patches, more than "
-                         f"model.vision.max_patches={v.max_patches} per request")
 
   def submit(self, prompt, params: SamplingParams, callback: Callable[[TokenOutput], None],
              images=()) -> int:
@@ -272,7 +252,7 @@ class Engine:
     for r in self.running + list(self.paused.values()) + list(self._resumed):
       r.blocks = []
       if r.visual is not None:  # placeholders still to prefill: their tokens from the new tower
-        r.visual = self._encode_images(r)
+        r.visual = self._images.encode(self._params, r.images)
 
   def _set_params(self, params) -> None:
     """Takes ``params`` (the model's state as laid out) and builds the steps' serving layout
@@ -353,7 +333,7 @@ class Engine:
       return step_lib.lower(self._step_graphdef, self._step_params, self._pools, decode=decode,
                             rows=n, tokens=t, table_width=self.table_width,
                             feed=self._feed_width, row_sharding=self._rows,
-                            visual=None if decode else self._visual_shape)
+                            visual=None if decode or self._images is None else self._images.shape)
 
   def _compiled(self, decode: bool, n: int, t: int):
     key = (decode, n, t)
@@ -380,8 +360,8 @@ class Engine:
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
       for s, c in zip(todo, pool.map(lambda low: low.compile(), lowered)):
         self._steps[s] = c
-    if self.cfg.vision is not None:
-      self._compile_encoder()
+    if self._images is not None:
+      self._images.compile(self._params)
     secs = time.perf_counter() - t0
     log.info("compiled %d step shapes in %.1f s (%d at a time)", len(todo), secs, workers)
     return secs
@@ -484,7 +464,7 @@ class Engine:
       if r.generated == 0:
         r.cached = hit.length
       if r.images and r.before[min(hit.length, len(r.prompt))] < r.before[-1]:  # left to prefill
-        r.visual = self._encode_images(r)
+        r.visual = self._images.encode(self._params, r.images)
       self.running.append(r)
 
   def _reserve(self, r: Request, end: int) -> bool:
@@ -603,44 +583,11 @@ class Engine:
       src = jax.device_put(src, self._rows)
     if decode:
       args = (*args, (*self._feed, src))
-    elif self._visual_shape is not None:
-      args = (*args, None, self._vision_inputs(rows, n, t))
+    elif self._images is not None:
+      args = (*args, None, self._images.step_inputs(rows, n, t))
     with self._scope():
       self._pools, *out = fn(self._leaves, self._pools, *args)
     return out
-
-  # ------------------------------------------------------------------------------ images
-
-  def _compile_encoder(self) -> None:
-    if self._encoder is None:
-      example = vision.batch([], self.cfg.vision.max_patches, cfg=self.cfg.vision)
-      with self._scope():
-        self._encoder = step_lib.lower_encoder(self._graphdef, self._params, example,
-                                               self._rows).compile()
-
-  def _encode_images(self, r: Request) -> jax.Array:
-    """The visual tokens ``[M, d]`` of ``r``'s images, on device (run once per admission)."""
-    self._compile_encoder()
-    arrays = vision.batch(list(r.images), self.cfg.vision.max_patches)
-    if self._rows is not None:
-      arrays = jax.device_put(arrays, self._rows)
-    with self._scope():
-      return self._encoder(self._params, arrays)[0]
-
-  def _vision_inputs(self, rows, n: int, t: int) -> dict:
-    """A prefill step's ``vision`` input: per row, the visual tokens of the placeholders in its
-    chunk (``[t, d]``, zeros for rows without images) and their count."""
-    count = np.zeros(n, np.int32)
-    with self._scope():
-      visual = [step_lib.visual_window(self._no_visual, 1, t)] * n
-      for i, (r, start, c) in enumerate(rows):
-        if r.visual is not None:
-          first, end = (int(r.before[min(p, len(r.prompt))]) for p in (start, start + c))
-          visual[i], count[i] = step_lib.visual_window(r.visual, first, t), end - first
-      stacked = jnp.stack(visual)
-    if self._rows is not None:
-      count = jax.device_put(count, self._rows)
-    return {"visual_tokens": stacked, "num_tokens": count}
 
   def _receive(self, steps) -> list[tuple[Request, TokenOutput]]:
     """Reads the sampled tokens of ``steps`` (:meth:`_book`'s) and books them: each request
