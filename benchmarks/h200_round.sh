@@ -29,6 +29,9 @@
 #   BASE=DIR bash benchmarks/h200_round.sh unchanged  # KDA, MoE and MLA kernels of an earlier
 #                                           # commit's copy (`git archive`) and of this code, in
 #                                           # turn at the same shapes: a change that must not move them
+#   bash benchmarks/h200_round.sh compile1b # k3_1b alone: compile with XLA's pass timers, MFU
+#   bash benchmarks/h200_round.sh amgpu     # the Mosaic kda_chunk_a's card diagnostic (pytest)
+#   bash benchmarks/h200_round.sh gates     # issue 40: every gate kind at every shape, jla, fla
 #   bash benchmarks/h200_round.sh long step peers   # several at once (one lock for timed GPU work)
 #
 # The k3_1b runs compile without XLA's Triton GEMM fusions (85 s instead of 111 s, same step time).
@@ -43,7 +46,7 @@ R=/tmp/h200_round; mkdir -p "$R"
 OUT=${OUT:-$R/out}; mkdir -p "$OUT"
 finish() { tar czf "$OUT/h200_round.tar.gz" -C "$R" --exclude='trace*' . 2>/dev/null; }
 trap finish EXIT
-WHEELS=$(ls .whl/*.whl .whl_train/*.whl 2>/dev/null)
+WHEELS=$(ls .whl/*.whl .whl_train/*.whl .whl_grain/*.whl 2>/dev/null)
 [ -z "$WHEELS" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site $WHEELS || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -69,6 +72,32 @@ train() {
   CUDA_VISIBLE_DEVICES=0 XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" timeout 420 \
     python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 12 \
     --json "$R/1b_no_triton_gemm.json" --lock "$LOCK" > "$R/1b_no_triton_gemm.log" 2>&1 &
+}
+
+compile1b() {
+  # k3_1b's step on one GPU with nothing else running: compile time with XLA's own pass timers
+  # (summed by xla_pass_times.py), then 10 steps (MFU). Issue 41's target: under 60 s at the
+  # MFU of Training run 50 (35.8%).
+  CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 \
+    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false TF_CPP_MIN_LOG_LEVEL=0 \
+    TF_CPP_VMODULE=hlo_pass_pipeline=1,gpu_compiler=1,nvptx_compiler=1 timeout $LIMIT \
+    python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 10 \
+    --json "$R/1b_compile.json" > "$R/1b_compile.log" 2> "$R/1b_compile.err"
+  python3 benchmarks/xla_pass_times.py "$R/1b_compile.err" > "$R/1b_passes.log" 2>&1
+  grep -v "hlo_pass_pipeline\|gpu_compiler\|nvptx_compiler" "$R/1b_compile.err" | tail -60 \
+    > "$R/1b_compile_err_tail.log"; rm -f "$R/1b_compile.err"
+  say "compile1b done"
+}
+
+amgpu() {  # the Mosaic kda_chunk_a against float64 at the check's shape: each output's error
+  flock -o "$LOCK" timeout 240 python3 -m pytest -p no:xdist -p no:cacheprovider -q \
+    tests/test_kda_a_mgpu.py -k matches_float64 -rA > "$R/amgpu.log" 2>&1
+  say "amgpu done"
+}
+
+gates() {  # issue 40's run: every gate kind at GATE_SHAPES beside jla (fla as the budget allows)
+  bench kda_gates "${GATES_S:-540}" benchmarks/kda.py --gates --no-profile \
+    --budget $(( ${GATES_S:-540} - 25 ))
 }
 
 kernels() {  # KDA variants, MLA decode kernels, MoE tilings, one after the other
@@ -210,8 +239,8 @@ ncu() {
 [ $# -gt 0 ] || set -- both
 for what in "$@"; do  # several modes run side by side; timed GPU work takes the lock in turn
   case "$what" in
-    kernels|multi|peers|flapeers|kdasweep|unchanged|ncu|glu|lse|kdadecode|mladecode|qbselect|conv|attnres|permute|optim|moesweep) $what & ;;  # blocking
-    train|long|step) $what ;;        # these start background jobs of this shell
+    kernels|multi|peers|flapeers|kdasweep|unchanged|ncu|amgpu|gates|glu|lse|kdadecode|mladecode|qbselect|conv|attnres|permute|optim|moesweep) $what & ;;  # blocking
+    train|long|step|compile1b) $what ;;        # these start background jobs of this shell
     both) train; sleep 5; kernels & ;;
     *) echo "usage: $0 MODE... (the modes are listed at the top of this script)"
        exit 2 ;;

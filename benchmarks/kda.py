@@ -241,6 +241,27 @@ def time_states(shape, kind, every):
   return jtime(fwd, *gate_inputs(shape, kind))
 
 
+def check_states(shape, kind, every=4):
+  """The forward's states every ``every`` chunks (serving's prefix cache) at ``shape`` on the
+  card, bf16 inputs, against the float32 token recurrence's (the same inputs upcast): the
+  largest relative error over the boundaries, and the output's. A restart at 5/12 of T."""
+  b, t, h, kd = shape
+  q, k, v, f, beta, a_log, dt_bias = gate_inputs(shape, kind, seed=4)
+  seg = jnp.broadcast_to((jnp.arange(t) >= 5 * t // 12).astype(jnp.int32), (b, t))
+  args = (q, k, v, f, beta, a_log, dt_bias)
+  run = lambda impl, *a: ours(*a, segment_ids=seg, impl=impl, kind=kind, every=every)
+  o1, _, st1 = jax.jit(lambda *a: run("pallas_gpu", *a))(*args)
+  o2, _, st2 = jax.jit(lambda *a: run("naive", *a))(*(x.astype(jnp.float32) for x in args))
+  assert st1.shape == st2.shape and st1.shape[1] > 0, (st1.shape, st2.shape)
+  errs = {"o": rel(o1, o2), "states": max(rel(st1[:, m], st2[:, m]) for m in range(st1.shape[1])),
+          "n_states": int(st1.shape[1])}
+  emit(name=f"check {kind} output_states_every={every} bf16 vs naive f32 "
+       "(B{} T{} H{} K{}, 2 segments)".format(*shape), **{k_: round(v_, 5) for k_, v_ in errs.items()})
+  if not (errs["o"] < CHECK_TOL and errs["states"] < CHECK_TOL):
+    _ROWS.fail(f"states {kind}", errs)
+  return errs
+
+
 def time_chunked(shape):
   """The XLA chunked path (``implementation="chunked"``), same inputs and fusions."""
   return time_ours(shape, impl="chunked")
@@ -464,6 +485,8 @@ def gates(shapes, kinds, peers, left):
         name = "jla" if kind == "jla" else f"ours {kind}"
         emit(name=f"{name} {tag}", **{k: round(v, 4) for k, v in res.items()})
     if left() > 60:  # the prefix cache's states every 4 chunks from the same forward
+      if "--no-check" not in argv:
+        _try("states check", lambda: check_states(shape, kinds[0], 4 if shape[1] >= 1024 else 1))
       res = _try("states", lambda: time_states(shape, kinds[0], 4))
       if res:
         emit(name=f"ours {kinds[0]} output_states_every=4 {tag}", fwd=round(res, 4))
