@@ -39,7 +39,13 @@ class GLU(nnx.Module):
     self.gate_proj = Linear(d, intermediate, ("embed", "mlp"), rngs=rngs, dtype=dt, std=std)
     self.up_proj = Linear(d, intermediate, ("embed", "mlp"), rngs=rngs, dtype=dt, std=std)
     self.down_proj = Linear(intermediate, d, ("mlp", "embed"), rngs=rngs, dtype=dt, std=std)
-    self.act = glu_activation(cfg)
+    self.cfg = cfg
+
+  @property
+  def act(self):
+    # built per call, not stored: layers of one config then share one graphdef (their calls in
+    # a decode step trace and lower once, k3jax.model)
+    return glu_activation(self.cfg)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """x: ``[B, T, d]`` or flat tokens ``[N, d]``."""

@@ -90,10 +90,15 @@ class LatentMoE(nnx.Module):
     self.experts = Experts(cfg, width, rngs=rngs)
     if m.num_shared_experts:
       self.shared_experts = GLU(cfg, m.num_shared_experts * m.expert_intermediate, rngs=rngs)
-    self.act = glu_activation(cfg, packed=True)
 
-  def __call__(self, x: jax.Array, *, valid: jax.Array | None = None):
-    """valid: ``[B, T]`` bool, tokens that count for balancing (padding excluded)."""
+  @property
+  def act(self):
+    # built per call, not stored (as GLU's): MoE layers of one config share one graphdef
+    return glu_activation(self.cfg, packed=True)
+
+  def __call__(self, x: jax.Array, *, valid: jax.Array | None = None, stats: bool = True):
+    """valid: ``[B, T]`` bool, tokens that count for balancing (padding excluded). stats: whether
+    to compute the router statistics (decoding needs none: then None)."""
     m = self.cfg.moe
     b, t, d = x.shape
     xf = x.reshape(b * t, d)
@@ -113,9 +118,11 @@ class LatentMoE(nnx.Module):
     if m.num_shared_experts:
       with jax.named_scope("shared_experts"):
         y = y + self.shared_experts(xf)
+    y = shard(y.reshape(b, t, d), ("batch", "length", "embed"))
+    if not stats:
+      return y, None
     with jax.named_scope("balance"):
-      stats = {
+      return y, {
           "load": router.expert_load(ids, m.num_experts, vf),
           "bias_stat": jax.lax.stop_gradient(router.sharded_bias_stat(scores, bias, ids, m, vf)),
       }
-    return shard(y.reshape(b, t, d), ("batch", "length", "embed")), stats

@@ -4,6 +4,8 @@ MLPs, Block Attention Residuals (or plain residuals), final norm and an untied h
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -43,6 +45,30 @@ _REMAT_POLICIES = {
 }
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _shared_call(graphdef, static: tuple, state, args: tuple, kw: dict):
+  """``nnx.merge(graphdef, state)(*args, **kw, **dict(static))`` as a jitted function: inside a
+  step the modules of one graphdef (every KDA layer, every MoE of one config) called on the same
+  shapes trace once and lower once, their Pallas kernels included, and XLA inlines the calls."""
+  return nnx.merge(graphdef, state)(*args, **kw, **dict(static))
+
+
+def _call_once(module, *args, static: dict | None = None, **kw):
+  """``module(*args, **static, **kw)`` through :func:`_shared_call` (``static``: the hashable
+  keyword arguments; the rest are pytrees of arrays): how a decoder layer with a decode cache
+  calls its mixer, MLP and AttnRes. A MoE called so computes no router statistics (decoding
+  needs none)."""
+  graphdef, state = nnx.split(module)
+  if isinstance(module, LatentMoE):
+    static = dict(static or {}, stats=False)
+  return _shared_call(graphdef, tuple(sorted((static or {}).items())), state, args, kw)
+
+
+def _plain_call(module, *args, static: dict | None = None, **kw):
+  """``module(*args, **static, **kw)``: the training and scoring calls of :func:`_call_once`."""
+  return module(*args, **(static or {}), **kw)
+
+
 class DecoderLayer(nnx.Module):
   def __init__(self, cfg: ModelConfig, idx: int, *, rngs: nnx.Rngs):
     self.idx = idx
@@ -60,10 +86,10 @@ class DecoderLayer(nnx.Module):
       self.self_attention_res = AttnRes(d, eps, rngs=rngs, dtype=dt, implementation=impl)
       self.mlp_res = AttnRes(d, eps, rngs=rngs, dtype=dt, implementation=impl)
 
-  def _mlp(self, x, valid):
+  def _mlp(self, x, valid, call):
     if self.moe:
-      return self.mlp(x, valid=valid)
-    return self.mlp(x), None
+      return call(self.mlp, x, valid=valid)
+    return call(self.mlp, x), None
 
   def __call__(self, prefix, blocks, *, segment_ids=None, valid=None, cache=None, decode=False,
                lengths=None, idx=None):
@@ -75,36 +101,38 @@ class DecoderLayer(nnx.Module):
     ``prefix`` is the residual stream and ``blocks`` stays empty. Returns (prefix, blocks, new
     cache, router stats or None).
     """
-    attn_kw = dict(segment_ids=segment_ids, valid=valid, cache=cache, decode=decode)
+    attn_kw = dict(segment_ids=segment_ids, valid=valid, cache=cache)
     if self.kind == "mla":
       attn_kw["lengths"] = lengths
+    call = _plain_call if cache is None else _call_once
     mixer = jax.named_scope(self.kind)  # profile scopes: kda / mla, moe / mlp, attn_res
     ffn = jax.named_scope("moe" if self.moe else "mlp")
     if not self.attn_res_on:
       with mixer:
-        a, cache = self.self_attn(self.input_layernorm(prefix), **attn_kw)
+        a, cache = call(self.self_attn, self.input_layernorm(prefix), static={"decode": decode},
+                       **attn_kw)
       x = shard(prefix + a, _ACT)
       with ffn:
-        m, stats = self._mlp(self.post_attention_layernorm(x), valid)
+        m, stats = self._mlp(self.post_attention_layernorm(x), valid, call)
       return shard(x + m, _ACT), blocks, cache, stats
     with jax.named_scope("attn_res"):
       if isinstance(blocks, BlockBuffer):
         h = blocks.mix(self.self_attention_res, prefix)
         blocks, prefix = blocks.commit(prefix, idx % self.block_size == 0)
       else:
-        h = self.self_attention_res(blocks + (prefix,)) if blocks else prefix
+        h = call(self.self_attention_res, blocks + (prefix,)) if blocks else prefix
         if self.idx % self.block_size == 0:
           blocks, prefix = blocks + (prefix,), None
     with mixer:
-      a, cache = self.self_attn(self.input_layernorm(h), **attn_kw)
+      a, cache = call(self.self_attn, self.input_layernorm(h), static={"decode": decode}, **attn_kw)
     prefix = a if prefix is None else prefix + a
     with jax.named_scope("attn_res"):
       if isinstance(blocks, BlockBuffer):
         h = blocks.mix(self.mlp_res, prefix)
       else:
-        h = self.mlp_res(blocks + (prefix,))
+        h = call(self.mlp_res, blocks + (prefix,))
     with ffn:
-      m, stats = self._mlp(self.post_attention_layernorm(h), valid)
+      m, stats = self._mlp(self.post_attention_layernorm(h), valid, call)
     return shard(prefix + m, _ACT), blocks, cache, stats
 
 
