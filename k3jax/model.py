@@ -218,8 +218,8 @@ class K3Model(nnx.Module):
     :meth:`encode_images`; optional ``token_offset`` ``[B]`` (placeholders before this window).
     Each row's ``image_token_id`` positions take its visual tokens in order.
 
-    aux: ``{"moe": {layer index (str): {"load": [E], "bias_stat": ...}}}`` and, with a cache,
-    ``{"cache": [per-layer caches]}``. ``valid`` ``[B, T]`` marks real tokens (defaults to
+    aux: ``{"moe": {layer index (str): {"load": [E], "bias_stat": ...}}}`` (empty with a cache:
+    decoding computes no router statistics) and, with a cache, ``{"cache": [per-layer caches]}``. ``valid`` ``[B, T]`` marks real tokens (defaults to
     ``segment_ids > 0`` when segment ids are given).
     """
     cfg = self.cfg
