@@ -14,7 +14,7 @@ from k3jax.config import ModelConfig
 from k3jax.glu import GLU, glu_activation
 from k3jax.nn import Linear, RMSNorm, normal, param
 from sharding import expert_parallel
-from sharding.rules import shard
+from sharding.rules import shard, token_spec
 
 
 class RouterBias(nnx.Variable):
@@ -72,6 +72,21 @@ class Experts(nnx.Module):
     self.w_down = param(rngs, normal(std), (e, f, width), ("expert", "mlp", "latent"), dt)
 
 
+def all_experts(x, expert_ids, weights, w_gate_up, w_down, activation):
+  """The routed experts of few tokens computed densely: every expert on every token, then each
+  token's ``k`` outputs weighted and summed (float32, as
+  ``pallas_kernels.moe.reference.gathered_mlp``). ``x [N, D]``, expert_ids and weights ``[N, k]``,
+  ``w_gate_up [E, D, 2F]``, ``w_down [E, F, D]``, activation ``[M, 2F] -> [M, F]`` -> ``[N, D]``."""
+  n = x.shape[0]
+  e, _, f2 = w_gate_up.shape
+  acc = jnp.promote_types(x.dtype, jnp.float32)
+  gu = jnp.einsum("nd,edf->enf", x, w_gate_up, preferred_element_type=acc)
+  h = activation(gu.astype(x.dtype).reshape(e * n, f2)).astype(x.dtype).reshape(e, n, -1)
+  y = jnp.einsum("enf,efd->end", h, w_down, preferred_element_type=acc)
+  picked = y[expert_ids, jnp.arange(n)[:, None]]  # [N, k, D]
+  return jnp.einsum("nkd,nk->nd", picked, weights.astype(acc)).astype(x.dtype)
+
+
 class LatentMoE(nnx.Module):
   """x ``[B, T, d]`` -> (``[B, T, d]``, router stats)."""
 
@@ -96,9 +111,19 @@ class LatentMoE(nnx.Module):
     # built per call, not stored (as GLU's): MoE layers of one config share one graphdef
     return glu_activation(self.cfg, packed=True)
 
-  def __call__(self, x: jax.Array, *, valid: jax.Array | None = None, stats: bool = True):
-    """valid: ``[B, T]`` bool, tokens that count for balancing (padding excluded). stats: whether
-    to compute the router statistics (decoding needs none: then None)."""
+  def dense(self, tokens: int) -> bool:
+    """Whether a decoding call on ``tokens`` tokens runs the routed experts densely
+    (:func:`all_experts`): ``moe.dense_decode_tokens`` at most, their pairs at least one per
+    expert (nearly every expert's weights are read either way; below ``tokens`` ~ the card's
+    FLOPs per byte the extra products stay within that read), on one device's experts and tokens
+    (where ``expert_parallel.routed_experts`` runs ``pallas_kernels.moe.expert_mlp``)."""
+    m = self.cfg.moe
+    return (tokens * m.top_k >= m.num_experts and tokens <= m.dense_decode_tokens
+            and not expert_parallel.active() and token_spec()[0] is None)
+
+  def __call__(self, x: jax.Array, *, valid: jax.Array | None = None, decoding: bool = False):
+    """valid: ``[B, T]`` bool, tokens that count for balancing (padding excluded). decoding: no
+    router statistics (then None), and few tokens may run every expert (:meth:`dense`)."""
     m = self.cfg.moe
     b, t, d = x.shape
     xf = x.reshape(b * t, d)
@@ -110,16 +135,19 @@ class LatentMoE(nnx.Module):
     xe = self.routed_expert_down_proj(xf) if m.latent_dim else xf
     w1, w2 = self.experts.w_gate_up[...].astype(x.dtype), self.experts.w_down[...].astype(x.dtype)
     per_row = lambda a: a.reshape(b, t, a.shape[-1])
-    y = expert_parallel.routed_experts(per_row(xe), per_row(ids), per_row(weights), w1, w2,
-                                       self.act, capacity_factor=m.capacity_factor,
-                                       implementation=m.implementation).reshape(b * t, -1)
+    if decoding and self.dense(b * t):
+      y = all_experts(xe, ids, weights, w1, w2, self.act)
+    else:
+      y = expert_parallel.routed_experts(per_row(xe), per_row(ids), per_row(weights), w1, w2,
+                                         self.act, capacity_factor=m.capacity_factor,
+                                         implementation=m.implementation).reshape(b * t, -1)
     if m.latent_dim:
       y = self.routed_expert_up_proj(self.routed_expert_norm(y))
     if m.num_shared_experts:
       with jax.named_scope("shared_experts"):
         y = y + self.shared_experts(xf)
     y = shard(y.reshape(b, t, d), ("batch", "length", "embed"))
-    if not stats:
+    if decoding:
       return y, None
     with jax.named_scope("balance"):
       return y, {

@@ -56,11 +56,11 @@ def _shared_call(graphdef, static: tuple, state, args: tuple, kw: dict):
 def _call_once(module, *args, static: dict | None = None, **kw):
   """``module(*args, **static, **kw)`` through :func:`_shared_call` (``static``: the hashable
   keyword arguments; the rest are pytrees of arrays): how a decoder layer with a decode cache
-  calls its mixer, MLP and AttnRes. A MoE called so computes no router statistics (decoding
-  needs none)."""
+  calls its mixer, MLP and AttnRes. A MoE called so decodes (``LatentMoE(decoding=True)``: no
+  router statistics, and few tokens run every expert densely)."""
   graphdef, state = nnx.split(module)
   if isinstance(module, LatentMoE):
-    static = dict(static or {}, stats=False)
+    static = dict(static or {}, decoding=True)
   return _shared_call(graphdef, tuple(sorted((static or {}).items())), state, args, kw)
 
 

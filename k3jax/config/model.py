@@ -84,6 +84,10 @@ class MoEConfig:
   sign_update_rate: float = 1e-3
   capacity_factor: float = 0.0  # 0: dropless
   implementation: str | None = None  # grouped matmul: None picks per backend
+  # Decoding on one device: up to this many tokens whose pairs reach every expert (tokens x top_k
+  # >= experts) run all experts densely (k3jax.latent_moe.all_experts): a few matmuls in place of
+  # the sort, the grouped matmuls and the scatter. 0: never.
+  dense_decode_tokens: int = 128
 
 
 @dataclasses.dataclass(frozen=True)

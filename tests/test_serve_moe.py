@@ -1,0 +1,76 @@
+"""The MoE's decoding path: few tokens run every routed expert densely
+(:func:`k3jax.latent_moe.all_experts`), against a float64 NumPy loop and against the routed path
+of the same layer (float32)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax.glu import glu_activation
+from k3jax.latent_moe import LatentMoE, all_experts
+from tests.conftest import tiny_config
+
+
+def _silu(x):
+  return x / (1.0 + np.exp(-x))
+
+
+def _reference(x, ids, weights, w1, w2, activation):
+  """Each token's k experts one at a time, float64 (``activation`` on float64 rows)."""
+  out = np.zeros((x.shape[0], w2.shape[-1]))
+  for n in range(x.shape[0]):
+    for j in range(ids.shape[1]):
+      e = ids[n, j]
+      h = activation((x[n] @ w1[e])[None])[0]
+      out[n] += weights[n, j] * (h @ w2[e])
+  return out
+
+
+@pytest.mark.parametrize("n", [1, 5, 12])
+def test_all_experts_matches_a_loop(n):
+  """Awkward sizes: one token, a token count below and above the experts; repeated experts
+  across tokens, random weights (the activation a plain SiLU-GLU, so that the loop is
+  independent of the kernels)."""
+  rng = np.random.default_rng(n)
+  e, d, f, k = 6, 12, 10, 3
+  x = rng.normal(size=(n, d)).astype(np.float32)
+  ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
+  weights = rng.uniform(0.1, 1.0, size=(n, k)).astype(np.float32)
+  w1 = rng.normal(size=(e, d, 2 * f)).astype(np.float32) / np.sqrt(d)
+  w2 = rng.normal(size=(e, f, d)).astype(np.float32) / np.sqrt(f)
+  glu_np = lambda gu: _silu(gu[:, :f]) * gu[:, f:]
+  glu_jax = lambda gu: jax.nn.silu(gu[:, :f]) * gu[:, f:]
+  got = jax.jit(lambda *a: all_experts(*a, glu_jax))(x, ids, weights, w1, w2)
+  want = _reference(*(a.astype(np.float64) if a.dtype == np.float32 else a
+                      for a in (x, ids, weights, w1, w2)), glu_np)
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
+
+
+def test_dense_decoding_equals_the_routed_path():
+  """k3_tiny's MoE (16 experts, top 4, latent experts, shared experts), float32, on 6 tokens:
+  decoding takes the dense path and gives the routed path's output."""
+  cfg = tiny_config("model.param_dtype=float32", "model.compute_dtype=float32").model
+  moe = LatentMoE(cfg, rngs=nnx.Rngs(3))
+  graphdef, state = nnx.split(moe)
+  rng = np.random.default_rng(0)
+  state = jax.tree.map(lambda a: a + 0.3 * jnp.asarray(rng.normal(size=a.shape), a.dtype), state)
+  moe = nnx.merge(graphdef, state)
+  assert moe.dense(4) and moe.dense(6) and not moe.dense(3)
+  assert not moe.dense(cfg.moe.dense_decode_tokens + 1)
+  x = jnp.asarray(rng.normal(size=(2, 3, cfg.hidden_size)), jnp.float32)
+  dense, stats = moe(x, decoding=True)
+  routed, _ = moe(x)
+  assert stats is None
+  scale = float(jnp.max(jnp.abs(routed)))
+  np.testing.assert_allclose(np.asarray(dense), np.asarray(routed), atol=2e-6 * scale)
+
+
+def test_glu_activation_is_shared_across_layers():
+  """Two MoE layers of one config have one graphdef (the activation is built per call), so a
+  decode step traces and lowers their calls once (tests/test_serve_compile.py)."""
+  cfg = tiny_config().model
+  a, b = LatentMoE(cfg, rngs=nnx.Rngs(0)), LatentMoE(cfg, rngs=nnx.Rngs(1))
+  assert nnx.split(a)[0] == nnx.split(b)[0]
+  assert a.act.func is glu_activation(cfg, packed=True).func
