@@ -96,10 +96,17 @@ def decode_rate(engine: Engine, batch: int, context: int, steps: int, rng,
   for a trace of as many steps more, after the timed ones, whose GPU time per step is printed)."""
   vocab = engine.cfg.vocab_size
   sp = SamplingParams(max_tokens=2 * steps + 8, temperature=0.0, ignore_eos=True)
+  # One prompt at a time, each paused once prefilled, then all resumed: the run meets one prefill
+  # row count and one decode shape (``batch`` rows), not every bucket on the way up, each of which
+  # would compile at first use.
+  ids = []
   for _ in range(batch):
-    engine.submit(rng.integers(3, vocab, context).tolist(), sp, lambda o: None)
-  while any(r.pending > 1 for r in engine.running) or engine.waiting or engine._inbox:
-    engine.step()
+    ids.append(engine.submit(rng.integers(3, vocab, context).tolist(), sp, lambda o: None))
+    while not any(r.id == ids[-1] and r.computed >= len(r.prompt) for r in engine.running):
+      engine.step()
+    engine.pause(ids[-1])
+  for rid in ids:
+    engine.resume(rid)
   for _ in range(3):  # compile and warm the decode shape
     engine.step()
   t0 = time.perf_counter()
