@@ -49,8 +49,12 @@ class GLU(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """x: ``[B, T, d]`` or flat tokens ``[N, d]``."""
-    gate, up = self.gate_proj(x), self.up_proj(x)
-    names = (("batch", "length", "mlp") if x.ndim == 3
+    return self.down(self.gate_proj(x), self.up_proj(x))
+
+  def down(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The activation and the down projection of the gate and up projections ``[B, T, F]`` or
+    ``[N, F]`` (a fused input weight computes those: :meth:`k3jax.latent_moe.LatentMoE.fuse_inputs`)."""
+    names = (("batch", "length", "mlp") if gate.ndim == 3
              else P(token_spec()[0], logical_spec(("mlp",))[0]))
     h = per_device(self.act, (names, names), names)(gate, up)
     if h.ndim == 3:

@@ -12,7 +12,7 @@ from flax import nnx
 from k3jax import router
 from k3jax.config import ModelConfig
 from k3jax.glu import GLU, glu_activation
-from k3jax.nn import Linear, RMSNorm, normal, param
+from k3jax.nn import Linear, RMSNorm, head_major, normal, param
 from sharding import expert_parallel
 from sharding.rules import shard, token_spec
 
@@ -111,6 +111,44 @@ class LatentMoE(nnx.Module):
     # built per call, not stored (as GLU's): MoE layers of one config share one graphdef
     return glu_activation(self.cfg, packed=True)
 
+  @property
+  def fused(self) -> bool:
+    """Whether this layer is in the serving layout (:meth:`fuse_inputs`)."""
+    return "in_proj" in vars(self)
+
+  def fuse_inputs(self, shards: int) -> None:
+    """The serving layout for ``shards`` head shards (the mesh's ``tensor`` size), as the
+    attention layers' (:meth:`k3jax.kda.KDA.fuse_inputs`): the shared experts' gate and up
+    projections and the routed experts' projection into the latent become one weight ``in_proj
+    [d, shards, P]`` (:func:`k3jax.nn.head_major`: each shard's mlp columns of gate and up, then
+    the latent projection repeated), one matmul per layer and step in place of three. The router
+    keeps its own float32 product. A layer without both (full-width experts, no shared experts)
+    stays as it is."""
+    m = self.cfg.moe
+    if not (m.latent_dim and m.num_shared_experts):
+      return
+    f = m.num_shared_experts * m.expert_intermediate
+    if f % shards:
+      raise ValueError(f"LatentMoE.fuse_inputs: shared experts of width {f} do not split into "
+                       f"{shards} shards")
+    g = self.shared_experts
+    self.in_proj = head_major([g.gate_proj.kernel[...], g.up_proj.kernel[...]],
+                              [self.routed_expert_down_proj.kernel[...]], shards)
+    self.shards = shards
+    del self.routed_expert_down_proj, g.gate_proj, g.up_proj
+
+  def _fused_inputs(self, x):
+    """The serving layout's (:meth:`fuse_inputs`) routed experts' latent input ``[N, latent]``
+    and shared experts' output ``[N, d]`` from x ``[B, T, d]``."""
+    b, t, d = x.shape
+    f = self.cfg.moe.num_shared_experts * self.cfg.moe.expert_intermediate // self.shards
+    y = jnp.einsum("btd,dsp->btsp", x, self.in_proj[...].astype(x.dtype))
+    y = shard(y, ("batch", "length", "heads", None))
+    flat = lambda a: a.reshape(b * t, -1)
+    with jax.named_scope("shared_experts"):
+      shared = self.shared_experts.down(flat(y[..., :f]), flat(y[..., f:2 * f]))
+    return flat(y[:, :, 0, 2 * f:]), shared  # every shard holds the whole latent: shard 0's
+
   def dense(self, tokens: int) -> bool:
     """Whether a decoding call on ``tokens`` tokens runs the routed experts densely
     (:func:`all_experts`): ``moe.dense_decode_tokens`` at most, their pairs at least one per
@@ -132,7 +170,10 @@ class LatentMoE(nnx.Module):
       scores = self.gate.scores(xf)
       bias = self.gate.bias[...]
       ids, weights = router.route(scores, bias, m)
-    xe = self.routed_expert_down_proj(xf) if m.latent_dim else xf
+    if self.fused:
+      xe, shared = self._fused_inputs(x)
+    else:
+      xe = self.routed_expert_down_proj(xf) if m.latent_dim else xf
     w1, w2 = self.experts.w_gate_up[...].astype(x.dtype), self.experts.w_down[...].astype(x.dtype)
     per_row = lambda a: a.reshape(b, t, a.shape[-1])
     if decoding and self.dense(b * t):
@@ -145,7 +186,7 @@ class LatentMoE(nnx.Module):
       y = self.routed_expert_up_proj(self.routed_expert_norm(y))
     if m.num_shared_experts:
       with jax.named_scope("shared_experts"):
-        y = y + self.shared_experts(xf)
+        y = y + (shared if self.fused else self.shared_experts(xf))
     y = shard(y.reshape(b, t, d), ("batch", "length", "embed"))
     if decoding:
       return y, None

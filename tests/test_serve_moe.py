@@ -74,3 +74,23 @@ def test_glu_activation_is_shared_across_layers():
   a, b = LatentMoE(cfg, rngs=nnx.Rngs(0)), LatentMoE(cfg, rngs=nnx.Rngs(1))
   assert nnx.split(a)[0] == nnx.split(b)[0]
   assert a.act.func is glu_activation(cfg, packed=True).func
+
+
+def test_fused_inputs_match_the_separate_layout():
+  """The MoE's serving layout (the shared experts' gate and up and the latent projection one
+  weight) against the separate parameters, float32, routed and dense paths; with 2 shards too."""
+  cfg = tiny_config("model.param_dtype=float32", "model.compute_dtype=float32").model
+  rng = np.random.default_rng(1)
+  moe = LatentMoE(cfg, rngs=nnx.Rngs(4))
+  graphdef, state = nnx.split(moe)
+  state = jax.tree.map(lambda a: a + 0.3 * jnp.asarray(rng.normal(size=a.shape), a.dtype), state)
+  x = jnp.asarray(rng.normal(size=(3, 5, cfg.hidden_size)), jnp.float32)
+  for decoding in (False, True):
+    want, _ = nnx.merge(graphdef, state)(x, decoding=decoding)
+    for shards in (1, 2):
+      fused = nnx.merge(graphdef, state)
+      fused.fuse_inputs(shards)
+      assert fused.fused and not hasattr(fused, "routed_expert_down_proj")
+      got, _ = fused(x, decoding=decoding)
+      scale = float(jnp.max(jnp.abs(want)))
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6 * scale)

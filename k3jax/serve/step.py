@@ -38,10 +38,14 @@ _ROW_KEYS = ("page_table", "slots", "tail")
 def serving_model(model: K3Model, shards: int) -> K3Model:
   """``model``, changed in place, in the serving layout for ``shards`` head shards (the mesh's
   ``tensor`` size): every attention layer's input projections one matmul, a KDA layer's short
-  convs one (:meth:`k3jax.kda.KDA.fuse_inputs`, :meth:`k3jax.mla.MLA.fuse_inputs`). Built once
-  per set of weights, not per step."""
+  convs one (:meth:`k3jax.kda.KDA.fuse_inputs`, :meth:`k3jax.mla.MLA.fuse_inputs`), a MoE
+  layer's shared experts' and latent input projections one
+  (:meth:`k3jax.latent_moe.LatentMoE.fuse_inputs`). Built once per set of weights, not per
+  step."""
   for layer in model.layers:
     layer.self_attn.fuse_inputs(shards)
+    if layer.moe:
+      layer.mlp.fuse_inputs(shards)
   return model
 
 
