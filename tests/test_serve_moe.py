@@ -48,10 +48,16 @@ def test_all_experts_matches_a_loop(n):
   np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
 
 
-def test_dense_decoding_equals_the_routed_path():
-  """k3_tiny's MoE (16 experts, top 4, latent experts, shared experts), float32, on 6 tokens:
-  decoding takes the dense path and gives the routed path's output."""
-  cfg = tiny_config("model.param_dtype=float32", "model.compute_dtype=float32").model
+# k3_tiny's MoE (16 experts, top 4, latent experts, shared experts, SiTU) and a Kimi Linear-like
+# one (full-width experts, SiLU)
+MOES = {"k3": (), "kimi_linear": ("model.moe.latent_dim=0", "model.activation=silu")}
+
+
+@pytest.mark.parametrize("moe_case", list(MOES))
+def test_dense_decoding_equals_the_routed_path(moe_case):
+  """Float32, on 6 tokens: decoding takes the dense path and gives the routed path's output."""
+  cfg = tiny_config("model.param_dtype=float32", "model.compute_dtype=float32",
+                    *MOES[moe_case]).model
   moe = LatentMoE(cfg, rngs=nnx.Rngs(3))
   graphdef, state = nnx.split(moe)
   rng = np.random.default_rng(0)
@@ -76,10 +82,13 @@ def test_glu_activation_is_shared_across_layers():
   assert a.act.func is glu_activation(cfg, packed=True).func
 
 
-def test_fused_inputs_match_the_separate_layout():
+@pytest.mark.parametrize("moe_case", list(MOES))
+def test_fused_inputs_match_the_separate_layout(moe_case):
   """The MoE's serving layout (the shared experts' gate and up and the latent projection one
-  weight) against the separate parameters, float32, routed and dense paths; with 2 shards too."""
-  cfg = tiny_config("model.param_dtype=float32", "model.compute_dtype=float32").model
+  weight; full-width experts keep the separate layout) against the separate parameters, float32,
+  routed and dense paths; with 2 shards too."""
+  cfg = tiny_config("model.param_dtype=float32", "model.compute_dtype=float32",
+                    *MOES[moe_case]).model
   rng = np.random.default_rng(1)
   moe = LatentMoE(cfg, rngs=nnx.Rngs(4))
   graphdef, state = nnx.split(moe)
@@ -90,7 +99,7 @@ def test_fused_inputs_match_the_separate_layout():
     for shards in (1, 2):
       fused = nnx.merge(graphdef, state)
       fused.fuse_inputs(shards)
-      assert fused.fused and not hasattr(fused, "routed_expert_down_proj")
+      assert fused.fused == bool(cfg.moe.latent_dim)
       got, _ = fused(x, decoding=decoding)
       scale = float(jnp.max(jnp.abs(want)))
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6 * scale)
