@@ -103,3 +103,9 @@ def test_fused_inputs_match_the_separate_layout(moe_case):
       got, _ = fused(x, decoding=decoding)
       scale = float(jnp.max(jnp.abs(want)))
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6 * scale)
+
+
+def test_dense_decode_tokens_is_checked():
+  from k3jax.config import ConfigError
+  with pytest.raises(ConfigError, match="model.moe.dense_decode_tokens"):
+    tiny_config("model.moe.dense_decode_tokens=-1")

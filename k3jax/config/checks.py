@@ -78,6 +78,8 @@ def validate(cfg: Config) -> None:
   _check(e.balancing_iters >= 1, "model.moe.balancing_iters", "must be >= 1")
   _check(e.latent_dim >= 0, "model.moe.latent_dim", "must be >= 0")
   _check(e.num_shared_experts >= 0, "model.moe.num_shared_experts", "must be >= 0")
+  _check(e.dense_decode_tokens >= 0, "model.moe.dense_decode_tokens",
+         f"must be >= 0 (0: never), got {e.dense_decode_tokens}")
 
   _check(m.attn_res.block_size > 0, "model.attn_res.block_size", "must be positive")
   if m.vision is not None:
