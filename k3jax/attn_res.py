@@ -17,6 +17,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import pallas_kernels.attn_res as attn_res_ops
@@ -78,14 +79,12 @@ class BlockBuffer:
 
   def mix(self, res: AttnRes, prefix: jax.Array) -> jax.Array:
     """``res(blocks + (prefix,))``: one branch per block count, each the op on that many
-    sources."""
-    proj, norm = res.proj[...], res.norm[...]
-
+    sources (:func:`switch_vjp`)."""
     def branch(k):
-      return lambda buf, x: attn_res(tuple(buf[i] for i in range(k)) + (x,), proj, norm, res.eps,
-                                     res.implementation)
-    return jax.lax.switch(self.count - 1, [branch(k) for k in range(1, len(self.buf) + 1)],
-                          self.buf, prefix)
+      return lambda buf, x, proj, norm: attn_res(tuple(buf[i] for i in range(k)) + (x,), proj,
+                                                 norm, res.eps, res.implementation)
+    return switch_vjp(self.count - 1, [branch(k) for k in range(1, len(self.buf) + 1)],
+                      self.buf, prefix, res.proj[...], res.norm[...])
 
   def commit(self, prefix: jax.Array, now: jax.Array) -> tuple["BlockBuffer", jax.Array]:
     """Where ``now`` (a traced bool): (the buffer with ``prefix`` appended, zeros to start the
@@ -94,6 +93,29 @@ class BlockBuffer:
     buf = jax.lax.dynamic_update_index_in_dim(self.buf, slot, self.count, 0)
     return (BlockBuffer(shard(buf, _BUF), self.count + now.astype(jnp.int32)),
             jnp.where(now, jnp.zeros_like(prefix), prefix))
+
+
+def switch_vjp(index: jax.Array, branches: Sequence, *args):
+  """``jax.lax.switch(index, branches, *args)`` (``args`` arrays, all differentiable) whose VJP
+  keeps only ``args`` and runs the taken branch's own VJP inside a switch. Autodiff of a switch
+  instead returns the residuals of every branch from its forward, all live until the backward:
+  for a layer scan's AttnRes mixes in the XLA form (TPU) float32 copies of each branch's sources,
+  52 ``[B, T, d]`` float32 arrays per mix for K3's 8 block slots. The taken branch's forward runs
+  again in the backward."""
+  @jax.custom_vjp
+  def run(index, *args):
+    return jax.lax.switch(index, branches, *args)
+
+  def fwd(index, *args):
+    return run(index, *args), (index, args)
+
+  def bwd(saved, ct):
+    index, args = saved
+    vjps = [lambda ct, *a, f=f: jax.vjp(f, *a)[1](ct) for f in branches]
+    return (np.zeros(index.shape, jax.dtypes.float0), *jax.lax.switch(index, vjps, ct, *args))
+
+  run.defvjp(fwd, bwd)
+  return run(index, *args)
 
 
 _BUF = ("blocks", "batch", "length", "embed")

@@ -94,3 +94,54 @@ def test_scanned_equals_unrolled(arch):
   assert len(flat) == len(want_flat)
   for g, w in zip(flat, want_flat):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(w))))
+
+
+def _mix_inputs(slots=3, shape=(2, 5, 8)):
+  keys = jax.random.split(jax.random.key(3), slots + 3)
+  buf = jnp.stack([jax.random.normal(k, shape) for k in keys[:slots]])
+  prefix = jax.random.normal(keys[slots], shape)
+  proj, norm = (jax.random.normal(k, shape[-1:]) for k in keys[slots + 1:])
+  return buf, prefix, proj, norm
+
+
+class _Query:
+  """What BlockBuffer.mix reads of an AttnRes module, as plain arrays (differentiable)."""
+
+  def __init__(self, proj, norm, implementation=None):
+    self.proj, self.norm, self.eps, self.implementation = proj, norm, 1e-6, implementation
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_block_buffer_mix_matches_the_tuple_form(count):
+  """BlockBuffer.mix (a switch over the block count with its own VJP) gives the values and
+  gradients of the op on the tuple of committed blocks; slots past ``count`` get none."""
+  from k3jax.attn_res import BlockBuffer, attn_res
+  args = _mix_inputs()
+
+  def scanned(buf, prefix, proj, norm):
+    return jnp.sum(jnp.sin(BlockBuffer(buf, jnp.int32(count)).mix(_Query(proj, norm), prefix)))
+
+  def tupled(buf, prefix, proj, norm):
+    return jnp.sum(jnp.sin(attn_res(tuple(buf[i] for i in range(count)) + (prefix,), proj, norm,
+                                    1e-6)))
+
+  got = jax.jit(jax.value_and_grad(scanned, argnums=(0, 1, 2, 3)))(*args)
+  want = jax.jit(jax.value_and_grad(tupled, argnums=(0, 1, 2, 3)))(*args)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), got, want)
+  assert not np.any(np.asarray(got[1][0][count:]))
+
+
+def test_block_buffer_mix_keeps_only_its_inputs(capsys):
+  """The mix's backward keeps its inputs, not every branch's float32 intermediates (autodiff of
+  a switch returns all branches' residuals from the forward: on TPU, where the op is XLA's, each
+  source's float32 copy for every block count, live until the layer's backward)."""
+  from k3jax.attn_res import BlockBuffer
+  buf, prefix, proj, norm = (x.astype(jnp.bfloat16) for x in _mix_inputs(slots=4))
+
+  def mix(buf, prefix, proj, norm, count):
+    return BlockBuffer(buf, count).mix(_Query(proj, norm, "xla"), prefix)
+
+  jax.ad_checkpoint.print_saved_residuals(mix, buf, prefix, proj, norm, jnp.int32(2))
+  saved = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+  assert not [line for line in saved if "f32" in line], saved
+  assert len(saved) <= 5, saved  # buf, prefix, proj, norm, the count
