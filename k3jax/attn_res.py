@@ -99,9 +99,9 @@ def switch_vjp(index: jax.Array, branches: Sequence, *args):
   """``jax.lax.switch(index, branches, *args)`` (``args`` arrays, all differentiable) whose VJP
   keeps only ``args`` and runs the taken branch's own VJP inside a switch. Autodiff of a switch
   instead returns the residuals of every branch from its forward, all live until the backward:
-  for a layer scan's AttnRes mixes in the XLA form (TPU) float32 copies of each branch's sources,
-  52 ``[B, T, d]`` float32 arrays per mix for K3's 8 block slots. The taken branch's forward runs
-  again in the backward."""
+  for a layer scan's AttnRes mixes in the XLA form (TPU) the branches' float32 copies of their
+  sources, 18 ``[B, T, d]`` float32 arrays per mix for K3's 8 block slots. The taken branch's
+  forward runs again in the backward."""
   @jax.custom_vjp
   def run(index, *args):
     return jax.lax.switch(index, branches, *args)
