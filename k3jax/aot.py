@@ -152,25 +152,34 @@ def compiler_options(target: str | None) -> dict:
   return {}
 
 
-def compile_lowered(lowered, target: str | None = None):
+def dump_options(path: str | None) -> dict:
+  """XLA options that write the compiled module to directory ``path`` (None: nothing): its HLO
+  before and after optimization as text and, once buffers are assigned, the buffer assignment,
+  the live ranges and the memory-usage report (``benchmarks/xla_live_buffers.py`` reads them).
+  libtpu writes these before its backend runs: a TPU compile's memory can be read minutes before
+  the compile ends."""
+  return {} if path is None else {"xla_dump_to": str(path), "xla_dump_hlo_as_text": True}
+
+
+def compile_lowered(lowered, target: str | None = None, dump_to: str | None = None):
   """``lowered.compile()`` for compile-only devices of ``target`` (a :func:`platform` name;
-  None: XLA's defaults) with :func:`compiler_options`, past JAX's persistent compilation cache:
-  an entry for them cannot be loaded without a client (reading one only warns) and writing one
-  would fill the cache with programs nothing can run. A program with a GEMM fusion that only the
-  fusion autotuner's emitters take (XLA: "No supported config found") compiles again with XLA's
-  defaults."""
+  None: XLA's defaults) with :func:`compiler_options` (and :func:`dump_options` of ``dump_to``),
+  past JAX's persistent compilation cache: an entry for them cannot be loaded without a client
+  (reading one only warns) and writing one would fill the cache with programs nothing can run.
+  A program with a GEMM fusion that only the fusion autotuner's emitters take (XLA: "No
+  supported config found") compiles again with XLA's defaults."""
   from unittest import mock
   from jax._src import compilation_cache  # jax 0.11.2 decides once per process whether the
   # cache is used (the config switch is read only then): the decision itself is overridden here
-  options = compiler_options(target)
+  options, dump = compiler_options(target), dump_options(dump_to)
   with mock.patch.object(compilation_cache, "is_cache_used", return_value=False):
     if options:
       try:
-        return lowered.compile(compiler_options=options)
+        return lowered.compile(compiler_options={**options, **dump})
       except jax.errors.JaxRuntimeError as e:
         if "No supported config found" not in str(e):
           raise
-    return lowered.compile()
+    return lowered.compile(compiler_options=dump or None)
 
 
 def usable_memory_bytes(target: str) -> int:
@@ -259,5 +268,5 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
 
 
 __all__ = ["GPU_SPECS", "TPU_HBM", "AotError", "aot_dir", "platform", "gpu_target_config",
-           "devices", "compiler_options", "compile_lowered", "usable_memory_bytes", "memory_report",
-           "kernel_counts", "collective_bytes"]
+           "devices", "compiler_options", "dump_options", "compile_lowered", "usable_memory_bytes",
+           "memory_report", "kernel_counts", "collective_bytes"]

@@ -35,7 +35,8 @@
   with the kernels of ``--platform`` (Triton and Mosaic GPU for an H200, Mosaic TPU; nothing is
   compiled or run); reports the time taken, the kernel calls and the collectives found in the
   lowered program (only the ``shard_map`` ones: GSPMD adds the others when compiling);
-- ``compiled`` (``--compile TARGET [--compile-layers N] [--hlo PATH]``): the same step compiled
+- ``compiled`` (``--compile TARGET [--compile-layers N] [--hlo PATH] [--xla-dump DIR]``): the
+  same step compiled
   for compile-only devices of an H200, an H100 or a TPU topology (:mod:`k3jax.aot`) on the
   requested mesh: XLA's memory analysis per device (temporaries, arguments, outputs, the peak)
   against the device's usable memory (``fits``), the compile time, the kernels and the bytes each
@@ -401,11 +402,12 @@ def lower_step(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lay
 
 
 def compile_step(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, layers: int,
-                 target: str, hlo_path: str | None = None) -> dict:
+                 target: str, hlo_path: str | None = None, dump_to: str | None = None) -> dict:
   """Compiles the training step of the model cut to ``layers`` layers for compile-only devices
   of ``target`` (:mod:`k3jax.aot`: ``h200``, ``v5p:2x2x1``, ...) on a mesh of ``sizes``; reports
   the compiled memory per device against the device's, the compile time and the kernels.
-  ``hlo_path``: where to write the compiled HLO text."""
+  ``hlo_path``: where to write the compiled HLO text; ``dump_to``: a directory for XLA's dump
+  of the compile (:func:`k3jax.aot.dump_options`)."""
   cfg = cut_layers(cfg, layers)
   platform = aot.platform(target)
   devices = aot.devices(target, math.prod(sizes.values()))
@@ -415,7 +417,7 @@ def compile_step(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, l
   with jax.set_mesh(mesh):
     lowered = traced.lower()
   t1 = time.perf_counter()
-  compiled = aot.compile_lowered(lowered, target)
+  compiled = aot.compile_lowered(lowered, target, dump_to)
   t2 = time.perf_counter()
   text = compiled.as_text()
   if hlo_path:
@@ -439,7 +441,8 @@ def largest_fit(by_remat_skip: dict[int, float], state: float, memory: float) ->
 
 def plan(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lower_layers: int = 0,
          platform: str = "cuda", memory_gb: float | None = None, compile_target: str | None = None,
-         compile_layers: int = -1, hlo_path: str | None = None) -> dict:
+         compile_layers: int = -1, hlo_path: str | None = None,
+         dump_to: str | None = None) -> dict:
   devices = math.prod(sizes.values())
   tok_axes = math.prod(sizes[a] for a in ("data", "fsdp", "expert"))
   accum = cfg.train.grad_accum
@@ -497,7 +500,7 @@ def plan(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, lower_lay
     report["lowering"] = lower_step(cfg, sizes, seq_len, batch, lower_layers, platform)
   if compile_target:
     report["compiled"] = compile_step(cfg, sizes, seq_len, batch, compile_layers, compile_target,
-                                      hlo_path)
+                                      hlo_path, dump_to)
   return report
 
 
@@ -519,6 +522,9 @@ def main(argv=None) -> int:
                   help="with --compile: the model cut to N layers (-1: all)")
   ap.add_argument("--hlo", default=None, metavar="PATH", help="with --compile: write the "
                   "compiled HLO text there")
+  ap.add_argument("--xla-dump", default=None, metavar="DIR", help="with --compile: XLA's dump "
+                  "of the compile there (HLO, buffer assignment, live ranges: "
+                  "benchmarks/xla_live_buffers.py reads them)")
   ap.add_argument("--memory", type=float, default=None, metavar="GB",
                   help="memory a device may use (GB): report whether the layout fits and, "
                        "with traced activations and a remat policy, the largest "
@@ -536,7 +542,8 @@ def main(argv=None) -> int:
   platform = args.platform or (aot.platform(args.compile_target) if args.compile_target
                                else "cuda")
   print(json.dumps(plan(cfg, sizes, seq_len, batch, args.lower_layers, platform, args.memory,
-                        args.compile_target, args.compile_layers, args.hlo), indent=1))
+                        args.compile_target, args.compile_layers, args.hlo, args.xla_dump),
+                   indent=1))
   return 0
 
 

@@ -9,6 +9,7 @@ plugin (``make aot``) and are skipped without it.
 """
 
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -241,3 +242,27 @@ def test_serving_steps_compile_for_tpu():
                                tokens=t, table_width=20, feed=(8, 2), row_sharding=one)
       kinds[decode] = aot.kernel_counts(aot.compile_lowered(lowered).as_text())
   assert kinds[True] and kinds[False], kinds
+
+
+def test_dump_names_the_buffers_live_at_the_peak(tmp_path, capsys):
+  """``dump_to`` (``plan --xla-dump``) writes XLA's dump of the compile, and
+  benchmarks/xla_live_buffers.py reads what is live at its memory peak (on the CPU, where the
+  whole function is one fusion, its argument) with shapes and the JAX scopes."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      "xla_live_buffers", Path(__file__).parents[1] / "benchmarks" / "xla_live_buffers.py")
+  tool = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tool)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(512, 384)), jnp.float32)
+  aot.compile_lowered(jax.jit(lambda x: jnp.sum(jnp.sin(x) @ x.T)).trace(x).lower(),
+                      dump_to=str(tmp_path))
+  pre = tool.module_prefix(str(tmp_path))
+  with open(f"{pre}-live-range.txt") as f:
+    at, live, ranges = tool.peak(f)
+  with open(f"{pre}-buffer-assignment.txt") as f:
+    _, shapes = tool.buffer_assignment(f)
+  assert at >= 0 and dict(live)["x.1{}"] == x.nbytes and ranges["x.1{}"][0] == 0
+  assert shapes["x.1{}"].startswith("f32[512,384]")
+  tool.main([str(tmp_path), "--by-shape"])
+  out = capsys.readouterr().out
+  assert "XLA's peak" in out and "f32[512,384]" in out.split("by shape:")[1]
