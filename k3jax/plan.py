@@ -423,7 +423,7 @@ def compile_step(cfg: Config, sizes: dict[str, int], seq_len: int, batch: int, l
   if hlo_path:
     with open(hlo_path, "w") as f:
       f.write(text)
-  mem = aot.memory_report(compiled)
+  mem = aot.memory_report(compiled, target)
   usable = aot.usable_memory_bytes(target)
   return {"target": target, "device_kind": devices[0].device_kind, "devices": len(devices),
           "layers": cfg.model.num_layers, "lower_s": round(t1 - t0, 1),
