@@ -8,10 +8,10 @@ live range and the JAX scope that made them, largest first. Dump a compile with
 
 (:func:`k3jax.aot.dump_options`; libtpu writes the files before its backend runs, so a TPU
 compile can be stopped once they are there; the whole K3 step's dump is about 6 GB, nearly all
-``*-buffer-assignment-values.txt``, which this does not read). XLA's peak sums every live value, the program's
-arguments and aliases of one buffer included, so it exceeds the live temporaries; the
-temporaries' allocation exceeds them by XLA's fragmentation. Two cuts of a model set side by
-side (``--by-shape``) show what grows with the layers.
+``*-buffer-assignment-values.txt``, which this does not read). XLA's peak sums every live
+value, the program's arguments and aliases of one buffer included, so it exceeds the live
+temporaries; the temporaries' allocation exceeds them by XLA's fragmentation. Two cuts of a
+model set side by side (``--by-shape``) show what grows with the layers.
 """
 
 from __future__ import annotations
