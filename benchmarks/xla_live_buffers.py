@@ -94,8 +94,9 @@ def main(argv=None) -> None:
   hlo = Path(f"{pre}.txt")
   ops = op_names(hlo.open()) if hlo.exists() else {}
   gib = 2 ** 30
-  print(f"{pre.name}\ntemporaries {temp / gib:.2f} GiB; XLA's peak {sum(b for _, b in live) / gib:.2f}"
-        f" GiB at position {at}")
+  total = sum(b for _, b in live)
+  print(f"{pre.name}\ntemporaries {temp / gib:.2f} GiB; XLA's peak {total / gib:.2f} GiB at "
+        f"position {at}")
   live.sort(key=lambda v: -v[1])
   for name, size in live[:args.top]:
     shape = shapes.get(name, "?").split("{")[0]
