@@ -47,11 +47,13 @@ def variant(*changes: tuple[str, str]) -> types.ModuleType:
 
 # KDA runs 13-14: the kernel's G is right in the first rows and wrong in the last (at T = 1 its
 # row 63 lacks x_0). In the Mosaic IR (lowered for CUDA on the CPU, before and after layout
-# inference) that product is op for op dqkg_mgpu's, which is right on the card: the ones built
-# from the same iota and compare in the WGMMA layout, the same register operand, the same
-# swizzled bf16 parts; CSE moves dqkg's ones before the TMA wait as a_mgpu has them. What
-# interpret mode runs and the card does not is the register operand (interpret mode stages it
-# in SMEM), so the first candidates put the left operands in SMEM.
+# inference) that product is op for op dqkg_mgpu's, which is right on the card: the ones from the
+# same iota, compare and convert in the WGMMA layout, the same register operand, the same swizzled
+# bf16 parts. Forming the ones at the product (run 14's proposal) gives the same ops after CSE,
+# only after the TMA wait (as the last variant has them). Interpret mode stages a register
+# operand in SMEM, so the first candidates take the left operands from SMEM. Run 13's one case
+# with a right QG (float32 given g, T83, HV2) masks x (T % 64 > 0) and runs 4 CTAs: the fourth
+# variant and the third case test each.
 G_PRODUCT = """    G = scoped(lambda *bufs, x=x: exact_products([(tril, x)], *own, *bufs, interpret=interpret),
                *[tile(bf16)] * (3 - len(own)))
 """
