@@ -5,10 +5,11 @@ sum G the kernel used, recovered from QG = scale q e^G, and G_C from gC = e^{G_C
 
   python3 benchmarks/kda_a_diag.py [N_VARIANTS [N_CASES]]
 
-Variants are ``a_mgpu`` with parts of its source replaced (``VARIANTS``), each tried on the
-first N_CASES cases (Triton's outputs computed once a case; about 35 s a case on an H100, most of
-it compiling), so that one device call tries candidate fixes beside the kernel as it is. On the
-CPU both kernels run in interpret mode (the variants' code checked, not the card's behaviour).
+First a one-CTA probe of that product alone; then the first N_VARIANTS variants, ``a_mgpu`` with
+parts of its source replaced (``VARIANTS``), all on each of the first N_CASES cases in turn
+(Triton's outputs computed once a case; about 35 s a case on an H100, most of it compiling), so
+that one device call tries candidate fixes beside the kernel as it is. On the CPU both kernels
+run in interpret mode (the variants' code checked, not the card's behaviour).
 """
 
 from __future__ import annotations
@@ -199,11 +200,12 @@ def main():
       probe(three_d)
     except Exception as e:  # noqa: BLE001 - the variants still run
       print("probe FAILED", repr(e)[:800], flush=True)
-  for name, make in VARIANTS[:n_var]:
-    print("=== a_mgpu:", name, flush=True)
-    chunk_dense.a_mgpu = make()
-    with jax.default_matmul_precision("highest"):
-      for args in CASES[:n_case]:
+  variants = [(name, make()) for name, make in VARIANTS[:n_var]]
+  for args in CASES[:n_case]:  # every variant on a case before the next (a cut run says most)
+    for name, mod in variants:
+      print("=== a_mgpu:", name, flush=True)
+      chunk_dense.a_mgpu = mod
+      with jax.default_matmul_precision("highest"):
         try:
           case(*args)
         except Exception as e:  # noqa: BLE001 - the next case still says something
