@@ -53,20 +53,15 @@ def _shared_call(graphdef, static: tuple, state, args: tuple, kw: dict):
   return nnx.merge(graphdef, state)(*args, **kw, **dict(static))
 
 
-def _call_once(module, *args, static: dict | None = None, **kw):
+def _call_once(module, *args, static: dict | None = None, decoding: bool = False, **kw):
   """``module(*args, **static, **kw)`` through :func:`_shared_call` (``static``: the hashable
-  keyword arguments; the rest are pytrees of arrays): how a decoder layer with a decode cache
-  calls its mixer, MLP and AttnRes. A MoE called so decodes (``LatentMoE(decoding=True)``: no
-  router statistics, and few tokens run every expert densely)."""
+  keyword arguments; the rest are pytrees of arrays): how a decoder layer calls its mixer, MLP
+  and AttnRes, in training as in decoding. With ``decoding`` a MoE decodes
+  (``LatentMoE(decoding=True)``: no router statistics, and few tokens run every expert densely)."""
   graphdef, state = nnx.split(module)
-  if isinstance(module, LatentMoE):
+  if decoding and isinstance(module, LatentMoE):
     static = dict(static or {}, decoding=True)
   return _shared_call(graphdef, tuple(sorted((static or {}).items())), state, args, kw)
-
-
-def _plain_call(module, *args, static: dict | None = None, **kw):
-  """``module(*args, **static, **kw)``: the training and scoring calls of :func:`_call_once`."""
-  return module(*args, **(static or {}), **kw)
 
 
 class DecoderLayer(nnx.Module):
@@ -104,7 +99,7 @@ class DecoderLayer(nnx.Module):
     attn_kw = dict(segment_ids=segment_ids, valid=valid, cache=cache)
     if self.kind == "mla":
       attn_kw["lengths"] = lengths
-    call = _plain_call if cache is None else _call_once
+    call = functools.partial(_call_once, decoding=cache is not None)
     mixer = jax.named_scope(self.kind)  # profile scopes: kda / mla, moe / mlp, attn_res
     ffn = jax.named_scope("moe" if self.moe else "mlp")
     if not self.attn_res_on:
