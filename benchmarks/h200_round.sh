@@ -92,34 +92,12 @@ compile1b() {
 amgpu() {  # the Mosaic kda_chunk_a against float64 at the check's shape: each output's error
   flock -o "$LOCK" timeout 240 python3 -m pytest -p no:xdist -p no:cacheprovider -q \
     tests/test_kda_a_mgpu.py -k matches_float64 -rA > "$R/amgpu.log" 2>&1
-  # the same with wgmma.add_all's in-place accumulation (run_state on initialised accumulators,
-  # which GPU interpret mode never runs) replaced by fresh accumulators added in registers
-  flock -o "$LOCK" timeout 240 python3 -c '
-import pytest
-from pallas_kernels import wgmma
-def add_all(*specs, interpret):
-  sums = wgmma.products(*[(acc.shape, pairs) for acc, pairs in specs], interpret=interpret)
-  return [acc + p for (acc, _), p in zip(specs, sums)]
-wgmma.add_all = add_all
-raise SystemExit(pytest.main(["-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-rA",
-                              "tests/test_kda_a_mgpu.py", "-k", "matches_float64"]))
-' > "$R/amgpu_fresh.log" 2>&1
   say "amgpu done"
 }
 
 gates() {  # issue 40's run: every gate kind at GATE_SHAPES beside jla (fla as the budget allows);
-  # GATES_ARGS: more kda.py options (e.g. --shapes, --gate-kinds, --set "chunk_a='bounded'");
-  # GATES_FRESH=1: with wgmma.add_all on fresh accumulators (the amgpu mode's second run)
-  local fresh=""
-  [ -z "${GATES_FRESH:-}" ] || fresh="from pallas_kernels import wgmma
-def add_all(*specs, interpret):
-  sums = wgmma.products(*[(acc.shape, pairs) for acc, pairs in specs], interpret=interpret)
-  return [acc + p for (acc, _), p in zip(specs, sums)]
-wgmma.add_all = add_all"
-  bench kda_gates${GATES_FRESH:+_fresh} "${GATES_S:-540}" -c "import runpy, sys
-sys.path.insert(0, 'benchmarks'); sys.argv = ['benchmarks/kda.py'] + sys.argv[1:]
-$fresh
-runpy.run_path('benchmarks/kda.py', run_name='__main__')" --gates --no-profile \
+  # GATES_ARGS: more kda.py options (e.g. --shapes, --gate-kinds, --set "chunk_a='bounded'")
+  bench kda_gates "${GATES_S:-540}" benchmarks/kda.py --gates --no-profile \
     --budget $(( ${GATES_S:-540} - 25 )) ${GATES_ARGS:-}
 }
 
