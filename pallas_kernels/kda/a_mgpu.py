@@ -11,8 +11,8 @@ exponents are clamped to ``MAX_EXP`` and each row's largest ``|G - r|`` is retur
 One warpgroup per (chunk, batch * value head), the K axis in 64-channel slices, each phase's
 SMEM scoped so the next phase's takes its place (74 KB a CTA at K = 128, bf16: three CTAs an SM):
   - q, k and g of the chunk arrive by TMA; G is ``tril @ g`` on three bf16 parts of g (the sum in
-    float32, as ``chunk_dense.dot_cumsum``), a wgmma whose left operand (the ones) is in
-    registers, the first part in g's own tile;
+    float32, as ``chunk_dense.dot_cumsum``), a wgmma whose left operand (the ones) is in SMEM
+    (``chunk_mgpu.exact_products``), the first part in g's own tile;
   - G goes through SMEM (float32) for the reference rows r_I and G_C;
   - QG, KD, KG overwrite the slice's q, k, g tiles and go out by TMA;
   - per block I the column factor ``k e^{r_I - G}`` (zero from the block's end) goes to SMEM and
@@ -98,8 +98,9 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, pkk_ref, a_ref, q
 
     # G = tril @ g on g's three bf16 parts; g's tile takes one (read already)
     own = (g_smem.at[s],) if dt == bf16 else ()
-    G = scoped(lambda *bufs, x=x: exact_products([(tril, x)], *own, *bufs, interpret=interpret),
-               *[tile(bf16)] * (3 - len(own)))
+    G = scoped(lambda ones, *bufs, x=x: exact_products([(tril, x)], ones, *own, *bufs,
+                                                       interpret=interpret),
+               *[tile(bf16)] * (4 - len(own)))
 
     def references(g32):
       """The blocks' reference rows and G_C ([BK] each) through SMEM."""

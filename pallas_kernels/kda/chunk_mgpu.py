@@ -67,15 +67,19 @@ def store_split(x, bufs):
 
 def exact_products(terms, *bufs, interpret: bool):
   """``sum_i m_i @ x_i`` [C, BK] float32 for ``terms`` ((m_i, x_i), ...): m_i a 0/1 (or other
-  bf16-exact) [C, C] bf16 matrix in registers, x_i [C, BK] float32 on its three bf16 parts
-  (x = a + b + c exactly to float32) in ``bufs`` (three bf16 tiles per term): float32 sums
-  without a scan across the rows' threads and warps."""
+  bf16-exact) [C, C] bf16 matrix, x_i [C, BK] float32 on its three bf16 parts (x = a + b + c
+  exactly to float32); ``bufs`` holds four bf16 tiles per term, m_i's then x_i's parts: float32
+  sums without a scan across the rows' threads and warps. m_i goes through SMEM: as a register
+  operand the product's rows 8-15 of every 16 came out wrong on an H100 (KDA run 15: a one-CTA
+  probe, ``benchmarks/wgmma_regs_probe.py``)."""
   pairs, bufs = [], iter(bufs)
   for m, x in terms:
+    lhs = next(bufs)
+    lhs[...] = m
     for part in split(x, 3):
       buf = next(bufs)
       buf[...] = part
-      pairs.append((wgmma.Regs(m), buf))
+      pairs.append((lhs, buf))
   plgpu.commit_smem()
   return wgmma.product(terms[0][1].shape, *pairs, interpret=interpret)
 

@@ -82,9 +82,8 @@ class KdaGpuConfig:
   mgpu_stages: int = 3
   chunk_wu: str = "mosaic"  # WY factors: "mosaic" (``wu_mgpu`` where it applies) or "triton"
   # kda_chunk_a: "mosaic" (``a_mgpu`` where it applies: 64-token chunks, K = 64 or 128),
-  # "bounded" (``a_mgpu`` for the bounded gate only) or "triton". a_mgpu is under repair: on an
-  # H100 its outputs are wrong while interpret mode agrees with float64 (benchmarks/RESULTS.md, KDA
-  # runs 9-14; benchmarks/kda_a_diag.py run on the card localises it)
+  # "bounded" (``a_mgpu`` for the bounded gate only) or "triton". a_mgpu is right on the card
+  # since the ones of its cumulative sum come from SMEM (benchmarks/RESULTS.md, KDA run 15)
   chunk_a: str = "triton"
   # kda_chunk_dqkg likewise: "mosaic" (``dqkg_mgpu`` where it applies: 64-token chunks, K and V 64
   # or 128), "bounded" (the bounded gate only) or "triton"; Triton's is 2.4x faster (KDA run 12)

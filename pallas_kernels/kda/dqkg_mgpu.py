@@ -113,7 +113,7 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, rows_ref, h_ref, 
   if t % c:  # padded tokens leave the state alone
     x = jnp.where(ci * c + rid < t, x, 0.0)
   G = scoped(lambda *bufs: exact_products([((rid >= cid).astype(bf16), x)], *bufs,
-                                          interpret=interpret), *[tile(bf16)] * 3)
+                                          interpret=interpret), *[tile(bf16)] * 4)
 
   n = cfg.diag_rows
   nb = c // n
@@ -183,7 +183,7 @@ def _kernel(q_ref, k_ref, g_ref, alog_ref, dtb_ref, marks_ref, rows_ref, h_ref, 
   # SMEM, from a value per row of the states to one per column)
   sums = scoped(lambda *bufs: exact_products(
       [((rid <= cid).astype(bf16), dG), ((rid >= 0).astype(bf16), k * dkd)], *bufs,
-      interpret=interpret), *[tile(bf16)] * 6)
+      interpret=interpret), *[tile(bf16)] * 8)
   dg = sums + cont_last * jnp.exp(gl) * bcast(vec(vec_smem, wgmma.COLS), 1)
 
   def store(dq_smem, dk_smem, dg_smem):
