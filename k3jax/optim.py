@@ -5,7 +5,7 @@
 
 - ``adamw``: AdamW on every parameter;
 - ``muon``: Muon on the weight matrices: ``optax.contrib.scale_by_muon``'s Nesterov momentum
-  (normalised per matrix), then our own Newton-Schulz iteration (optax's quintic coefficients,
+  (normalised per matrix; its arithmetic and state, one reduction per leaf), then our own Newton-Schulz iteration (optax's quintic coefficients,
   5 steps) carried in bf16 (``optimizer.muon_ns_precision``; float32 accumulation inside each
   matmul, as in Moonlight and Keller Jordan's Muon: optax keeps the iterate in float32, so every
   step converted it for the matmuls and wrote float32 results, twice the traffic), update RMS
@@ -417,6 +417,36 @@ def _split(y: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
   return y.reshape((-1,) + y.shape[2:])
 
 
+def _momentum(beta: float, eps: float, dims_fn) -> optax.GradientTransformation:
+  """Muon's bias-corrected Nesterov momentum, each matrix (of the views that ``dims_fn``'s
+  dimension numbers give; leaves without them pass through) divided by its Frobenius norm plus
+  ``eps``: ``optax.contrib.scale_by_muon(ns_steps=0)``'s arithmetic and state, with the norm as one
+  reduction per leaf. optax's per-leaf ``vmap`` and zero-step ``scan`` took a third of k3_1b's
+  step tracing (243 leaves; benchmarks/RESULTS.md, "k3_1b's compile on an H200")."""
+  inner = optax.contrib.scale_by_muon(ns_steps=0, beta=beta, eps=eps, nesterov=True,
+                                      weight_dimension_numbers=dims_fn)
+  is_dims = lambda d: d is None or isinstance(d, MuonDimensionNumbers)
+
+  def normalised(x, d):
+    if d is None:
+      return x
+    _, red, out = _dims(x.ndim, d)
+    return x / (jnp.sqrt(jnp.sum(jnp.square(x), axis=red + out, keepdims=True)) + eps)
+
+  def update(updates, state, params=None):
+    del params
+    count = optax.safe_increment(state.count)
+    mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+    mu_hat = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g,
+                          optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+                          optax.tree.bias_correction(updates, beta, count))
+    dims, treedef = jax.tree.flatten(dims_fn(updates), is_leaf=is_dims)
+    done = [normalised(x, d) for x, d in zip(treedef.flatten_up_to(mu_hat), dims)]
+    return treedef.unflatten(done), state._replace(count=count, mu=mu)
+
+  return optax.GradientTransformation(inner.init, update)
+
+
 def _orthogonalise(dims_fn, dtype, rms: float, form: str,
                    specs_fn=None) -> optax.GradientTransformation:
   """Stateless: :func:`newton_schulz` (in ``form``) on the leaves whose dimension numbers are
@@ -475,9 +505,7 @@ def make_optimizer(cfg: Config, params, names=None
         lambda p: jax.tree.map(lambda pl, x: pl.spec() if hasattr(x, "shape") else x,
                                placements, p, is_leaf=is_placement))
     muon = optax.chain(
-        # momentum and the per-matrix normalisation only (no Newton-Schulz step): ns_steps=0
-        optax.contrib.scale_by_muon(ns_steps=0, beta=o.muon_beta, eps=o.eps, nesterov=True,
-                                    weight_dimension_numbers=muon_dims),
+        _momentum(o.muon_beta, o.eps, muon_dims),
         _orthogonalise(muon_dims, _NS_DTYPE[o.muon_ns_precision], rms=0.2, form=o.ns_form,
                        specs_fn=muon_specs),
         optax.add_decayed_weights(o.weight_decay),

@@ -4,6 +4,7 @@ gradient accumulation / non-finite guard on a toy model."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -299,3 +300,26 @@ def test_nonfinite_step_is_skipped():
     np.testing.assert_array_equal(x, y)
   _, _, _, m = f(p, o, b, 0, rng, batch)
   assert int(m["nonfinite"]) == 0
+
+
+def test_momentum_matches_optax_scale_by_muon():
+  """``optim._momentum`` (one norm reduction per leaf) gives optax's ``scale_by_muon(ns_steps=0)``
+  updates and state over three steps, on 2-D, batched and fan-out-first views."""
+  from optax.contrib import MuonDimensionNumbers as D
+  rng = np.random.default_rng(7)
+  shapes = {"w": (6, 10), "experts": (3, 5, 4), "flip": (2, 9, 4)}
+  dims = {"w": D(0, 1), "experts": D(1, 2), "flip": D(2, 1)}
+  dims_fn = lambda tree: {k: dims[k] for k in tree}
+  ours = optim._momentum(0.9, 1e-8, dims_fn)
+  ref = optax.contrib.scale_by_muon(ns_steps=0, beta=0.9, eps=1e-8, nesterov=True,
+                                    weight_dimension_numbers=dims_fn)
+  params = {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
+  s1, s2 = ours.init(params), ref.init(params)
+  for step in range(3):
+    g = {k: jnp.asarray(rng.normal(size=s) * (step + 1), jnp.float32) for k, s in shapes.items()}
+    u1, s1 = jax.jit(ours.update)(g, s1)
+    u2, s2 = jax.jit(ref.update)(g, s2)
+    for k in shapes:
+      np.testing.assert_allclose(u1[k], u2[k], rtol=2e-6, atol=1e-7)
+      np.testing.assert_allclose(s1.mu[k], s2.mu[k], rtol=1e-6)
+    assert int(s1.count) == int(s2.count) == step + 1
