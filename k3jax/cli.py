@@ -59,6 +59,15 @@ def use_compile_cache() -> None:
     jax.config.update("jax_compilation_cache_dir", str(cache))
 
 
+def training_xla_flags(flags: str) -> str:
+  """``flags`` (an ``XLA_FLAGS`` value) with the training step's XLA default added: XLA's Triton
+  GEMM fusions off, unless ``flags`` sets them. They cost k3_1b's step a quarter of its XLA
+  compile for the same step time (benchmarks/RESULTS.md, Training run 5: 111 -> 85 s)."""
+  if "xla_gpu_enable_triton_gemm" in flags:
+    return flags
+  return f"{flags} --xla_gpu_enable_triton_gemm=false".strip()
+
+
 def parser(prog: str, description: str, *, config_default: str | None = None,
            config_positional: bool = False, config_help: str = "") -> argparse.ArgumentParser:
   """An ``ArgumentParser`` with ``--config`` (and, with ``config_positional``, a positional

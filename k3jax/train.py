@@ -427,6 +427,7 @@ def main(argv=None) -> int:
   # A training process owns its GPUs: JAX may use 92% of each (its default is 75%) unless told
   # otherwise; JAX reads this when it first touches a device.
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+  os.environ["XLA_FLAGS"] = cli.training_xla_flags(os.environ.get("XLA_FLAGS", ""))
   args = parse_args(sys.argv[1:] if argv is None else argv)
   cli.use_compile_cache()  # a resumed run loads its compiled step from disk
   try:

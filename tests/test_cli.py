@@ -77,3 +77,13 @@ def test_compile_cache_default_and_respected(tmp_path, monkeypatch):
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
   finally:
     jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_training_xla_flags_add_the_default_and_keep_the_users():
+  """train.py turns XLA's Triton GEMM fusions off unless XLA_FLAGS already says either way; the
+  user's other flags stay."""
+  assert cli.training_xla_flags("") == "--xla_gpu_enable_triton_gemm=false"
+  assert (cli.training_xla_flags("--xla_dump_to=/tmp/d")
+          == "--xla_dump_to=/tmp/d --xla_gpu_enable_triton_gemm=false")
+  mine = "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/d"
+  assert cli.training_xla_flags(mine) == mine
