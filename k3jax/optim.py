@@ -5,9 +5,9 @@
 
 - ``adamw``: AdamW on every parameter;
 - ``muon``: Muon on the weight matrices: ``optax.contrib.scale_by_muon``'s Nesterov momentum
-  (normalised per matrix; its arithmetic and state, one reduction per leaf), then our own Newton-Schulz iteration (optax's quintic coefficients,
-  5 steps) carried in bf16 (``optimizer.muon_ns_precision``; float32 accumulation inside each
-  matmul, as in Moonlight and Keller Jordan's Muon: optax keeps the iterate in float32, so every
+  (normalised per matrix; its arithmetic and state, one reduction per leaf), then our own
+  Newton-Schulz iteration (optax's quintic coefficients, 5 steps) carried in bf16
+  (``optimizer.muon_ns_precision``; float32 accumulation inside each matmul, as in Moonlight and Keller Jordan's Muon: optax keeps the iterate in float32, so every
   step converted it for the matmuls and wrote float32 results, twice the traffic), update RMS
   matched to AdamW (``0.2 * sqrt(max(fan_in, fan_out))``); AdamW on everything that is not a
   hidden-layer matrix: norms, biases, ``A_log``, ``dt_bias``, Block AttnRes vectors, the embedding,
@@ -417,6 +417,11 @@ def _split(y: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
   return y.reshape((-1,) + y.shape[2:])
 
 
+def _is_dims(d) -> bool:
+  """A leaf of a dimension-numbers tree: Muon's numbers, or None for a leaf Muon leaves alone."""
+  return d is None or isinstance(d, MuonDimensionNumbers)
+
+
 def _momentum(beta: float, eps: float, dims_fn) -> optax.GradientTransformation:
   """Muon's bias-corrected Nesterov momentum, each matrix (of the views that ``dims_fn``'s
   dimension numbers give; leaves without them pass through) divided by its Frobenius norm plus
@@ -425,7 +430,6 @@ def _momentum(beta: float, eps: float, dims_fn) -> optax.GradientTransformation:
   step tracing (243 leaves; benchmarks/RESULTS.md, "k3_1b's compile on an H200")."""
   inner = optax.contrib.scale_by_muon(ns_steps=0, beta=beta, eps=eps, nesterov=True,
                                       weight_dimension_numbers=dims_fn)
-  is_dims = lambda d: d is None or isinstance(d, MuonDimensionNumbers)
 
   def normalised(x, d):
     if d is None:
@@ -440,7 +444,7 @@ def _momentum(beta: float, eps: float, dims_fn) -> optax.GradientTransformation:
     mu_hat = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g,
                           optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
                           optax.tree.bias_correction(updates, beta, count))
-    dims, treedef = jax.tree.flatten(dims_fn(updates), is_leaf=is_dims)
+    dims, treedef = jax.tree.flatten(dims_fn(updates), is_leaf=_is_dims)
     done = [normalised(x, d) for x, d in zip(treedef.flatten_up_to(mu_hat), dims)]
     return treedef.unflatten(done), state._replace(count=count, mu=mu)
 
@@ -452,11 +456,10 @@ def _orthogonalise(dims_fn, dtype, rms: float, form: str,
   """Stateless: :func:`newton_schulz` (in ``form``) on the leaves whose dimension numbers are
   set; on a mesh, with ``specs_fn`` (the updates tree -> each leaf's PartitionSpec, None where unknown) giving
   every such leaf's layout, :func:`mesh_newton_schulz`."""
-  is_dims = lambda d: d is None or isinstance(d, MuonDimensionNumbers)
 
   def update(updates, state, params=None):
     del params
-    dims, treedef = jax.tree.flatten(dims_fn(updates), is_leaf=is_dims)
+    dims, treedef = jax.tree.flatten(dims_fn(updates), is_leaf=_is_dims)
     leaves = treedef.flatten_up_to(updates)
     picked = [i for i, d in enumerate(dims) if d is not None]
     xs, ds = [leaves[i] for i in picked], [dims[i] for i in picked]

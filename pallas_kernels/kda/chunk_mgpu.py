@@ -70,8 +70,8 @@ def exact_products(terms, *bufs, interpret: bool):
   bf16-exact) [C, C] bf16 matrix, x_i [C, BK] float32 on its three bf16 parts (x = a + b + c
   exactly to float32); ``bufs`` holds four bf16 tiles per term, m_i's then x_i's parts: float32
   sums without a scan across the rows' threads and warps. m_i goes through SMEM: as a register
-  operand the product's rows 8-15 of every 16 came out wrong on an H100 (KDA run 15: a one-CTA
-  probe, ``benchmarks/wgmma_regs_probe.py``)."""
+  operand the product's rows 8-15 of every 16 came out wrong on the card (KDA run 15, an H200: a
+  one-CTA probe, ``benchmarks/wgmma_regs_probe.py``)."""
   pairs, bufs = [], iter(bufs)
   for m, x in terms:
     lhs = next(bufs)
