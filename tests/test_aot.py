@@ -287,3 +287,46 @@ def test_dump_names_the_buffers_live_at_the_peak(tmp_path, capsys):
   tool.main([str(tmp_path), "--by-shape"])
   out = capsys.readouterr().out
   assert "XLA's peak" in out and "f32[512,384]" in out.split("by shape:")[1]
+
+
+def test_tpu_lowering_times_reads_libtpu_log():
+  """benchmarks/tpu_lowering_times.py sums each instruction's lowering on its own compile thread
+  (threads interleave in libtpu's log), counts a retried instruction's tries, reads the stage
+  durations, and names a fusion's ops and a custom call's target from the compiled HLO."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+    "tpu_lowering_times", Path(__file__).parents[1] / "benchmarks" / "tpu_lowering_times.py")
+  tool = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tool)
+  log = """\
+I1206 22:49:06.000000   20262 lowering_emitter.cc:6973] Started lowering fusion.12
+I1206 22:49:06.500000   20258 lowering_emitter.cc:6973] Started lowering all-reduce.3
+I1206 22:49:07.250000   20262 lowering_emitter.cc:7080] Finished lowering fusion.12
+I1206 22:49:07.300000   20262 lowering_emitter.cc:6973] Started lowering fusion.12
+I1206 22:49:07.800000   20262 lowering_emitter.cc:7080] Finished lowering fusion.12
+I1206 22:49:09.500000   20258 lowering_emitter.cc:7080] Finished lowering all-reduce.3
+I1206 22:49:59.000000   20232 deepsea_compiler_hlo_passes.cc:6722] HLO_PASSES stage duration: 1m19.5s
+I1206 22:55:31.000000   20266 deepsea_compiler_base.cc:4274] BACKEND_PASSES stage duration: 5m31.946s
+""".splitlines()
+  s = tool.summarize(log)
+  assert s["units"]["fusion.12"] == pytest.approx([1.75, 2])
+  assert s["units"]["all-reduce.3"] == pytest.approx([3.0, 1])
+  assert s["threads"] == 2
+  assert s["stages"] == pytest.approx({"HLO_PASSES": 79.5, "BACKEND_PASSES": 331.946})
+  assert tool.kind("all-reduce.3") == "all-reduce" and tool.kind("fusion.12") == "fusion"
+  hlo = """\
+%fused_computation.7 (param_0: f32[8], param_1: f32[8]) -> f32[8] {
+  %param_0 = f32[8]{0} parameter(0)
+  %param_1 = f32[8]{0} parameter(1)
+  %multiply.1 = f32[8]{0} multiply(f32[8]{0} %param_0, f32[8]{0} %param_1)
+  ROOT %add.2 = f32[8]{0} add(f32[8]{0} %multiply.1, f32[8]{0} %param_0)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %fusion.12 = f32[8]{0} fusion(f32[8]{0} %a, f32[8]{0} %a), kind=kLoop, calls=%fused_computation.7
+  ROOT %mla_fwd.4 = f32[8]{0} custom-call(f32[8]{0} %fusion.12), custom_call_target="tpu_custom_call"
+}
+"""
+  desc = tool.fusion_ops(hlo)
+  assert desc["fusion.12"] == "kLoop multiply,add" and desc["mla_fwd.4"] == "tpu_custom_call"
