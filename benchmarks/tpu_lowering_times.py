@@ -68,8 +68,9 @@ def summarize(lines) -> dict:
 
 
 def fusion_ops(hlo_text: str) -> dict[str, str]:
-  """{instruction: a short description} from compiled HLO text: a fusion's kind and the ops of
-  its fused computation, a custom call's target (Mosaic kernels: their name)."""
+  """{instruction: a short description} from compiled HLO text: the computation that holds it
+  (``ENTRY``, a while body, a conditional branch), then a fusion's kind and the ops of its fused
+  computation or a custom call's target."""
   comps: dict[str, list[str]] = {}
   cur = None
   for line in hlo_text.splitlines():
@@ -79,7 +80,7 @@ def fusion_ops(hlo_text: str) -> dict[str, str]:
     elif cur is not None and line.startswith("  "):
       comps[cur].append(line)
   out = {}
-  for body in comps.values():
+  for comp, body in comps.items():
     for line in body:
       m = re.match(r"\s+(?:ROOT )?%?([\w.-]+) = \S+ ([\w-]+)\(", line)
       if not m:
@@ -91,13 +92,11 @@ def fusion_ops(hlo_text: str) -> dict[str, str]:
         ops = collections.Counter(
           o for l in comps.get(called.group(1) if called else "", ())
           for o in re.findall(r"= \S+ ([\w-]+)\(", l) if o not in ("parameter", "constant"))
-        out[name] = (k.group(1) if k else "") + " " + ",".join(
+        out[name] = f"{comp}: " + (k.group(1) if k else "") + " " + ",".join(
           f"{o}x{n}" if n > 1 else o for o, n in ops.most_common(6))
       elif op == "custom-call":
         t = re.search(r'custom_call_target="([^"]+)"', line)
-        kn = re.search(r'"kernel_name"\s*:\s*\\?"([\w.-]+)', line) or re.search(
-          r'kernel_name=\\?"?([\w.-]+)', line)
-        out[name] = (t.group(1) if t else "custom-call") + (f" {kn.group(1)}" if kn else "")
+        out[name] = f"{comp}: " + (t.group(1) if t else "custom-call")
   return out
 
 
@@ -125,6 +124,15 @@ def main() -> None:
   if args.hlo:
     with open(args.hlo) as f:
       desc = fusion_ops(f.read())
+  if desc:
+    by_comp: dict = collections.defaultdict(lambda: [0.0, 0])
+    for name, (t, _) in units.items():
+      c = desc.get(name, "?:").split(":")[0]
+      by_comp[c][0] += t
+      by_comp[c][1] += 1
+    print("\nby computation: thread-s, instructions")
+    for c, (t, n) in sorted(by_comp.items(), key=lambda kv: -kv[1][0])[:args.top]:
+      print(f"  {c:48s} {t:8.1f} {n:6d}")
   print(f"\nlargest {args.top} instructions: thread-s, tries")
   for name, (t, n) in sorted(units.items(), key=lambda kv: -kv[1][0])[:args.top]:
     print(f"  {name:32s} {t:7.1f} {n:2d}  {desc.get(name, '')[:110]}")

@@ -329,4 +329,4 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 }
 """
   desc = tool.fusion_ops(hlo)
-  assert desc["fusion.12"] == "kLoop multiply,add" and desc["mla_fwd.4"] == "tpu_custom_call"
+  assert desc["fusion.12"] == "main: kLoop multiply,add" and desc["mla_fwd.4"] == "main: tpu_custom_call"
