@@ -70,7 +70,7 @@ def summarize(lines) -> dict:
 def fusion_ops(hlo_text: str) -> dict[str, str]:
   """{instruction: a short description} from compiled HLO text: the computation that holds it
   (``ENTRY``, a while body, a conditional branch), then a fusion's kind and the ops of its fused
-  computation or a custom call's target."""
+  computation, a custom call's target, any other op's name and result shapes."""
   comps: dict[str, list[str]] = {}
   cur = None
   for line in hlo_text.splitlines():
@@ -82,10 +82,10 @@ def fusion_ops(hlo_text: str) -> dict[str, str]:
   out = {}
   for comp, body in comps.items():
     for line in body:
-      m = re.match(r"\s+(?:ROOT )?%?([\w.-]+) = \S+ ([\w-]+)\(", line)
+      m = re.match(r"\s+(?:ROOT )?%?([\w.-]+) = (.+?) ([\w-]+)\(", line)
       if not m:
         continue
-      name, op = m.groups()
+      name, result, op = m.groups()
       if op == "fusion":
         called = re.search(r"calls=%?([\w.-]+)", line)
         k = re.search(r"kind=(\w+)", line)
@@ -97,6 +97,8 @@ def fusion_ops(hlo_text: str) -> dict[str, str]:
       elif op == "custom-call":
         t = re.search(r'custom_call_target="([^"]+)"', line)
         out[name] = f"{comp}: " + (t.group(1) if t else "custom-call")
+      else:
+        out[name] = f"{comp}: {op} " + re.sub(r"\{[^}]*\}", "", result)
   return out
 
 
