@@ -30,6 +30,7 @@
 #                                           # commit's copy (`git archive`) and of this code, in
 #                                           # turn at the same shapes: a change that must not move them
 #   bash benchmarks/h200_round.sh compile1b # k3_1b alone: compile with XLA's pass timers, MFU
+#                                           # (COMPILE1B_TRIALS: XLA flag trials in turn)
 #   bash benchmarks/h200_round.sh amgpu     # the Mosaic kda_chunk_a's card diagnostic (pytest)
 #   bash benchmarks/h200_round.sh gates     # issue 40: every gate kind at every shape, jla, fla
 #   bash benchmarks/h200_round.sh long step peers   # several at once (one lock for timed GPU work)
@@ -77,16 +78,25 @@ train() {
 compile1b() {
   # k3_1b's step on one GPU with nothing else running: compile time with XLA's own pass timers
   # (summed by xla_pass_times.py), then 10 steps (MFU). Issue 41's target: under 60 s at the
-  # MFU of Training run 50 (35.8%).
-  CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 \
-    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false TF_CPP_MIN_LOG_LEVEL=0 \
-    TF_CPP_VMODULE=hlo_pass_pipeline=1,gpu_compiler=1,nvptx_compiler=1 timeout $LIMIT \
-    python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 10 \
-    --json "$R/1b_compile.json" > "$R/1b_compile.log" 2> "$R/1b_compile.err"
-  python3 benchmarks/xla_pass_times.py "$R/1b_compile.err" > "$R/1b_passes.log" 2>&1
-  grep -v "hlo_pass_pipeline\|gpu_compiler\|nvptx_compiler" "$R/1b_compile.err" | tail -60 \
-    > "$R/1b_compile_err_tail.log"; rm -f "$R/1b_compile.err"
-  say "compile1b done"
+  # MFU of Training run 50 (35.8%). COMPILE1B_TRIALS: more XLA flags per trial, one process
+  # after the other, ';'-separated ('-' for none; default '-'), e.g.
+  # COMPILE1B_TRIALS="-;--xla_gpu_enable_llvm_module_compilation_parallelism=true".
+  local i=0 extra
+  IFS=';' read -ra trials <<< "${COMPILE1B_TRIALS:--}"
+  for extra in "${trials[@]}"; do
+    [ "$extra" = "-" ] && extra=""
+    CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 \
+      XLA_FLAGS="--xla_gpu_enable_triton_gemm=false $extra" TF_CPP_MIN_LOG_LEVEL=0 \
+      TF_CPP_VMODULE=hlo_pass_pipeline=1,gpu_compiler=1,nvptx_compiler=1 timeout $LIMIT \
+      python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 10 \
+      --json "$R/1b_compile$i.json" > "$R/1b_compile$i.log" 2> "$R/1b_compile$i.err"
+    echo "XLA_FLAGS extra: ${extra:-none}" >> "$R/1b_compile$i.log"
+    python3 benchmarks/xla_pass_times.py "$R/1b_compile$i.err" > "$R/1b_passes$i.log" 2>&1
+    grep -v "hlo_pass_pipeline\|gpu_compiler\|nvptx_compiler" "$R/1b_compile$i.err" | tail -60 \
+      > "$R/1b_compile_err_tail$i.log"; rm -f "$R/1b_compile$i.err"
+    say "compile1b trial $i done"
+    i=$(( i + 1 ))
+  done
 }
 
 amgpu() {  # the Mosaic kda_chunk_a against float64 at the check's shape: each output's error
