@@ -7,8 +7,9 @@
 - ``muon``: Muon on the weight matrices: ``optax.contrib.scale_by_muon``'s Nesterov momentum
   (normalised per matrix; its arithmetic and state, one reduction per leaf), then our own
   Newton-Schulz iteration (optax's quintic coefficients, 5 steps) carried in bf16
-  (``optimizer.muon_ns_precision``; float32 accumulation inside each matmul, as in Moonlight and Keller Jordan's Muon: optax keeps the iterate in float32, so every
-  step converted it for the matmuls and wrote float32 results, twice the traffic), update RMS
+  (``optimizer.muon_ns_precision``; float32 accumulation inside each matmul, as in Moonlight and
+  Keller Jordan's Muon: optax keeps the iterate in float32, so every step converted it for the
+  matmuls and wrote float32 results, twice the traffic), update RMS
   matched to AdamW (``0.2 * sqrt(max(fan_in, fan_out))``); AdamW on everything that is not a
   hidden-layer matrix: norms, biases, ``A_log``, ``dt_bias``, Block AttnRes vectors, the embedding,
   ``lm_head`` and the short-conv kernels. Expert weights ``[E, L, 2F]`` / ``[E, F, L]`` are

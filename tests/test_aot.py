@@ -265,15 +265,21 @@ def test_serving_steps_compile_for_tpu():
   assert kinds[True] and kinds[False], kinds
 
 
+def _benchmark_tool(name: str):
+  """The module ``benchmarks/NAME.py`` (a script, not a package)."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
+  tool = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tool)
+  return tool
+
+
 def test_dump_names_the_buffers_live_at_the_peak(tmp_path, capsys):
   """``dump_to`` (``plan --xla-dump``) writes XLA's dump of the compile, and
   benchmarks/xla_live_buffers.py reads what is live at its memory peak (on the CPU, where the
   whole function is one fusion, its argument) with shapes and the JAX scopes."""
-  import importlib.util
-  spec = importlib.util.spec_from_file_location(
-      "xla_live_buffers", Path(__file__).parents[1] / "benchmarks" / "xla_live_buffers.py")
-  tool = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(tool)
+  tool = _benchmark_tool("xla_live_buffers")
   x = jnp.asarray(np.random.default_rng(0).normal(size=(512, 384)), jnp.float32)
   aot.compile_lowered(jax.jit(lambda x: jnp.sum(jnp.sin(x) @ x.T)).trace(x).lower(),
                       dump_to=str(tmp_path))
@@ -293,11 +299,7 @@ def test_tpu_lowering_times_reads_libtpu_log():
   """benchmarks/tpu_lowering_times.py sums each instruction's lowering on its own compile thread
   (threads interleave in libtpu's log), counts a retried instruction's tries, reads the stage
   durations, and names a fusion's ops and a custom call's target from the compiled HLO."""
-  import importlib.util
-  spec = importlib.util.spec_from_file_location(
-    "tpu_lowering_times", Path(__file__).parents[1] / "benchmarks" / "tpu_lowering_times.py")
-  tool = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(tool)
+  tool = _benchmark_tool("tpu_lowering_times")
   log = """\
 I1206 22:49:06.000000   20262 lowering_emitter.cc:6973] Started lowering fusion.12
 I1206 22:49:06.500000   20258 lowering_emitter.cc:6973] Started lowering all-reduce.3
