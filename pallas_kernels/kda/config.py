@@ -82,8 +82,9 @@ class KdaGpuConfig:
   mgpu_stages: int = 3
   chunk_wu: str = "mosaic"  # WY factors: "mosaic" (``wu_mgpu`` where it applies) or "triton"
   # kda_chunk_a: "mosaic" (``a_mgpu`` where it applies: 64-token chunks, K = 64 or 128),
-  # "bounded" (``a_mgpu`` for the bounded gate only) or "triton". a_mgpu is right on the card
-  # since the ones of its cumulative sum come from SMEM (benchmarks/RESULTS.md, KDA run 15)
+  # "bounded" (``a_mgpu`` for the bounded gate only) or "triton". ``default_config`` takes
+  # "mosaic" where the Mosaic kernels run: a fifth off the forward (benchmarks/RESULTS.md, issue
+  # 40 run 16)
   chunk_a: str = "triton"
   # kda_chunk_dqkg likewise: "mosaic" (``dqkg_mgpu`` where it applies: 64-token chunks, K and V 64
   # or 128), "bounded" (the bounded gate only) or "triton"; Triton's is 2.4x faster (KDA run 12)
@@ -152,7 +153,8 @@ def default_config(v_shape, *, use_qk_l2norm: bool = False, beta_is_logit: bool 
   """The tuning for values ``v_shape`` ``[B, T, HV, V]`` on ``device`` (a JAX device, or anything
   with its ``platform``, ``compute_capability`` and ``core_count``; default the first device).
 
-  - The Mosaic GPU kernels where they run: on Hopper, or in interpret mode.
+  - The Mosaic GPU kernels where they run (the WY factors, ``kda_chunk_a``, the sequential
+    passes): on Hopper, or in interpret mode.
   - Their V tile: 64 wide where its CTAs fit one wave on the SMs, else 128 (one CTA per (batch,
     head), single-buffered); the Mosaic forward pass only while its CTAs fit one wave (beyond
     that Triton's, whose programs overlap better), the backward's always (benchmarks/RESULTS.md,
@@ -175,6 +177,7 @@ def default_config(v_shape, *, use_qk_l2norm: bool = False, beta_is_logit: bool 
   return KdaGpuConfig(
       v_tile=tile, recurrence=("mosaic" if one_wave else "backward") if mosaic else "triton",
       mgpu_v_tile=bv, chunk_wu="mosaic" if mosaic else "triton",
+      chunk_a="mosaic" if mosaic else "triton",
       wu_split=not (use_qk_l2norm and beta_is_logit))
 
 
