@@ -205,13 +205,15 @@ class K3Model(nnx.Module):
       return self.mm_projector(self.vision_tower(arrays, self.cfg.cdtype))
 
   def hidden(self, input_ids, *, segment_ids=None, valid=None, cache=None, decode=False,
-             lengths=None, vision=None):
+             lengths=None, vision=None, stacked=None):
     """input_ids ``[B, T]`` int32 -> (h ``[B, T, d]`` after the final norm, aux).
 
     vision: None (text only) or a dict with ``num_tokens`` ``[B]`` and either
     :func:`k3jax.vision.batch`'s arrays (encoded here) or ``visual_tokens`` ``[B, M, d]`` from
     :meth:`encode_images`; optional ``token_offset`` ``[B]`` (placeholders before this window).
-    Each row's ``image_token_id`` positions take its visual tokens in order.
+    Each row's ``image_token_id`` positions take its visual tokens in order. ``stacked``: the
+    scanned layers' parameters stacked by position, in place of the layers' own
+    (:func:`k3jax.layer_stacks.merge`).
 
     aux: ``{"moe": {layer index (str): {"load": [E], "bias_stat": ...}}}`` (empty with a cache:
     decoding computes no router statistics) and, with a cache, ``{"cache": [per-layer caches]}``. ``valid`` ``[B, T]`` marks real tokens (defaults to
@@ -236,7 +238,7 @@ class K3Model(nnx.Module):
       if start <= i < start + period * groups:
         if i == start:
           x, blocks, stats = run_groups(cfg, self.layers, layer_call, x, blocks, segment_ids,
-                                        valid)
+                                        valid, stacked)
           moe_stats.update(stats)
         continue
       layer_cache = None if cache is None else cache[i]

@@ -19,10 +19,9 @@
 Weight decay (decoupled, scaled by the learning rate) applies to matrices only: never to norms,
 biases, ``A_log``, ``dt_bias`` or the AttnRes vectors.
 
-Under ``model.scan_layers`` the transformation runs on the tree with the scanned layers stacked
-by position (:mod:`k3jax.layer_stacks`): one op per position and parameter instead of one per
-layer, the same arithmetic per layer. It still takes and returns per-layer trees and keeps its
-state per layer.
+Under ``model.scan_layers`` the transformation takes, returns and keeps its state in the train
+state's layout, the scanned layers stacked by position (:mod:`k3jax.layer_stacks`): one op per
+position and parameter instead of one per layer, the same arithmetic per layer.
 """
 
 from __future__ import annotations
@@ -189,10 +188,6 @@ class _Placement:
     return jax.sharding.PartitionSpec(*(spec[:i] + (spec[i], None) + spec[i + 1:]))
 
 
-def _is_names(x) -> bool:
-  return x is None or (isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x))
-
-
 def _placements(cfg: Config, params, roles, names=None, stacks=()) -> Any:
   """A :class:`_Placement` per leaf of ``params`` by its logical axis ``names`` (built from the
   model when None; per layer, stacked here by ``stacks`` as ``params`` is), or None when
@@ -200,32 +195,12 @@ def _placements(cfg: Config, params, roles, names=None, stacks=()) -> Any:
   from k3jax.train_state import abstract_model
   from sharding.mesh import names_tree
   names = names_tree(abstract_model(cfg)) if names is None else names
-  names = layer_stacks.stack(names, stacks, join=lambda n, *_: None if n is None
-                             else ("layers",) + n, is_leaf=_is_names)
-  if jax.tree.structure(names, is_leaf=_is_names) != jax.tree.structure(params):
+  names = layer_stacks.stack_names(names, stacks)
+  is_names = layer_stacks.is_names
+  if jax.tree.structure(names, is_leaf=is_names) != jax.tree.structure(params):
     return None
   return jax.tree.map(lambda n, x, r: _Placement(n, tuple(x.shape), r.view), names, params, roles,
-                      is_leaf=_is_names)
-
-
-def _per_layer(inner: optax.GradientTransformation, stacks: list[list[int]]
-               ) -> optax.GradientTransformation:
-  """``inner`` (a transformation of trees stacked by ``stacks``, :mod:`k3jax.layer_stacks`) on
-  per-layer trees: updates (which may come stacked already), parameters and state are stacked on
-  the way in and unstacked on the way out, so the state keeps one entry per layer."""
-  if not stacks:
-    return inner
-  st = lambda tree: layer_stacks.stack(tree, stacks)
-  un = lambda tree: layer_stacks.unstack(tree, stacks)
-
-  def init(params):
-    return un(inner.init(st(params)))
-
-  def update(updates, state, params=None):
-    new, state = inner.update(st(updates), st(state), None if params is None else st(params))
-    return un(new), un(state)
-
-  return optax.GradientTransformation(init, update)
+                      is_leaf=is_names)
 
 
 def _viewed(inner: optax.GradientTransformation, roles) -> optax.GradientTransformation:
@@ -483,7 +458,9 @@ def _orthogonalise(dims_fn, dtype, rms: float, form: str,
 def make_optimizer(cfg: Config, params, names=None
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """(transformation, schedule) for the pure-dict parameter tree ``params`` (arrays or
-  ShapeDtypeStructs). ``names``: the parameters' logical axis names
+  ShapeDtypeStructs, one entry per layer); the transformation takes trees with the scanned
+  layers stacked (:func:`k3jax.layer_stacks.positions` of ``cfg``), as the train state holds
+  them. ``names``: the parameters' logical axis names
   (:func:`sharding.mesh.names_tree`; by default built here from the abstract model), by which
   Muon lays out its Newton-Schulz on a mesh."""
   o = cfg.optimizer
@@ -518,7 +495,7 @@ def make_optimizer(cfg: Config, params, names=None
                        mask=decay_mask)
     base = _viewed(optax.partition({"muon": muon, "adam": adam}, labels), roles)
   parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
-  return _per_layer(optax.chain(*parts, base), stacks), schedule
+  return optax.chain(*parts, base), schedule
 
 
 def update_rms(updates) -> jax.Array:

@@ -115,7 +115,8 @@ def state_bytes(cfg: Config, sizes: dict[str, int], abstract=None) -> dict:
   layout the collective accounting needs; ``abstract``: :func:`abstract_state` of ``cfg`` when
   the caller has it."""
   state, names = abstract or abstract_state(cfg)
-  params = state.params
+  arrays = state.arrays("params", "opt_state")  # one entry per layer, as the names are
+  params = arrays["params"]
   flat_names = {mesh_lib.path_key(p): n for p, n in _leaves(mesh_lib._wrap(names))}
   per_leaf = []
   for path, x in _leaves(params):
@@ -125,7 +126,7 @@ def state_bytes(cfg: Config, sizes: dict[str, int], abstract=None) -> dict:
     per_leaf.append({"path": mesh_lib.path_key(path), "bytes": _nbytes(x),
                      "local": _nbytes(x) / split, "axes": axes,
                      "expert": bool(n and n[0] == "expert")})
-  opt = state.opt_state
+  opt = arrays["opt_state"]
   by_path = {leaf["path"]: leaf for leaf in per_leaf}
   opt_local = 0.0
   for path, x in _leaves(opt):
@@ -329,7 +330,7 @@ def traced_activations(cfg: Config, batch: int, seq_len: int, platform: str = "c
     # of each kind has the most and stands for all
     kind = lambda i: (m.layer_kind(i), m.is_moe(i))
     last = {kind(i): i for i in range(m.num_layers)} if m.remat != "none" else {}
-    layers = nnx.merge(graphdef, state.params, state.biases).layers if last else []
+    layers = state.model().layers if last else []
     delta = {k: _layer_recompute_bytes(cfg, layers[i], i, batch, seq_len)
              for k, i in last.items()}
   chunk = min(cfg.train.loss_chunk, batch * seq_len)

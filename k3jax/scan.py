@@ -2,9 +2,11 @@
 
 The decoder layers ``start .. start + G*P - 1`` of :meth:`ModelConfig.layer_groups` (K3: layers
 1-88, 22 groups of 3 KDA + 1 MLA) run as one ``lax.scan`` over the G groups: XLA compiles one
-group instead of every layer. Inside the step the parameters of the layers at position ``j`` of
-the groups are stacked on a leading ``layers`` axis (unsharded); the parameter tree, checkpoints,
-the optimizer and conversion keep one entry per layer, so either setting reads the other's files.
+group instead of every layer. The parameters of the layers at position ``j`` of the groups are
+stacked on a leading ``layers`` axis (unsharded): a scanned run's train state holds them so
+(:mod:`k3jax.layer_stacks`) and hands them in as they are; a model holding one entry per layer
+(evaluation, scoring, tests) has them stacked here. Conversion and checkpoints keep one entry per
+layer, so either setting reads the other's files.
 Block AttnRes sources cross the scan as a :class:`~k3jax.attn_res.BlockBuffer` and the router
 statistics come out per layer index as in the unrolled decoder. Calls with a decode cache run the
 layers unrolled: stacking the caches would copy every layer's cache pools at each step, and the
@@ -51,16 +53,30 @@ def _stack(states: list):
   return jax.tree.map(stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def run_groups(cfg, layers, layer_call, x, blocks, segment_ids, valid):
+def _held(layers, row: list[int], stacked):
+  """(graphdef, state) of the layers ``row`` of one position, their parameters the pure dict
+  ``stacked`` (stacked already) and their other state (router biases) stacked here."""
+  split = [nnx.split(layers[i], nnx.Param, ...) for i in row]
+  graphdef, params, _ = split[0]
+  nnx.replace_by_pure_dict(params, stacked)
+  return graphdef, nnx.merge_state(params, _stack([rest for _, _, rest in split]))
+
+
+def run_groups(cfg, layers, layer_call, x, blocks, segment_ids, valid, stacked=None):
   """The scanned layers of :meth:`K3Model.hidden` (training and scoring: no cache): ``layers``
   its ``nnx.List``, ``layer_call`` :func:`k3jax.model.layer_call`, x ``[B, T, d]``, blocks the
-  committed AttnRes blocks (a tuple). Returns (x, blocks, {layer index (str): router stats})."""
+  committed AttnRes blocks (a tuple), ``stacked`` the parameters of each position stacked
+  (:func:`k3jax.layer_stacks.merge`; None: stacked here from ``layers``). Returns (x, blocks,
+  {layer index (str): router stats})."""
   start, p, g = cfg.layer_groups()
   end = start + p * g
   index = cfg.scan_positions()  # [position][group]
-  split = [[nnx.split(layers[i]) for i in row] for row in index]
-  graphdefs = [row[0][0] for row in split]
-  params = tuple(_stack([state for _, state in row]) for row in split)
+  if stacked is None:
+    split = [[nnx.split(layers[i]) for i in row] for row in index]
+    graphdefs = [row[0][0] for row in split]
+    params = tuple(_stack([state for _, state in row]) for row in split)
+  else:
+    graphdefs, params = zip(*[_held(layers, row, s) for row, s in zip(index, stacked)])
   n_blocks = -(-end // cfg.attn_res.block_size)  # blocks committed once the scan is done
   if cfg.attn_res.enabled:
     blocks = BlockBuffer.of(blocks, n_blocks)

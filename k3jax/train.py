@@ -78,14 +78,15 @@ def init_weights(cfg: config_lib.Config, state):
   src = storage.path(cfg.train.init_from)
   if not src.is_dir():
     raise TrainError(f"train.init_from: {cfg.train.init_from} is not a directory")
-  leaves = [leaf for tree in (state.params, state.biases)
+  shapes = state.shapes().arrays()  # one entry per layer, as the weights are stored
+  leaves = [leaf for tree in (shapes["params"], shapes["biases"])
             for leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
   values = pretrained.read_weights(src, cfg.model, shardings={
       pretrained.key_of(path): x.sharding for path, x in leaves})
   place = lambda path, x: jax.device_put(
       jax.numpy.asarray(values[pretrained.key_of(path)], x.dtype), x.sharding)
-  return state.replace(params=jax.tree_util.tree_map_with_path(place, state.params),
-                       biases=jax.tree_util.tree_map_with_path(place, state.biases))
+  return state.with_arrays(params=jax.tree_util.tree_map_with_path(place, shapes["params"]),
+                           biases=jax.tree_util.tree_map_with_path(place, shapes["biases"]))
 
 
 def data_settings(cfg: config_lib.Config) -> dict:
@@ -245,13 +246,13 @@ def _train(cfg: config_lib.Config, run_dir: storage.AnyPath, progress: bool) -> 
   step, nonfinite_run = 0, 0
   it = None
   is_main = jax.process_index() == 0
-  # The restore target: the shapes and shardings of the state just built (no second build).
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                        state.arrays())
+  # The restore target: the shapes and shardings of the state just built (no second build), one
+  # entry per layer as checkpoints hold them.
+  target = state.shapes().arrays()
   restored = ckpt and ckpt.restore_latest(target, data_iter, keep_data_position(cfg))
   if restored is not None:
     step, arrays, meta, it = restored
-    state = state.replace(**arrays)
+    state = state.with_arrays(**arrays)
     nonfinite_run = int(meta.get("nonfinite_run", 0))
   elif cfg.train.init_from:
     state = init_weights(cfg, state)
@@ -280,7 +281,7 @@ def _train(cfg: config_lib.Config, run_dir: storage.AnyPath, progress: bool) -> 
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     names = sharding.names_tree(abstract_model(cfg))
     whole = sharding.mesh.unsplit_warning(
-        sharding.mesh.unsplit_params(state.params, names, sizes), sizes,
+        sharding.mesh.unsplit_params(state.shapes().arrays()["params"], names, sizes), sizes,
         sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params)))
     if whole:
       metrics.say(whole)

@@ -4,7 +4,10 @@
 ``init_train_state(cfg, mesh)`` creates the state of a run (parameters, router biases, optimizer
 state, rng) laid out on ``mesh``; ``abstract_train_state(cfg, mesh)`` is the same tree of
 ``ShapeDtypeStruct``s with the same shardings, without allocating: what a restore, a plan or an
-ahead-of-time compile of the step needs.
+ahead-of-time compile of the step needs. Under ``model.scan_layers`` the state holds the scanned
+layers' parameters and optimizer state stacked by position (:mod:`k3jax.layer_stacks`), the layout
+the step takes and returns; :meth:`TrainState.arrays` and :meth:`TrainState.with_arrays` convert
+from and to the one entry per layer that checkpoints and pretrained weights hold.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import optax
 from flax import nnx
 
 import sharding
+from k3jax import layer_stacks
 from k3jax.config import Config, ModelConfig
 
 # The fields of the checkpointed tree (Checkpointer's ``state`` item), in this order.
@@ -31,8 +35,9 @@ class TrainState:
   """What a training run carries from step to step.
 
   Leaves: ``params`` and ``biases`` (pure dicts, ``nnx.to_pure_dict``, of the model's
-  ``nnx.Param`` and ``RouterBias`` state), ``opt_state`` (``tx.init(params)``) and ``rng`` (the
-  key data ``uint32[2]`` of ``train.seed``). Static: ``graphdef`` (the model's graph, merged with
+  ``nnx.Param`` and ``RouterBias`` state; the scanned layers' parameters stacked by position,
+  :mod:`k3jax.layer_stacks`), ``opt_state`` (``tx.init(params)``) and ``rng`` (the key data
+  ``uint32[2]`` of ``train.seed``). Static: ``graphdef`` (the model's graph, merged with
   ``params`` and ``biases`` inside the step), ``tx`` and ``schedule``
   (:func:`k3jax.optim.make_optimizer`)."""
   params: Any
@@ -43,9 +48,35 @@ class TrainState:
   tx: optax.GradientTransformation
   schedule: Callable
 
-  def arrays(self) -> dict:
-    """The leaves as the dict a checkpoint holds: ``{"params", "opt_state", "biases", "rng"}``."""
-    return {k: getattr(self, k) for k in ARRAY_FIELDS}
+  def arrays(self, *fields: str) -> dict:
+    """The leaves as the dict a checkpoint holds, one entry per layer: ``{"params", "opt_state",
+    "biases", "rng"}``, or only ``fields`` (of a state of ``ShapeDtypeStruct``s: their shapes and
+    layouts)."""
+    stacks = layer_stacks.held(self.params)
+    tree = {k: getattr(self, k) for k in fields or ARRAY_FIELDS}
+    if not stacks or all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree)):
+      return layer_stacks.unstack(tree, stacks)
+    return jax.jit(functools.partial(layer_stacks.unstack, stacks=stacks))(tree)
+
+  def with_arrays(self, **arrays) -> TrainState:
+    """This state with the fields ``arrays`` (one entry per layer, as :meth:`arrays` gives
+    them: a restored checkpoint, pretrained weights) in its own layout."""
+    stacks = layer_stacks.held(self.params)
+    if not stacks:
+      return self.replace(**arrays)
+    shardings = {k: jax.tree.map(lambda x: x.sharding, getattr(self, k)) for k in arrays}
+    stack = jax.jit(functools.partial(layer_stacks.stack, stacks=stacks), out_shardings=shardings)
+    return self.replace(**stack(arrays))
+
+  def shapes(self) -> TrainState:
+    """This state as ``ShapeDtypeStruct``s with its arrays' shardings."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self)
+
+  def model(self):
+    """The :class:`~k3jax.model.K3Model` of the state's parameters and router biases, one module
+    per layer (decoding, serving)."""
+    arrays = self.arrays("params", "biases")
+    return nnx.merge(self.graphdef, arrays["params"], arrays["biases"])
 
   def replace(self, **fields) -> TrainState:
     return dataclasses.replace(self, **fields)
@@ -77,10 +108,11 @@ def _builder(cfg: Config, mesh, model) -> tuple[TrainState, Callable[[], TrainSt
   params, biases = nnx.to_pure_dict(params), nnx.to_pure_dict(biases)
   names = state_names(model)
   tx, schedule = make_optimizer(cfg, params, names[0])
+  stacks = layer_stacks.positions(cfg.model)
 
   def create() -> TrainState:
     _, p, b = nnx.split(K3Model(cfg.model, rngs=nnx.Rngs(cfg.train.seed)), nnx.Param, RouterBias)
-    p = nnx.to_pure_dict(p)
+    p = layer_stacks.stack(nnx.to_pure_dict(p), stacks)
     return TrainState(p, tx.init(p), nnx.to_pure_dict(b),
                       jax.random.key_data(jax.random.key(cfg.train.seed)), graphdef, tx, schedule)
 
@@ -88,7 +120,9 @@ def _builder(cfg: Config, mesh, model) -> tuple[TrainState, Callable[[], TrainSt
   if mesh is None:
     return abstract, create
   sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-  params = jax.tree.map(sds, params, sharding.pure_shardings(params, mesh, names[0]))
+  params = abstract.params
+  params = jax.tree.map(sds, params, sharding.pure_shardings(
+      params, mesh, layer_stacks.stack_names(names[0], stacks)))
   biases = jax.tree.map(sds, biases, sharding.pure_shardings(biases, mesh, names[1]))
   opt_state = jax.tree.map(sds, abstract.opt_state,
                            sharding.mesh.optimizer_shardings(abstract.opt_state, params))

@@ -1,8 +1,9 @@
 """The training step: a pure function of (params, opt_state, biases, step, rng, batch).
 
 ``params`` and ``biases`` are pure dicts (``nnx.to_pure_dict``) of the model's ``nnx.Param`` and
-``RouterBias`` state; the model is rebuilt inside the step with ``nnx.merge`` from a static
-graphdef. One step:
+``RouterBias`` state, the scanned layers' parameters stacked by position or not
+(:mod:`k3jax.layer_stacks`); the model is rebuilt inside the step from a static graphdef
+(:func:`k3jax.layer_stacks.merge`). One step:
 
 1. splits the batch ``[B, T]`` into ``train.grad_accum`` micro-batches ``[B/A, T]`` and scans over
    them, summing the gradients of the summed token loss (so the result is the token-weighted mean
@@ -28,7 +29,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 from k3jax import layer_stacks, losses, router
 from k3jax.config import Config, TrainConfig, VisionConfig
@@ -45,9 +45,9 @@ def _loss(graphdef, params, biases, batch: Batch, train: TrainConfig = TrainConf
   """(summed token loss, (summed weights, per-layer router stats, {})) of one micro-batch; the
   head's logits are formed ``train.loss_chunk`` tokens at a time (stored in bf16 when
   ``train.bf16_logits``)."""
-  model = nnx.merge(graphdef, params, biases)
+  model, stacked = layer_stacks.merge(graphdef, params, biases)
   h, aux = model.hidden(batch["input_ids"], segment_ids=batch["segment_ids"],
-                        vision=batch_vision(batch))
+                        vision=batch_vision(batch), stacked=stacked)
   with jax.named_scope("lm_head_loss"):
     loss_sum, weight_sum = losses.cross_entropy(h, model.lm_head.kernel[...], batch["targets"],
                                                 batch["weights"], chunk_size=train.loss_chunk,
@@ -71,15 +71,15 @@ def _bias_of(biases, i: int) -> jax.Array:
 def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, loss: Callable | None = None) -> Callable:
   """The (unjitted) step ``(params, opt_state, biases, step, rng, batch) -> (params, opt_state,
-  biases, metrics)``; ``tx``: :func:`k3jax.optim.make_optimizer`'s of ``cfg`` (it takes the
-  gradients with the scanned layers stacked, :mod:`k3jax.layer_stacks`). ``loss``: ``(graphdef, params, biases, micro-batch) -> (summed token loss,
-  (summed weights, per-layer router stats, {name: summed per-token metric}))``; None: next-token
-  cross-entropy."""
+  biases, metrics)`` on a :class:`~k3jax.train_state.TrainState`'s trees (the scanned layers'
+  parameters and moments stacked, :mod:`k3jax.layer_stacks`: their gradients come out of the scan
+  stacked); ``tx``: :func:`k3jax.optim.make_optimizer`'s of ``cfg``. ``loss``: ``(graphdef,
+  params, biases, micro-batch) -> (summed token loss, (summed weights, per-layer router stats,
+  {name: summed per-token metric}))``; None: next-token cross-entropy."""
   accum = cfg.train.grad_accum
   grad_fn = jax.value_and_grad(loss or functools.partial(_loss, train=cfg.train), argnums=1,
                                has_aux=True)
   layers = moe_layers(cfg)
-  stacks = layer_stacks.positions(cfg.model)
 
   def train_step(params, opt_state, biases, step, rng, batch: Batch):
     del rng  # the model has no stochastic parts; kept in the signature for ones that do
@@ -102,9 +102,6 @@ def make_train_step(cfg: Config, graphdef, tx: optax.GradientTransformation,
       stats_list = [jax.tree.map(lambda x, a=a: x[a], stacked) for a in range(accum)]
 
     denom = jnp.maximum(weight_sum, 1.0)
-    # the scanned layers' gradients stacked as the scan produced them, one op per position, and
-    # so handed to the optimizer (which takes them either way)
-    grads = layer_stacks.stack(grads, stacks)
     grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
     grad_norm = optax.tree.norm(grads)
     loss = loss_sum / denom

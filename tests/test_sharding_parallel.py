@@ -137,9 +137,12 @@ def test_serving_layout_on_a_mesh():
 
 def test_scanned_model_on_a_mesh():
   """A scanned decoder's loss, gradients and router statistics on data=2,expert=2,context=2 match
-  the unrolled one's on that mesh (float32)."""
+  the unrolled one's on that mesh (float32), its parameters one entry per layer or stacked and
+  laid out as a scanned run's train state holds them."""
   out = _run("scanned_model")
-  assert out["loss"] < 1e-6 and out["grad"] < 1e-4 and out["stats"] < 1e-6, out
+  for name in ("", "stacked_"):
+    assert (out[name + "loss"] < 1e-6 and out[name + "grad"] < 1e-4
+            and out[name + "stats"] < 1e-6), out
 
 
 def test_vision_tower_on_meshes_matches_one_device():

@@ -317,7 +317,7 @@ def muon_sharded():
   stacked by scan position (``model.scan_layers``, k3jax/layer_stacks.py); and how many
   matrices Newton-Schulz iterates per device (all 255 on one device)."""
   from flax import nnx
-  from k3jax import optim
+  from k3jax import layer_stacks, optim
   from k3jax.config import load
   from k3jax.latent_moe import RouterBias
   from k3jax.model import K3Model
@@ -328,9 +328,10 @@ def muon_sharded():
   grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), params)
   names = mesh_lib.names_tree(model)
   tx, _ = optim.make_optimizer(cfg, params, names)
-  stacked, _ = optim.make_optimizer(
-      load("configs/k3_tiny.yaml", ["optimizer.name=muon", "optimizer.muon_ns_precision=f32",
-                                    "model.scan_layers=true"]), params, names)
+  scanned = load("configs/k3_tiny.yaml", ["optimizer.name=muon", "optimizer.muon_ns_precision=f32",
+                                           "model.scan_layers=true"])
+  stacked, _ = optim.make_optimizer(scanned, params, names)
+  stacks = layer_stacks.positions(scanned.model)
 
   def update(p, g, tx=tx):
     return tx.update(g, tx.init(p), p)[0]
@@ -350,7 +351,8 @@ def muon_sharded():
                               mesh_lib.shard_params(grads, mesh, names))
         out[name] = max(jax.tree.leaves(jax.tree.map(_max_rel, ref, got)))
         out[name + "_iterated"] = sum(iterated)
-        got = jax.jit(lambda p, g: update(p, g, stacked))(
+        got = jax.jit(lambda p, g: layer_stacks.unstack(
+            update(*layer_stacks.stack((p, g), stacks), stacked), stacks))(
             mesh_lib.shard_params(params, mesh, names), mesh_lib.shard_params(grads, mesh, names))
         out[name + "_stacked"] = max(jax.tree.leaves(jax.tree.map(_max_rel, ref, got)))
   finally:
@@ -422,6 +424,7 @@ def scanned_model():
   layers, ``remat: full``: the scan's own backward) against the unrolled one, both on
   data=2,expert=2,context=2 (MoonEP, context-parallel KDA and MLA), float32."""
   from flax import nnx
+  from k3jax import layer_stacks
   from k3jax.config import load
   from k3jax.latent_moe import RouterBias
   from k3jax.model import K3Model
@@ -438,7 +441,7 @@ def scanned_model():
   mesh_cfg = MeshConfig(data=2, expert=2, context=2)
   mesh = mesh_lib.make_mesh(mesh_cfg)
   out = []
-  for scan in ("false", "true"):
+  for scan, stacked in (("false", False), ("true", False), ("true", True)):
     cfg = load("configs/k3_tiny.yaml", SMALL + ["model.remat=full", f"model.scan_layers={scan}"])
     model = K3Model(cfg.model, rngs=nnx.Rngs(0))
     graphdef, params, biases = nnx.split(model, nnx.Param, RouterBias)
@@ -446,15 +449,25 @@ def scanned_model():
     keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(params))))
     params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape, x.dtype),
                           params)
+    names = mesh_lib.names_tree(model)
+    stacks = layer_stacks.positions(cfg.model) if stacked else []
     grad = jax.value_and_grad(_loss, argnums=1, has_aux=True)
     with sharding.layout(mesh_cfg), jax.set_mesh(mesh):
-      p = mesh_lib.shard_params(params, mesh, mesh_lib.names_tree(model))
+      # stacked: laid out as a scanned run's train state holds them
+      p = mesh_lib.shard_params(layer_stacks.stack(params, stacks), mesh,
+                                layer_stacks.stack_names(names, stacks))
       bt = jax.tree.map(lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh)), batch)
-      out.append(jax.jit(lambda p, bs, bt: grad(graphdef, p, bs, bt))(p, biases, bt))
-  ((l0, (_, s0, _)), g0), ((l1, (_, s1, _)), g1) = out
-  return {"loss": _max_rel(l0, l1),
-          "grad": max(_max_rel(a, b) for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1))),
-          "stats": max(_max_rel(a, b) for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1)))}
+      (loss, aux), g = jax.jit(lambda p, bs, bt: grad(graphdef, p, bs, bt))(p, biases, bt)
+      out.append(((loss, aux), layer_stacks.unstack(g, stacks)))
+  ((l0, (_, s0, _)), g0) = out[0]
+  rel = {}
+  for name, ((l1, (_, s1, _)), g1) in zip(("", "stacked_"), out[1:]):
+    rel.update({
+        name + "loss": _max_rel(l0, l1),
+        name + "grad": max(_max_rel(a, b) for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1))),
+        name + "stats": max(_max_rel(a, b) for a, b in zip(jax.tree.leaves(s0),
+                                                          jax.tree.leaves(s1)))})
+  return rel
 
 def vision_sharded():
   """The vision tower and projector (a loss on the visual tokens and its gradients) on 8 rows of

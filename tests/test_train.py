@@ -111,6 +111,29 @@ def test_resume_after_crash_skips_a_corrupt_checkpoint_and_is_bitwise_exact(
 
 
 @pytest.mark.slow
+def test_a_scanned_run_resumes_exactly_and_its_checkpoint_resumes_an_unscanned_one(
+    tmp_path, capsys):
+  """Layers 1-4 scanned as two groups of KDA + MLA (the train state stacked by position): the
+  run resumes from its step-2 checkpoint bitwise exactly, and the same checkpoint (one entry per
+  layer on disk) resumes the unscanned model to the same losses within float32 rounding."""
+  full, half, plain = (tmp_path / n for n in ("full", "half", "plain"))
+  argv = lambda run_dir, steps, scan: [
+      "--no-progress", "--run-dir", str(run_dir), f"train.steps={steps}", *SMALL,
+      "model.num_layers=5", "model.mla_layers=[2,4]", f"model.scan_layers={scan}"]
+  assert train.main(argv(full, 4, "true")) == 0
+  assert train.main(argv(half, 2, "true")) == 0
+  assert train.main(argv(half, 4, "true")) == 0
+  assert losses_by_step(half) == losses_by_step(full)  # floats compared exactly
+  shutil.copytree(half / "checkpoints" / "2", plain / "checkpoints" / "2")
+  capsys.readouterr()
+  assert train.main(argv(plain, 4, "false")) == 0
+  assert "resumed from step 2" in capsys.readouterr().out
+  got, want = losses_by_step(plain), losses_by_step(full)
+  assert sorted(got) == [3, 4]
+  np.testing.assert_allclose([got[3], got[4]], [want[3], want[4]], rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_resume_with_another_optimizer_layout_stops_and_moves_nothing(full_run, tmp_path,
                                                                        capsys):
   """Resuming a run whose checkpoints hold AdamW's state with Muon (another optimizer state

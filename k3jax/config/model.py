@@ -250,8 +250,13 @@ class ModelConfig:
     """The scanned layers' indices by position in the group, then by group: ``[p][g]`` of
     :meth:`layer_groups` (K3: 4 lists of 22 layers); the scan and the stacked optimizer share
     this order."""
-    start, p, g = self.layer_groups()
-    return [[start + k * p + j for k in range(g)] for j in range(p)]
+    return group_positions(*self.layer_groups())
+
+
+def group_positions(start: int, p: int, g: int) -> list[list[int]]:
+  """The layer indices ``[p][g]`` of ``g`` groups of ``p`` layers from layer ``start``, by
+  position in the group, then by group."""
+  return [[start + k * p + j for k in range(g)] for j in range(p)]
 
 
 @functools.lru_cache(maxsize=64)

@@ -32,7 +32,6 @@ import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import sharding
 from k3jax import checkpoint as checkpoint_lib
@@ -106,7 +105,7 @@ def _run(cfg: Config, run_dir: Path, progress: bool, teachers) -> list[dict]:
   if opd and teachers is None:
     teachers = [load_weights(cfg, state, d) for d in post.teachers]
   tokenizer = make_tokenizer(cfg.data.tokenizer)
-  engine = Engine(nnx.merge(state.graphdef, state.params, state.biases), cfg.serve)
+  engine = Engine(state.model(), cfg.serve)
   problems = _problem_stream(post)
   rollouts = Rollouts(engine, tokenizer, post, problems, bos=m.bos_token_id, eos=m.eos_token_id)
   step_fn = step_lib.jit_train_step(step_lib.make_train_step(
@@ -188,7 +187,7 @@ def _run(cfg: Config, run_dir: Path, progress: bool, teachers) -> list[dict]:
                                                                          else ()):
         rec[k] = float(np.mean([o[k] for o in outs])) if outs else None
       if outs:
-        engine.update_weights(state.params, state.biases)
+        engine.update_weights(*state.arrays("params", "biases").values())
         rollouts.version += 1
       if opd and cfg.train.eval_every and (step % cfg.train.eval_every == 0
                                            or step == cfg.train.steps):

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-
+from k3jax import layer_stacks
 from k3jax.config import PostTrainConfig
 
 RL_KEYS = ("advantages", "behaviour_logp", "stale")
@@ -32,8 +31,8 @@ RL_KEYS = ("advantages", "behaviour_logp", "stale")
 
 def log_probs(graphdef, params, biases, batch) -> tuple[jax.Array, dict]:
   """(log-softmax of the model's logits ``[B, T, V]`` float32, per-layer router stats)."""
-  model = nnx.merge(graphdef, params, biases)
-  h, aux = model.hidden(batch["input_ids"], segment_ids=batch["segment_ids"])
+  model, stacked = layer_stacks.merge(graphdef, params, biases)
+  h, aux = model.hidden(batch["input_ids"], segment_ids=batch["segment_ids"], stacked=stacked)
   return jax.nn.log_softmax(model.logits(h).astype(jnp.float32), axis=-1), aux["moe"]
 
 
