@@ -26,6 +26,8 @@ from k3jax.config import Config, ModelConfig
 
 # The fields of the checkpointed tree (Checkpointer's ``state`` item), in this order.
 ARRAY_FIELDS = ("params", "opt_state", "biases", "rng")
+# The fields a scanned run holds stacked by scan position (router biases stay per layer).
+STACKED_FIELDS = ("params", "opt_state")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=list(ARRAY_FIELDS),
@@ -65,7 +67,8 @@ class TrainState:
     if not stacks:
       return self.replace(**arrays)
     shardings = {k: jax.tree.map(lambda x: x.sharding, getattr(self, k)) for k in arrays}
-    stack = jax.jit(functools.partial(layer_stacks.stack, stacks=stacks), out_shardings=shardings)
+    stack = jax.jit(lambda a: {k: layer_stacks.stack(v, stacks) if k in STACKED_FIELDS else v
+                               for k, v in a.items()}, out_shardings=shardings)
     return self.replace(**stack(arrays))
 
   def shapes(self) -> TrainState:

@@ -113,22 +113,23 @@ def test_resume_after_crash_skips_a_corrupt_checkpoint_and_is_bitwise_exact(
 @pytest.mark.slow
 def test_a_scanned_run_resumes_exactly_and_its_checkpoint_resumes_an_unscanned_one(
     tmp_path, capsys):
-  """Layers 1-4 scanned as two groups of KDA + MLA (the train state stacked by position): the
-  run resumes from its step-2 checkpoint bitwise exactly, and the same checkpoint (one entry per
-  layer on disk) resumes the unscanned model to the same losses within float32 rounding."""
-  full, half, plain = (tmp_path / n for n in ("full", "half", "plain"))
-  argv = lambda run_dir, steps, scan: [
-      "--no-progress", "--run-dir", str(run_dir), f"train.steps={steps}", *SMALL,
+  """Layers 1-4 scanned as two groups of KDA + MLA (the train state stacked by position): from
+  the run's step-2 checkpoint (one entry per layer on disk) the scanned model resumes bitwise
+  exactly, and the unscanned one to the same losses within float32 rounding."""
+  argv = lambda run_dir, scan: [
+      "--no-progress", "--run-dir", str(tmp_path / run_dir), "train.steps=4", *SMALL,
       "model.num_layers=5", "model.mla_layers=[2,4]", f"model.scan_layers={scan}"]
-  assert train.main(argv(full, 4, "true")) == 0
-  assert train.main(argv(half, 2, "true")) == 0
-  assert train.main(argv(half, 4, "true")) == 0
-  assert losses_by_step(half) == losses_by_step(full)  # floats compared exactly
-  shutil.copytree(half / "checkpoints" / "2", plain / "checkpoints" / "2")
-  capsys.readouterr()
-  assert train.main(argv(plain, 4, "false")) == 0
-  assert "resumed from step 2" in capsys.readouterr().out
-  got, want = losses_by_step(plain), losses_by_step(full)
+  assert train.main(argv("full", "true")) == 0
+  want = losses_by_step(tmp_path / "full")
+  for run_dir, scan in (("scanned", "true"), ("plain", "false")):
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "2",
+                    tmp_path / run_dir / "checkpoints" / "2")
+    capsys.readouterr()
+    assert train.main(argv(run_dir, scan)) == 0
+    assert "resumed from step 2" in capsys.readouterr().out
+  got = losses_by_step(tmp_path / "scanned")
+  assert got == {k: want[k] for k in (3, 4)}  # floats compared exactly
+  got = losses_by_step(tmp_path / "plain")
   assert sorted(got) == [3, 4]
   np.testing.assert_allclose([got[3], got[4]], [want[3], want[4]], rtol=1e-5)
 
