@@ -220,6 +220,9 @@ class K3Model(nnx.Module):
     ``segment_ids > 0`` when segment ids are given).
     """
     cfg = self.cfg
+    if stacked is not None and cache is not None:
+      raise ValueError("hidden: decoding runs the layers unrolled; merge the model with one entry "
+                       "per layer (TrainState.model()), not with stacked parameters")
     if valid is None and segment_ids is not None:
       valid = segment_ids > 0
     with jax.named_scope("embed"):

@@ -78,7 +78,7 @@ def init_weights(cfg: config_lib.Config, state):
   src = storage.path(cfg.train.init_from)
   if not src.is_dir():
     raise TrainError(f"train.init_from: {cfg.train.init_from} is not a directory")
-  shapes = state.shapes().arrays()  # one entry per layer, as the weights are stored
+  shapes = state.shapes().arrays("params", "biases")  # one entry per layer, as stored
   leaves = [leaf for tree in (shapes["params"], shapes["biases"])
             for leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
   values = pretrained.read_weights(src, cfg.model, shardings={

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
 from k3jax import layer_stacks
 from k3jax.config import PostTrainConfig
 
