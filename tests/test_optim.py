@@ -226,8 +226,8 @@ class ToyModel(nnx.Module):
     self.layers = nnx.List([_Layer(rngs)])
     self.lm_head = _Head(rngs)
 
-  def hidden(self, ids, *, segment_ids=None, vision=None):
-    assert vision is None  # a text-only stand-in
+  def hidden(self, ids, *, segment_ids=None, vision=None, stacked=None):
+    assert vision is None and stacked is None  # a text-only stand-in without scanned layers
     h = jnp.tanh(self.embed[...][ids] @ self.layers[0].w[...])
     scores = jax.nn.sigmoid(h[..., :4]).reshape(-1, 4)
     load = jnp.sum(scores, 0)
