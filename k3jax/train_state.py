@@ -30,6 +30,13 @@ ARRAY_FIELDS = ("params", "opt_state", "biases", "rng")
 STACKED_FIELDS = ("params", "opt_state")
 
 
+@functools.lru_cache(maxsize=8)
+def _unstacker(stacks: tuple) -> Callable:
+  """:func:`k3jax.layer_stacks.unstack` by ``stacks`` jitted once, so that every checkpoint save
+  of a run reuses one compiled program."""
+  return jax.jit(functools.partial(layer_stacks.unstack, stacks=[list(s) for s in stacks]))
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=list(ARRAY_FIELDS),
                    meta_fields=["graphdef", "tx", "schedule"])
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +65,7 @@ class TrainState:
     tree = {k: getattr(self, k) for k in fields or ARRAY_FIELDS}
     if not stacks or all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree)):
       return layer_stacks.unstack(tree, stacks)
-    return jax.jit(functools.partial(layer_stacks.unstack, stacks=stacks))(tree)
+    return _unstacker(tuple(map(tuple, stacks)))(tree)
 
   def with_arrays(self, **arrays) -> TrainState:
     """This state with the fields ``arrays`` (one entry per layer, as :meth:`arrays` gives
