@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.config.model import group_positions
@@ -121,7 +122,6 @@ def merge(graphdef, params, *states):
   layers' stacked parameters ``(layer_stacks[j], ...)`` or None). ``params`` may be stacked
   (:func:`held`): the model's scanned layers then hold their parameters as shapes only, and
   :meth:`~k3jax.model.K3Model.hidden` takes the stacked ones as its ``stacked`` argument."""
-  from flax import nnx
   stacks = held(params)
   if not stacks:
     return nnx.merge(graphdef, params, *states), None
