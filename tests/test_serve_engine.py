@@ -89,6 +89,18 @@ def test_greedy_equals_generate(fresh):
   assert fresh.generate(prompts, GREEDY) == want
 
 
+def test_decode_rows_start_at_min_decode_rows(engine):
+  """A lone request decodes in a two-row step by default (serve.min_decode_rows), one row when
+  asked; the tokens are the same either way (test_concurrent_equals_one_at_a_time runs lone
+  requests through the padded step)."""
+  assert engine.decode_sizes == (2, 4)
+  cfg = tiny_config(*SERVE, "serve.min_decode_rows=1")
+  one = Engine(K3Model(cfg.model, rngs=nnx.Rngs(0)), cfg.serve)
+  assert one.decode_sizes == (1, 2, 4)
+  cfg = tiny_config(*SERVE, "serve.min_decode_rows=8")
+  assert Engine(K3Model(cfg.model, rngs=nnx.Rngs(0)), cfg.serve).decode_sizes == (4,)
+
+
 def test_concurrent_equals_one_at_a_time(fresh):
   """Batching changes no token, greedy or sampled (a seed fixes each request's stream)."""
   rng = np.random.default_rng(2)

@@ -133,6 +133,9 @@ class ServeConfig:
   model_name: str = ""  # the id /v1/models lists ("": the model config's name)
   max_batch: int = 64  # requests decoding together; decode steps compile for powers of two up to it
   prefill_rows: int = 4  # requests whose prompt chunks run in one prefill step
+  # the fewest rows a decode step runs (one request pads to it): a one-row step was 2.1x slower
+  # than two rows on an H100 (benchmarks/RESULTS.md, Serving run 13)
+  min_decode_rows: int = 2
   block_size: int = 256  # prefix-cache block and largest prefill chunk (tokens; a multiple of page_size)
   page_size: int = 64  # MLA latent tokens per cache page
   num_pages: int = 0  # MLA pages per layer (0: enough for max_batch requests of max_model_len)
