@@ -87,8 +87,9 @@ class Engine:
     # rows split over the mesh's batch axes come in multiples of their product
     f = 1 if self.mesh is None else math.prod(
         dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))[a] for a in DEFAULT_RULES["batch"])
-    limit = -(-serve.max_batch // f) * f
-    self.decode_sizes = batch.buckets(limit, min(-(-serve.min_decode_rows // f) * f, limit))
+    # padding rows take no cache: even max_batch=1 decodes in min_decode_rows rows
+    fewest = -(-serve.min_decode_rows // f) * f
+    self.decode_sizes = batch.buckets(max(-(-serve.max_batch // f) * f, fewest), fewest)
     self.prefill_sizes = batch.buckets(-(-serve.prefill_rows // f) * f, f)
     self.chunk_sizes = batch.buckets(bs, min(_MIN_CHUNK, bs))
     self._graphdef, params = nnx.split(model)
