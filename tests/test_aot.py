@@ -262,6 +262,9 @@ def test_serving_steps_compile_for_tpu():
       lowered = step_lib.lower(graphdef, place(params), place(pools), decode=decode, rows=n,
                                tokens=t, table_width=20, feed=(8, 2), row_sharding=one)
       kinds[decode] = aot.kernel_counts(aot.compile_lowered(lowered).as_text())
+      for draw in (False, True):  # the sampling program after it
+        aot.compile_lowered(step_lib.lower_sample(n, cfg.model.vocab_size, 8 if decode else 2,
+                                                  draw, row_sharding=one))
   assert kinds[True] and kinds[False], kinds
 
 

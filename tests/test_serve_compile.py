@@ -48,3 +48,31 @@ def test_decoding_computes_no_router_statistics():
   _, aux = nnx.eval_shape(lambda m, t: m.hidden(t, cache=m.init_cache(2, 64), decode=True,
                                                  lengths=jnp.ones(2, jnp.int32)), model, tokens)
   assert aux["moe"] == {}
+
+
+def test_sampling_is_a_program_without_a_branch():
+  """The step's sampling is its own program with no device-side branch (on a GPU, XLA copies a
+  branch's predicate to the host and waits for it mid-program): the host picks ``draw``. Both
+  forms agree where every row is greedy; ``draw=False`` leaves out the alternatives."""
+  import functools
+
+  import numpy as np
+
+  n, v = 3, 50
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.standard_normal((n, v)), jnp.float32)
+  args = (logits, jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32),
+          jnp.zeros(n, jnp.float32), jnp.ones(n, jnp.float32), jnp.zeros(n, jnp.int32))
+  outs = {}
+  for draw in (False, True):
+    fn = functools.partial(step_lib.sample, 4, draw)
+    prims = {e.primitive.name for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns}
+    assert "cond" not in prims, prims
+    outs[draw] = jax.jit(fn)(*args)
+  (tok0, lp0, ids0, _), (tok1, lp1, ids1, top1) = outs[False], outs[True]
+  np.testing.assert_array_equal(tok0, tok1)
+  np.testing.assert_array_equal(tok0[:n], np.argmax(np.asarray(logits), -1))
+  np.testing.assert_array_equal(tok0[n:], 0)
+  np.testing.assert_allclose(lp0, lp1)
+  assert not np.asarray(ids0).any()
+  np.testing.assert_array_equal(ids1[:, 0], tok1[:n])  # greedy: the top alternative

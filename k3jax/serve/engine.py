@@ -107,6 +107,7 @@ class Engine:
       self._pools = jax.device_put(self._pools,
                                    mesh_lib.pure_shardings(self._pools, self.mesh, names))
     self._steps: dict[tuple[bool, int, int], Callable] = {}
+    self._samplers: dict[tuple[bool, int, bool], Callable] = {}  # (decode, rows, draw)
     # the previous steps' sampled tokens, padded to the largest decode and prefill row counts
     self._feed_width = (self.decode_sizes[-1], self.prefill_sizes[-1])
     self._no_feed = tuple(jax.device_put(np.zeros(w, np.int32), self._rows)
@@ -347,21 +348,39 @@ class Engine:
                   n, t, time.perf_counter() - t0)
     return self._steps[key]
 
+  def _lower_sampler(self, decode: bool, n: int, draw: bool):
+    with self._scope():
+      return step_lib.lower_sample(n, self.cfg.vocab_size, self._feed_width[0 if decode else 1],
+                                   draw, self._rows)
+
+  def _sampler(self, decode: bool, n: int, draw: bool):
+    key = (decode, n, draw)
+    if key not in self._samplers:
+      self._samplers[key] = self._lower_sampler(*key).compile()
+    return self._samplers[key]
+
   def step_shapes(self) -> list[tuple[bool, int, int]]:
     """Every (decode, rows, tokens per row) shape a step may take."""
     return ([(True, n, 1) for n in self.decode_sizes]
             + [(False, n, t) for n in self.prefill_sizes for t in self.chunk_sizes])
 
+  def sampler_shapes(self) -> list[tuple[bool, int, bool]]:
+    """Every (decode, rows, draw) the sampling program after a step may take."""
+    return [(d, n, draw) for d, sizes in ((True, self.decode_sizes), (False, self.prefill_sizes))
+            for n in sizes for draw in (False, True)]
+
   def compile(self, workers: int | None = None) -> float:
-    """Compiles every step shape, ``workers`` at a time (default: half the host's cores, XLA's
-    compiles run side by side); returns (and logs) the seconds it took."""
+    """Compiles every step shape and its sampling programs, ``workers`` at a time (default: half
+    the host's cores, XLA's compiles run side by side); returns (and logs) the seconds it took."""
     t0 = time.perf_counter()
     todo = [s for s in self.step_shapes() if s not in self._steps]
-    lowered = [self._lower(*s) for s in todo]
-    workers = workers or max(1, min(len(todo), (os.cpu_count() or 2) // 2))
+    samplers = [s for s in self.sampler_shapes() if s not in self._samplers]
+    lowered = [self._lower(*s) for s in todo] + [self._lower_sampler(*s) for s in samplers]
+    workers = workers or max(1, min(len(lowered), (os.cpu_count() or 2) // 2))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-      for s, c in zip(todo, pool.map(lambda low: low.compile(), lowered)):
-        self._steps[s] = c
+      compiled = list(pool.map(lambda low: low.compile(), lowered))
+    self._steps.update(zip(todo, compiled))
+    self._samplers.update(zip(samplers, compiled[len(todo):]))
     if self._images is not None:
       self._images.compile(self._params)
     secs = time.perf_counter() - t0
@@ -579,17 +598,20 @@ class Engine:
     (tokens, starts, nvalid, table, slots, temp, top_p, top_k, seeds, counters,
      src) = batch.host_inputs(rows, n, t, self.table_width, decode=decode)
     fn = self._compiled(decode, n, t)
-    args = (tokens, starts, nvalid, table, slots, temp, top_p, top_k, seeds, counters)
+    # the sort and top-k of drawing only where a row draws or asks for alternatives
+    draw = any(r.params.temperature > 0 or r.params.logprobs for r, _, _ in rows)
+    sampler = self._sampler(decode, n, draw)
+    args = (tokens, starts, nvalid, table, slots)
+    sampling = (seeds, counters, temp, top_p, top_k)
     if self._rows is not None:
-      args = jax.device_put(args, self._rows)
-      src = jax.device_put(src, self._rows)
+      args, sampling, src = jax.device_put((args, sampling, src), self._rows)
     if decode:
       args = (*args, (*self._feed, src))
     elif self._images is not None:
       args = (*args, None, self._images.step_inputs(rows, n, t))
     with self._scope():
-      self._pools, *out = fn(self._leaves, self._pools, *args)
-    return out
+      self._pools, logits = fn(self._leaves, self._pools, *args)
+      return list(sampler(logits, *sampling))
 
   def _receive(self, steps) -> list[tuple[Request, TokenOutput]]:
     """Reads the sampled tokens of ``steps`` (:meth:`_book`'s) and books them: each request

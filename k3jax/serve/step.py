@@ -13,7 +13,9 @@ A step runs ``N`` rows of ``T`` tokens each: row ``b`` continues a request whose
 changes no cached state), its pages in ``page_table[b]`` and its KDA entry ``slots[b]``. Decode
 steps (``T = 1``) take the token recurrence kernel on the slot pool in place; prefill steps take
 the chunked KDA kernel from the slot's state and the paged MLA attention over the cached pages and
-the chunk. Sampling runs on device with per-row parameters and per-request random streams.
+the chunk. Sampling runs on device with per-row parameters and per-request random streams, in a
+program of its own after the step's (:func:`sample`): greedy rows that ask for no alternatives
+take the argmax alone, which the host decides, so no program branches on the device.
 
 A step's sampled tokens also come out padded to a fixed width (its kind's largest row count), so
 that the next decode step can take a row's input token straight from the previous steps' outputs
@@ -83,13 +85,9 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temper
   key ``fold_in(key(seeds[n]), counters[n])`` from :func:`filter_logits`."""
   greedy = temperature <= 0.0
   best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-  def draw():  # the vocabulary sort only when some row samples
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
-    x = filter_logits(logits, jnp.where(greedy, 1.0, temperature), top_p, top_k)
-    return jnp.where(greedy, best, jax.vmap(jax.random.categorical)(keys, x)).astype(jnp.int32)
-
-  return jax.lax.cond(jnp.all(greedy), lambda: best, draw)
+  keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+  x = filter_logits(logits, jnp.where(greedy, 1.0, temperature), top_p, top_k)
+  return jnp.where(greedy, best, jax.vmap(jax.random.categorical)(keys, x)).astype(jnp.int32)
 
 
 def forward(model: K3Model, pools: list[dict], tokens, starts, nvalid, page_table, slots, *,
@@ -117,17 +115,18 @@ def forward(model: K3Model, pools: list[dict], tokens, starts, nvalid, page_tabl
   return model.logits(last), pools
 
 
-def step(graphdef, treedef, decode: bool, width: int, leaves, pools, tokens, starts, nvalid,
-         page_table, slots, temperature, top_p, top_k, seeds, counters, fed=None, vision=None):
-  """One engine step (jit with ``graphdef``, ``treedef``, ``decode`` and ``width`` bound, pools
+def step(graphdef, treedef, decode: bool, leaves, pools, tokens, starts, nvalid, page_table,
+         slots, fed=None, vision=None):
+  """One engine step's model (jit with ``graphdef``, ``treedef`` and ``decode`` bound, pools
   donated). ``leaves``: the parameters as ``jax.tree.leaves`` of the model's state (``treedef``
   its structure; a flat list costs the host no state flattening per step). ``fed`` (decode
   steps): (``feed_decode [M]``, ``feed_prefill [P]``, ``src [N]``) int32, the previous decode and
   prefill steps' padded tokens and, per row, the index into their concatenation of its input
   token (``-1``: ``tokens`` has it). ``vision`` as :func:`forward`'s (prefill steps of a model
-  with a vision tower). Returns (pools, tokens ``[width]`` (the ``N`` sampled, then zeros), their
-  logprobs ``[N]``, top ids ``[N, TOP_LOGPROBS]`` and their logprobs): logprobs of the model's
-  distribution, before temperature and filtering."""
+  with a vision tower). Returns (pools, float32 logits ``[N, V]``, on every device under a
+  mesh). The tokens come from :func:`sample`, a program of its own: the host knows whether any
+  row draws, where a branch on the device would make an XLA GPU program copy its predicate to
+  the host and wait for it mid-step, so that nothing after it is dispatched ahead."""
   model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
   if fed is not None:
     feed_d, feed_p, src = fed
@@ -135,14 +134,33 @@ def step(graphdef, treedef, decode: bool, width: int, leaves, pools, tokens, sta
     tokens = jnp.where(src[:, None] >= 0, prev[:, None], tokens)
   logits, pools = forward(model, pools, tokens, starts, nvalid, page_table, slots, decode=decode,
                           vision=vision)
-  tok = sample_rows(logits, seeds, counters, temperature, top_p, top_k)
+  return pools, _everywhere(logits)
+
+
+def sample(width: int, draw: bool, logits, seeds, counters, temperature, top_p, top_k):
+  """A step's tokens from its logits ``[N, V]`` (jit with ``width`` and ``draw`` bound):
+  (tokens ``[width]`` (the ``N`` sampled, then zeros), their logprobs ``[N]``, top ids ``[N,
+  TOP_LOGPROBS]`` and their logprobs), logprobs of the model's distribution, before temperature
+  and filtering. ``draw`` False, for rows that are all greedy and ask for no alternatives: the
+  argmax, with no vocabulary sort or top-k (top ids and logprobs zeros)."""
   lp = jax.nn.log_softmax(logits, axis=-1)
-  top_lp, top_ids = jax.lax.top_k(lp, TOP_LOGPROBS)
+  if draw:
+    tok = sample_rows(logits, seeds, counters, temperature, top_p, top_k)
+    top_lp, top_ids = jax.lax.top_k(lp, TOP_LOGPROBS)
+  else:
+    tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    top_lp = jnp.zeros((logits.shape[0], TOP_LOGPROBS), jnp.float32)
+    top_ids = jnp.zeros((logits.shape[0], TOP_LOGPROBS), jnp.int32)
   chosen = jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
   padded = jnp.zeros((width,), jnp.int32).at[:tok.shape[0]].set(tok)
-  if not jax.sharding.get_abstract_mesh().empty:  # on every device, as the next step takes it
-    padded = jax.lax.with_sharding_constraint(padded, jax.sharding.PartitionSpec())
-  return pools, padded, chosen, top_ids.astype(jnp.int32), top_lp
+  return _everywhere(padded), chosen, top_ids.astype(jnp.int32), top_lp
+
+
+def _everywhere(x: jax.Array) -> jax.Array:
+  """``x`` on every device of the current mesh (as the next program takes it); itself without one."""
+  if jax.sharding.get_abstract_mesh().empty:
+    return x
+  return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec())
 
 
 def _spec(tree):
@@ -161,10 +179,9 @@ def lower(graphdef, params, pools, *, decode: bool, rows: int, tokens: int, tabl
   tokens, d]`` that the prefill steps of a model with a vision tower take
   (:func:`visual_window`). Call the result with ``jax.tree.leaves(params)``."""
   row = lambda dt, *s: jax.ShapeDtypeStruct(s, dt, sharding=row_sharding)
-  i32, f32, n = jnp.int32, jnp.float32, rows
+  i32, n = jnp.int32, rows
   leaves, treedef = jax.tree.flatten(params)
-  fn = jax.jit(functools.partial(step, graphdef, treedef, decode, feed[0 if decode else 1]),
-               donate_argnums=1)
+  fn = jax.jit(functools.partial(step, graphdef, treedef, decode), donate_argnums=1)
   extra = ()
   if decode:
     extra = ((row(i32, feed[0]), row(i32, feed[1]), row(i32, n)),)
@@ -172,8 +189,17 @@ def lower(graphdef, params, pools, *, decode: bool, rows: int, tokens: int, tabl
     d, dtype = visual
     extra = (None, {"visual_tokens": row(dtype, n, tokens, d), "num_tokens": row(i32, n)})
   return fn.lower(_spec(leaves), _spec(pools), row(i32, n, tokens), row(i32, n), row(i32, n),
-                  row(i32, n, table_width), row(i32, n), row(f32, n), row(f32, n), row(i32, n),
-                  row(jnp.uint32, n), row(i32, n), *extra)
+                  row(i32, n, table_width), row(i32, n), *extra)
+
+
+def lower_sample(rows: int, vocab: int, width: int, draw: bool, row_sharding=None):
+  """:func:`sample` for ``rows`` rows of ``vocab`` logits, jitted and lowered with every input
+  placed by ``row_sharding`` (as :func:`step` leaves its logits)."""
+  row = lambda dt, *s: jax.ShapeDtypeStruct(s, dt, sharding=row_sharding)
+  i32, f32, n = jnp.int32, jnp.float32, rows
+  fn = jax.jit(functools.partial(sample, width, draw))
+  return fn.lower(row(f32, n, vocab), row(jnp.uint32, n), row(i32, n), row(f32, n), row(f32, n),
+                  row(i32, n))
 
 
 @functools.partial(jax.jit, static_argnums=2)
