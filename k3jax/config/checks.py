@@ -130,8 +130,8 @@ def validate(cfg: Config) -> None:
          "mesh.expert_axes", f"{list(ea)}: must be distinct axes among data, fsdp, expert, context")
   s = cfg.serve
   _check(0 <= s.port < 65536, "serve.port", f"must be in [0, 65535] (0: any free port), got {s.port}")
-  for name in ("max_batch", "prefill_rows", "min_decode_rows", "block_size", "page_size", "max_model_len",
-               "token_budget", "checkpoint_every", "default_max_tokens"):
+  for name in ("max_batch", "prefill_rows", "min_decode_rows", "block_size", "page_size",
+               "max_model_len", "token_budget", "checkpoint_every", "default_max_tokens"):
     _check(getattr(s, name) > 0, f"serve.{name}", f"must be positive, got {getattr(s, name)}")
   _check(s.block_size % s.page_size == 0, "serve.block_size",
          f"must be a multiple of serve.page_size={s.page_size}, got {s.block_size}")

@@ -157,7 +157,8 @@ def sample(width: int, draw: bool, logits, seeds, counters, temperature, top_p, 
 
 
 def _everywhere(x: jax.Array) -> jax.Array:
-  """``x`` on every device of the current mesh (as the next program takes it); itself without one."""
+  """``x`` on every device of the current mesh (as the next program takes it); ``x`` as it is
+  without a mesh."""
   if jax.sharding.get_abstract_mesh().empty:
     return x
   return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec())
