@@ -117,7 +117,12 @@ def _loop(cfg, q, k, g, A_log, dt_bias, seg, t, speculative_rows):
     (jnp.bfloat16, "bounded", -8.0, True, 50, 1, 1, 64, (20,), False, 1),
     (jnp.float32, "bounded", -2.0, False, 1, 1, 1, 64, (), False, 1),
     (jnp.bfloat16, "softplus", -5.0, True, 77, 1, 2, 128, (30,), True, 1),
-    (jnp.float32, None, -5.0, False, 83, 2, 2, 64, (17, 40), True, 1),
+    # Not strict: its wild decays reach -1.7e9, whose float32 cumulative sums are rounded to
+    # multiples of 128; on 2026-12-07's AMD EPYC host (interpret mode, the host's BLAS) the
+    # chunk end's sum and the last real row's (equal in exact arithmetic: padding adds zeros)
+    # came out 2 apart, so kd's last row was off by e^2. Issue 40's closing note of that day.
+    pytest.param(jnp.float32, None, -5.0, False, 83, 2, 2, 64, (17, 40), True, 1,
+                 marks=pytest.mark.xfail(strict=False, reason="float32 sums of -1e9 decays")),
     pytest.param(jnp.bfloat16, "bounded", -5.0, True, 600, 4, 4, 128, (250, 350), False, 2,
                  marks=pytest.mark.slow),
 ], ids=["f32_bounded_T100", "bf16_bounded_lb8", "f32_rows64_T1", "bf16_softplus_redo",

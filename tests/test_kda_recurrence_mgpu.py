@@ -240,8 +240,8 @@ def test_default_takes_the_mosaic_forward_within_one_wave(h200_lowering):
 @pytest.mark.slow
 def test_single_buffered_tile_gives_the_same_op_results(monkeypatch):
   """The whole op (forward, final state, every gradient) at K = V = 128 with the 128-wide V tile
-  (single-buffered passes) equals the default 64-wide tiles bit for bit: the V columns of the
-  state are independent, so only the buffering differs."""
+  (single-buffered passes) equals the default 64-wide tiles up to rounding: the V columns of the
+  state are independent, so only the buffering (and the host's summation order) differs."""
   from pallas_kernels.kda import kda
   rng = np.random.default_rng(5)
   b, t, h, kd = 1, 130, 1, 128
@@ -269,9 +269,13 @@ def test_single_buffered_tile_gives_the_same_op_results(monkeypatch):
                                               argnums=tuple(range(5))))(*x, beta))
   assert tiles == [64, 64, 128, 128]
   (l64, g64), (l128, g128) = results
-  assert float(l64) == float(l128)
+  # equal up to rounding: in interpret mode the tiles' products run through the host's BLAS,
+  # whose blocking (so the summation order) depends on the product's shape and the CPU (bit for
+  # bit on the hosts until 2026-12-06, one float32 ulp of the loss on 2026-12-07's AMD EPYC)
+  np.testing.assert_allclose(float(l64), float(l128), rtol=1e-6)
   for a, c in zip(g64, g128):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
+    a, c = np.asarray(a, np.float32), np.asarray(c, np.float32)
+    assert np.abs(a - c).max() <= 2 ** -7 * np.abs(c).max(), np.abs(a - c).max()  # bf16 rounding
 
 
 def test_interpret_mode_needs_a_cpu_thread_per_warpgroup_beside_the_caller(monkeypatch):
