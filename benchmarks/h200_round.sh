@@ -33,9 +33,11 @@
 #                                           # (COMPILE1B_TRIALS: XLA flag trials in turn)
 #   bash benchmarks/h200_round.sh amgpu     # the Mosaic kda_chunk_a's card diagnostic (pytest)
 #   bash benchmarks/h200_round.sh gates     # issue 40: every gate kind at every shape, jla, fla
-#   bash benchmarks/h200_round.sh serving   # issue 39: Kimi Linear 48B decode B64 and B1 (H200
-#                                           # only: 91.5 GiB of bf16 weights), then k3_1b's B1,
-#                                           # B2 and B16 decode profiled (SERVING_S: seconds)
+#   bash benchmarks/h200_round.sh serving   # issue 39: serve48b, then serve1b (SERVING_S: seconds each)
+#   bash benchmarks/h200_round.sh serve48b  # Kimi Linear 48B decode B64 and B1 (H200 only: 91.5
+#                                           # GiB of bf16 weights)
+#   bash benchmarks/h200_round.sh serve1b   # k3_1b's decode B2, B16 (context 64), B64, B256
+#                                           # (context 1024), profiled
 #   bash benchmarks/h200_round.sh long step peers   # several at once (one lock for timed GPU work)
 #
 # The k3_1b runs compile without XLA's Triton GEMM fusions (85 s instead of 111 s, same step time).
@@ -114,17 +116,22 @@ gates() {  # issue 40's run: every gate kind at GATE_SHAPES beside jla (fla as t
     --budget $(( ${GATES_S:-540} - 25 )) ${GATES_ARGS:-}
 }
 
-serving() {  # what Serving run 12 left: Kimi Linear 48B's decode, and why k3_1b's B1 step is
-  # twice B16's (one-row products as column reductions?): each step's kernels by time
-  local t0=$SECONDS total=${SERVING_S:-540}
-  flock -o "$LOCK" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout $(( total / 2 )) python3 \
+serving() { serve48b; serve1b; }  # issue 39, what Serving run 13 left (SERVING_S: seconds each)
+serve48b() {  # Kimi Linear 48B's decode at B64 and B1 (H200 only: 91.5 GiB of bf16 weights)
+  flock -o "$LOCK" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "${SERVING_S:-270}" python3 \
     benchmarks/serve.py --config configs/kimi_linear_48b.yaml --only-decode --batches 64,1 \
     --steps 20 > "$R/serve_48b.log" 2>&1
   say "serve_48b done"
-  flock -o "$LOCK" timeout $(( total - (SECONDS - t0) )) python3 benchmarks/serve.py \
-    --config configs/k3_1b.yaml --only-decode --batches 1,2,16 --context 64 --steps 20 \
-    --profile "$R/trace_serve" > "$R/serve_b1_profile.log" 2>&1
-  say "serve_b1_profile done"
+}
+serve1b() {  # k3_1b's decode at B2 and B16 (context 64) and B64 and B256 (context 1024), profiled:
+  # whether the B64 and B256 steps still wait on the host now that sampling has no branch
+  flock -o "$LOCK" timeout "${SERVING_S:-270}" python3 benchmarks/serve.py \
+    --config configs/k3_1b.yaml --only-decode --batches 2,16 --context 64 --steps 20 \
+    --profile "$R/trace_serve" > "$R/serve_1b_short.log" 2>&1
+  flock -o "$LOCK" timeout "${SERVING_S:-270}" python3 benchmarks/serve.py \
+    --config configs/k3_1b.yaml --only-decode --batches 64,256 --context 1024 --steps 20 \
+    --profile "$R/trace_serve" > "$R/serve_1b_long.log" 2>&1
+  say "serve_1b done"
 }
 
 kernels() {  # KDA variants, MLA decode kernels, MoE tilings, one after the other
@@ -266,7 +273,7 @@ ncu() {
 [ $# -gt 0 ] || set -- both
 for what in "$@"; do  # several modes run side by side; timed GPU work takes the lock in turn
   case "$what" in
-    kernels|multi|peers|flapeers|kdasweep|unchanged|ncu|amgpu|gates|serving|glu|lse|kdadecode|mladecode|qbselect|conv|attnres|permute|optim|moesweep) $what & ;;  # blocking
+    kernels|multi|peers|flapeers|kdasweep|unchanged|ncu|amgpu|gates|serving|serve48b|serve1b|glu|lse|kdadecode|mladecode|qbselect|conv|attnres|permute|optim|moesweep) $what & ;;  # blocking
     train|long|step|compile1b) $what ;;        # these start background jobs of this shell
     both) train; sleep 5; kernels & ;;
     *) echo "usage: $0 MODE... (the modes are listed at the top of this script)"

@@ -25,9 +25,10 @@ from k3jax.nn import constant, param
 from sharding.rules import logical_spec, per_device, shard
 
 
-def attn_res(sources: Sequence[jax.Array], proj: jax.Array, norm: jax.Array, eps: float,
+def attn_res(sources: Sequence[jax.Array], proj: jax.Array, norm: jax.Array | None, eps: float,
              implementation: str | None = None) -> jax.Array:
-  """Mixes ``sources`` (each ``[B, T, d]``) with query ``norm * proj`` (each ``[d]``).
+  """Mixes ``sources`` (each ``[B, T, d]``) with query ``norm * proj`` (each ``[d]``; norm None:
+  proj is the whole query, :meth:`AttnRes.fold`).
 
   Returns ``[B, T, d]`` in the sources' dtype; the softmax and the sum run in float32 (or wider
   in the XLA form). ``implementation``: see :mod:`pallas_kernels.attn_res`. Under a device mesh
@@ -38,9 +39,10 @@ def attn_res(sources: Sequence[jax.Array], proj: jax.Array, norm: jax.Array, eps
   impl = "xla" if xs[2] is not None else attn_res_ops.resolve(implementation)
   if impl == "xla":
     return attn_res_ops.attn_res(sources, proj, norm, eps, implementation=impl)
-  fn = per_device(lambda s, p, n: attn_res_ops.attn_res(s, p, n, eps, implementation=impl),
-                  ((xs,) * len(sources), None, None), xs)
-  return fn(tuple(sources), proj, norm)
+  weights = (proj,) if norm is None else (proj, norm)
+  fn = per_device(lambda s, p, n=None: attn_res_ops.attn_res(s, p, n, eps, implementation=impl),
+                  ((xs,) * len(sources),) + (None,) * len(weights), xs)
+  return fn(tuple(sources), *weights)
 
 
 class AttnRes(nnx.Module):
@@ -55,7 +57,17 @@ class AttnRes(nnx.Module):
     self.implementation = implementation
 
   def __call__(self, sources: Sequence[jax.Array]) -> jax.Array:
-    return attn_res(sources, self.proj[...], self.norm[...], self.eps, self.implementation)
+    return attn_res(sources, self.proj[...], None if self.norm is None else self.norm[...],
+                    self.eps, self.implementation)
+
+  def fold(self) -> None:
+    """Turns this query into the serving layout: ``proj`` becomes the whole query ``norm *
+    proj`` in float32 and ``norm`` None, so that a decoding step forms no product of two
+    parameters (one small kernel per AttnRes and step otherwise). The serving engine calls this
+    on its own copy of the model; checkpoints and training keep both parameters."""
+    w = self.norm[...].astype(jnp.float32) * self.proj[...].astype(jnp.float32)
+    self.proj = self.proj.replace(w)
+    self.norm = None
 
 
 @jax.tree_util.register_dataclass

@@ -85,8 +85,9 @@ class MLA(nnx.Module):
     """Turns this layer into the serving layout for ``shards`` head shards (the mesh's ``tensor``
     size): the projections of x (q or q_a, kv_a and the output gate) become one weight ``in_proj
     [d, shards, P]`` (:func:`k3jax.nn.head_major`: each shard's heads of q and the gate, then q_a
-    and kv_a repeated), one matmul per layer and step. The serving engine calls this on its own
-    copy of the model; checkpoints and training keep the separate parameters."""
+    and kv_a repeated), one matmul per layer and step; ``kv_b_proj`` becomes its absorbed halves
+    ``w_uk [R, H, nope]`` and ``w_uv [R, H, v]``. The serving engine calls this on its own copy of
+    the model; checkpoints and training keep the separate parameters."""
     a = self.cfg.mla
     if a.num_heads % shards:
       raise ValueError(f"MLA.fuse_inputs: {a.num_heads} heads do not split into {shards} shards")
@@ -95,7 +96,10 @@ class MLA(nnx.Module):
     kernel = lambda name: getattr(self, name).kernel[...]
     self.in_proj = head_major([kernel(n) for n in sharded], [kernel(n) for n in whole], shards)
     self.shards = shards
-    for n in sharded + whole:
+    w_kv = self.kv_b_proj.kernel[...].reshape(a.kv_lora_rank, a.num_heads, -1)
+    half = lambda w: nnx.Param(w, sharding_names=("kv", "heads", None), eager_sharding=False)
+    self.w_uk, self.w_uv = half(w_kv[..., :a.qk_nope_head_dim]), half(w_kv[..., a.qk_nope_head_dim:])
+    for n in sharded + whole + ("kv_b_proj",):
       delattr(self, n)
 
   def _fused_inputs(self, x):
@@ -147,8 +151,12 @@ class MLA(nnx.Module):
       q, lat, gate = self._fused_inputs(x)
     else:
       q, lat, gate = self._queries(x), self._latent(x), None  # lat [B, T, R + Dr]
-    w_kv = self.kv_b_proj.kernel[...].astype(x.dtype).reshape(r, h, a.qk_nope_head_dim + a.v_head_dim)
-    w_uk, w_uv = w_kv[..., :a.qk_nope_head_dim], w_kv[..., a.qk_nope_head_dim:]
+    if self.fused:  # kv_b_proj's halves held apart: a step slices no parameter
+      w_uk, w_uv = self.w_uk[...].astype(x.dtype), self.w_uv[...].astype(x.dtype)
+      w_kv = jnp.concatenate([w_uk, w_uv], -1)
+    else:
+      w_kv = self.kv_b_proj.kernel[...].astype(x.dtype).reshape(r, h, -1)
+      w_uk, w_uv = w_kv[..., :a.qk_nope_head_dim], w_kv[..., a.qk_nope_head_dim:]
     paged = cache is not None and "pages" in cache
     if not decode and not paged and cache is None and context_parallel.active():
       o = context_parallel.mla_attention(q, lat, w_kv, segment_ids=segment_ids, scale=self.scale,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from k3jax import router
-from k3jax.attn_res import attn_res
+from k3jax.attn_res import AttnRes, attn_res
 from k3jax.config import MoEConfig
 from k3jax.glu import situ_glu
 from k3jax.kda import short_conv
@@ -100,6 +100,24 @@ def test_attn_res_matches_numpy_and_zero_query_is_mean():
   np.testing.assert_allclose(np.asarray(mean), np.mean(srcs, axis=0), rtol=1e-5, atol=1e-5)
   one = attn_res([jnp.asarray(srcs[0], jnp.bfloat16)], jnp.asarray(proj), jnp.asarray(norm), 1e-5)
   assert one.dtype == jnp.bfloat16  # a single source is itself
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
+def test_attn_res_fold_mixes_as_the_two_parameters(impl):
+  """AttnRes.fold (the serving layout: the query norm * proj as one float32 proj, norm None)
+  against the float64 loop, before and after folding, with the XLA form and the kernels."""
+  from flax import nnx
+  rng = np.random.default_rng(2)
+  srcs = [rng.normal(size=(2, 5, 16)) * (i + 1) for i in range(3)]
+  proj, norm = rng.normal(size=16), rng.normal(size=16)
+  res = AttnRes(16, 1e-5, rngs=nnx.Rngs(0), dtype=jnp.float32, implementation=impl)
+  res.proj.value, res.norm.value = jnp.asarray(proj, jnp.float32), jnp.asarray(norm, jnp.float32)
+  xs = [jnp.asarray(s, jnp.float32) for s in srcs]
+  want = _attn_res_np(srcs, proj, norm)
+  np.testing.assert_allclose(np.asarray(res(xs)), want, rtol=1e-5, atol=1e-5)
+  res.fold()
+  assert res.norm is None and res.proj.value.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(res(xs)), want, rtol=1e-5, atol=1e-5)
 
 
 def test_attn_res_gradients_match_finite_differences():

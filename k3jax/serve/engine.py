@@ -339,14 +339,8 @@ class Engine:
                             visual=None if decode or self._images is None else self._images.shape)
 
   def _compiled(self, decode: bool, n: int, t: int):
-    key = (decode, n, t)
-    if key not in self._steps:
-      t0 = time.perf_counter()
-      self._steps[key] = self._lower(*key).compile()
-      log.warning("compiled the %s step of %d rows x %d tokens at first use (%.1f s): "
-                  "Engine.compile compiles every shape up front", "decode" if decode else "prefill",
-                  n, t, time.perf_counter() - t0)
-    return self._steps[key]
+    return self._program(self._steps, (decode, n, t), self._lower,
+                         f"the {'decode' if decode else 'prefill'} step of {n} rows x {t} tokens")
 
   def _lower_sampler(self, decode: bool, n: int, draw: bool):
     with self._scope():
@@ -354,10 +348,20 @@ class Engine:
                                    draw, self._rows)
 
   def _sampler(self, decode: bool, n: int, draw: bool):
-    key = (decode, n, draw)
-    if key not in self._samplers:
-      self._samplers[key] = self._lower_sampler(*key).compile()
-    return self._samplers[key]
+    return self._program(self._samplers, (decode, n, draw), self._lower_sampler,
+                         f"the sampling of {n} {'decode' if decode else 'prefill'} rows"
+                         f"{' (drawing)' if draw else ''}")
+
+  @staticmethod
+  def _program(cache: dict, key: tuple, lower: Callable, what: str):
+    """``cache[key]``, compiled from ``lower(*key)`` at first use (logged: :meth:`compile`
+    compiles every shape up front, so a first use under load is worth a warning)."""
+    if key not in cache:
+      t0 = time.perf_counter()
+      cache[key] = lower(*key).compile()
+      log.warning("compiled %s at first use (%.1f s): Engine.compile compiles every shape up "
+                  "front", what, time.perf_counter() - t0)
+    return cache[key]
 
   def step_shapes(self) -> list[tuple[bool, int, int]]:
     """Every (decode, rows, tokens per row) shape a step may take."""

@@ -42,12 +42,17 @@ def serving_model(model: K3Model, shards: int) -> K3Model:
   ``tensor`` size): every attention layer's input projections one matmul, a KDA layer's short
   convs one (:meth:`k3jax.kda.KDA.fuse_inputs`, :meth:`k3jax.mla.MLA.fuse_inputs`), a MoE
   layer's shared experts' and latent input projections one
-  (:meth:`k3jax.latent_moe.LatentMoE.fuse_inputs`). Built once per set of weights, not per
-  step."""
+  (:meth:`k3jax.latent_moe.LatentMoE.fuse_inputs`), every AttnRes query one float32 vector
+  (:meth:`k3jax.attn_res.AttnRes.fold`). Built once per set of weights, not per step."""
   for layer in model.layers:
     layer.self_attn.fuse_inputs(shards)
     if layer.moe:
       layer.mlp.fuse_inputs(shards)
+    if layer.attn_res_on:
+      layer.self_attention_res.fold()
+      layer.mlp_res.fold()
+  if model.cfg.attn_res.enabled:
+    model.output_attn_res.fold()
   return model
 
 

@@ -24,13 +24,14 @@ def resolve(implementation: str | None) -> str:
   return resolve_gpu_kernel("attn_res", implementation, IMPLEMENTATIONS)
 
 
-def attn_res(sources: Sequence[jax.Array], proj: jax.Array, norm: jax.Array, eps: float, *,
+def attn_res(sources: Sequence[jax.Array], proj: jax.Array, norm: jax.Array | None, eps: float, *,
              implementation: str | None = None) -> jax.Array:
   """``out = sum_i p_i v_i`` with ``p = softmax_i((norm * proj) . v_i * rsqrt(mean(v_i^2) + eps))``.
 
-  sources: S >= 1 arrays ``[B, T, d]`` of one shape (bf16 or f32); proj, norm: ``[d]``. Returns
-  ``[B, T, d]`` in the first source's dtype; logits, softmax and the sum run in float32.
-  Differentiable in every source, proj and norm.
+  sources: S >= 1 arrays ``[B, T, d]`` of one shape (bf16 or f32); proj, norm: ``[d]`` (norm
+  None: proj is the whole query ``norm * proj``, as a served model holds it). Returns ``[B, T, d]``
+  in the first source's dtype; logits, softmax and the sum run in float32. Differentiable in every
+  source, proj and norm.
   """
   sources = tuple(sources)
   if not sources:
@@ -39,9 +40,9 @@ def attn_res(sources: Sequence[jax.Array], proj: jax.Array, norm: jax.Array, eps
   if len(shape) != 3 or any(x.shape != shape for x in sources):
     raise ValueError(f"attn_res: sources must all be [B, T, d] of one shape, got "
                      f"{[tuple(x.shape) for x in sources]}")
-  if proj.shape != shape[-1:] or norm.shape != shape[-1:]:
-    raise ValueError(f"attn_res: proj {tuple(proj.shape)} and norm {tuple(norm.shape)} must be "
-                     f"[d] = {shape[-1:]}")
+  if proj.shape != shape[-1:] or (norm is not None and norm.shape != shape[-1:]):
+    raise ValueError(f"attn_res: proj {tuple(proj.shape)} and norm "
+                     f"{None if norm is None else tuple(norm.shape)} must be [d] = {shape[-1:]}")
   if resolve(implementation) == "xla":
     return reference.attn_res(sources, proj, norm, eps)
   from pallas_kernels.attn_res import gpu

@@ -271,7 +271,9 @@ _mix.defvjp(_mix_fwd, _mix_bwd)
 def attn_res(sources, proj, norm, eps, config: Config = Config()):
   """See :func:`pallas_kernels.attn_res.attn_res` (shapes checked there).
 
-  sources: S arrays ``[B, T, d]``; proj, norm: ``[d]``. Returns ``[B, T, d]`` in the sources'
-  dtype (float32 arithmetic inside)."""
-  w = norm.astype(jnp.float32) * proj.astype(jnp.float32)
+  sources: S arrays ``[B, T, d]``; proj, norm: ``[d]`` (norm None: proj is the query). Returns
+  ``[B, T, d]`` in the sources' dtype (float32 arithmetic inside)."""
+  w = proj.astype(jnp.float32)
+  if norm is not None:
+    w = norm.astype(jnp.float32) * w
   return _mix(config, float(eps), tuple(sources), w)
