@@ -35,7 +35,7 @@ train: $(STAMP)
 ## The test suite (CPU; a persistent JAX compilation cache makes reruns fast).
 test: $(STAMP) $(AOT_TPU)
 	JAX_COMPILATION_CACHE_DIR=$${JAX_COMPILATION_CACHE_DIR:-$$HOME/.cache/k3jax-jax} \
-	  $(PY) -m pytest -n 2 --dist loadfile tests
+	  $(PY) -m pytest -n 2 --dist loadfile --durations=30 tests
 
 ## The quick loop while working: the suite without the tests marked slow (docs/testing.md).
 test-fast: $(STAMP)
