@@ -151,12 +151,15 @@ class LatentMoE(nnx.Module):
 
   def dense(self, tokens: int) -> bool:
     """Whether a decoding call on ``tokens`` tokens runs the routed experts densely
-    (:func:`all_experts`): ``moe.dense_decode_tokens`` at most, their pairs at least one per
-    expert (nearly every expert's weights are read either way; below ``tokens`` ~ the card's
-    FLOPs per byte the extra products stay within that read), on one device's experts and tokens
-    (where ``expert_parallel.routed_experts`` runs ``pallas_kernels.moe.expert_mlp``)."""
-    m = self.cfg.moe
-    return (tokens * m.top_k >= m.num_experts and tokens <= m.dense_decode_tokens
+    (:func:`all_experts`): ``moe.dense_decode_tokens`` at most, whose pairs leave at most
+    ``moe.dense_decode_unpicked_mb`` of expert weights unpicked (the bytes of the experts beyond
+    their ``tokens * top_k`` pairs: what the dense path reads for nothing; below ``tokens`` ~ the
+    card's FLOPs per byte the extra products stay within the read), on one device's experts and
+    tokens (where ``expert_parallel.routed_experts`` runs ``pallas_kernels.moe.expert_mlp``)."""
+    cfg, m = self.cfg, self.cfg.moe
+    expert = 3 * (m.latent_dim or cfg.hidden_size) * m.expert_intermediate  # gate, up, down
+    unpicked = max(m.num_experts - tokens * m.top_k, 0) * expert * jnp.dtype(cfg.pdtype).itemsize
+    return (tokens <= m.dense_decode_tokens and unpicked <= m.dense_decode_unpicked_mb * 2**20
             and not expert_parallel.active() and token_spec()[0] is None)
 
   def __call__(self, x: jax.Array, *, valid: jax.Array | None = None, decoding: bool = False):

@@ -63,7 +63,7 @@ def test_dense_decoding_equals_the_routed_path(moe_case):
   rng = np.random.default_rng(0)
   state = jax.tree.map(lambda a: a + 0.3 * jnp.asarray(rng.normal(size=a.shape), a.dtype), state)
   moe = nnx.merge(graphdef, state)
-  assert moe.dense(4) and moe.dense(6) and not moe.dense(3)
+  assert moe.dense(4) and moe.dense(6) and moe.dense(1)  # tiny experts: little left unpicked
   assert not moe.dense(cfg.moe.dense_decode_tokens + 1)
   x = jnp.asarray(rng.normal(size=(2, 3, cfg.hidden_size)), jnp.float32)
   dense, stats = moe(x, decoding=True)
@@ -105,7 +105,24 @@ def test_fused_inputs_match_the_separate_layout(moe_case):
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6 * scale)
 
 
-def test_dense_decode_tokens_is_checked():
+@pytest.mark.parametrize("config,dense,routed", [
+    ("configs/k3_tiny.yaml:model.moe.dense_decode_unpicked_mb=0", (4, 6), (1, 3)),
+    ("configs/k3_1b.yaml", (2, 6, 128), (129,)),  # two rows leave 32 experts, 50 MB, unpicked
+    ("configs/k3.yaml", (56, 128), (2, 55)),  # 896 experts of 66 MB
+    ("configs/kimi_linear_48b.yaml", (32, 128), (2, 31))])
+def test_dense_decoding_where_few_expert_bytes_go_unpicked(config, dense, routed):
+  """``LatentMoE.dense``: up to ``dense_decode_tokens`` tokens decode densely where their pairs
+  leave at most ``dense_decode_unpicked_mb`` of expert weights unpicked (served in bf16)."""
+  from k3jax import config as config_lib
+  path, *over = config.split(":")
+  cfg = config_lib.load(path, ["model.param_dtype=bfloat16", *over]).model
+  moe = nnx.eval_shape(lambda: LatentMoE(cfg, rngs=nnx.Rngs(0)))
+  assert all(moe.dense(n) for n in dense) and not any(moe.dense(n) for n in routed)
+
+
+def test_dense_decode_settings_are_checked():
   from k3jax.config import ConfigError
   with pytest.raises(ConfigError, match="model.moe.dense_decode_tokens"):
     tiny_config("model.moe.dense_decode_tokens=-1")
+  with pytest.raises(ConfigError, match="model.moe.dense_decode_unpicked_mb"):
+    tiny_config("model.moe.dense_decode_unpicked_mb=-1")

@@ -80,6 +80,8 @@ def validate(cfg: Config) -> None:
   _check(e.num_shared_experts >= 0, "model.moe.num_shared_experts", "must be >= 0")
   _check(e.dense_decode_tokens >= 0, "model.moe.dense_decode_tokens",
          f"must be >= 0 (0: never), got {e.dense_decode_tokens}")
+  _check(e.dense_decode_unpicked_mb >= 0, "model.moe.dense_decode_unpicked_mb",
+         f"must be >= 0, got {e.dense_decode_unpicked_mb}")
 
   _check(m.attn_res.block_size > 0, "model.attn_res.block_size", "must be positive")
   if m.vision is not None:

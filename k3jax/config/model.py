@@ -84,10 +84,14 @@ class MoEConfig:
   sign_update_rate: float = 1e-3
   capacity_factor: float = 0.0  # 0: dropless
   implementation: str | None = None  # grouped matmul: None picks per backend
-  # Decoding on one device: up to this many tokens whose pairs reach every expert (tokens x top_k
-  # >= experts) run all experts densely (k3jax.latent_moe.all_experts): a few matmuls in place of
-  # the sort, the grouped matmuls and the scatter. 0: never.
+  # Decoding on one device: up to this many tokens run all experts densely
+  # (k3jax.latent_moe.all_experts): a few matmuls in place of the sort, the grouped matmuls and
+  # the scatter, where their pairs (tokens x top_k) leave at most dense_decode_unpicked_mb of
+  # expert weights per layer unpicked (read for nothing: about the time of the routed path's
+  # extra launches at 64 MB; k3_1b's two-row step reads 50 MB more, K3's any step tens of GB).
+  # dense_decode_tokens=0: never; dense_decode_unpicked_mb=0: only where pairs >= experts.
   dense_decode_tokens: int = 128
+  dense_decode_unpicked_mb: float = 64.0
 
 
 @dataclasses.dataclass(frozen=True)
