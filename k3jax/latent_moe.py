@@ -156,9 +156,10 @@ class LatentMoE(nnx.Module):
     their ``tokens * top_k`` pairs: what the dense path reads for nothing; below ``tokens`` ~ the
     card's FLOPs per byte the extra products stay within the read), on one device's experts and
     tokens (where ``expert_parallel.routed_experts`` runs ``pallas_kernels.moe.expert_mlp``)."""
-    cfg, m = self.cfg, self.cfg.moe
-    expert = 3 * (m.latent_dim or cfg.hidden_size) * m.expert_intermediate  # gate, up, down
-    unpicked = max(m.num_experts - tokens * m.top_k, 0) * expert * jnp.dtype(cfg.pdtype).itemsize
+    m = self.cfg.moe
+    weights = (self.experts.w_gate_up, self.experts.w_down)  # the bytes held, as served
+    expert = sum(w.size * w.dtype.itemsize for w in weights) // m.num_experts
+    unpicked = max(m.num_experts - tokens * m.top_k, 0) * expert
     return (tokens <= m.dense_decode_tokens and unpicked <= m.dense_decode_unpicked_mb * 2**20
             and not expert_parallel.active() and token_spec()[0] is None)
 

@@ -175,6 +175,11 @@ def _spec(tree):
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), tree)
 
 
+def _placed(sharding):
+  """``(dtype, *shape) ->`` an abstract input of that shape placed by ``sharding``."""
+  return lambda dt, *s: jax.ShapeDtypeStruct(s, dt, sharding=sharding)
+
+
 def lower(graphdef, params, pools, *, decode: bool, rows: int, tokens: int, table_width: int,
           feed: tuple[int, int], row_sharding=None, visual: tuple | None = None):
   """:func:`step` for ``rows`` rows of ``tokens`` tokens, jitted (pools donated) and lowered for
@@ -184,7 +189,7 @@ def lower(graphdef, params, pools, *, decode: bool, rows: int, tokens: int, tabl
   (their largest row counts). ``visual``: (width ``d``, dtype) of the visual tokens ``[rows,
   tokens, d]`` that the prefill steps of a model with a vision tower take
   (:func:`visual_window`). Call the result with ``jax.tree.leaves(params)``."""
-  row = lambda dt, *s: jax.ShapeDtypeStruct(s, dt, sharding=row_sharding)
+  row = _placed(row_sharding)
   i32, n = jnp.int32, rows
   leaves, treedef = jax.tree.flatten(params)
   fn = jax.jit(functools.partial(step, graphdef, treedef, decode), donate_argnums=1)
@@ -201,7 +206,7 @@ def lower(graphdef, params, pools, *, decode: bool, rows: int, tokens: int, tabl
 def lower_sample(rows: int, vocab: int, width: int, draw: bool, row_sharding=None):
   """:func:`sample` for ``rows`` rows of ``vocab`` logits, jitted and lowered with every input
   placed by ``row_sharding`` (as :func:`step` leaves its logits)."""
-  row = lambda dt, *s: jax.ShapeDtypeStruct(s, dt, sharding=row_sharding)
+  row = _placed(row_sharding)
   i32, f32, n = jnp.int32, jnp.float32, rows
   fn = jax.jit(functools.partial(sample, width, draw))
   return fn.lower(row(f32, n, vocab), row(jnp.uint32, n), row(i32, n), row(f32, n), row(f32, n),
@@ -225,8 +230,7 @@ def encode_images(graphdef, params, arrays: dict) -> jax.Array:
 def lower_encoder(graphdef, params, arrays: dict, row_sharding=None):
   """:func:`encode_images` jitted and lowered for ``params`` as laid out and ``arrays`` shaped
   as the example given (one request's images: ``B = 1``)."""
-  rows = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=row_sharding)
-          for k, v in arrays.items()}
+  rows = {k: _placed(row_sharding)(v.dtype, *v.shape) for k, v in arrays.items()}
   return jax.jit(functools.partial(encode_images, graphdef)).lower(_spec(params), rows)
 
 
