@@ -38,6 +38,9 @@
 #                                           # GiB of bf16 weights)
 #   bash benchmarks/h200_round.sh serve1b   # k3_1b's decode B2, B16 (context 64), B64, B256
 #                                           # (context 1024), profiled
+#   bash benchmarks/h200_round.sh serveflags  # k3_1b's decode B2, B16 with and without XLA's
+#                                           # Triton GEMMs (SERVING_S seconds each)
+#   bash benchmarks/h200_round.sh startup   # Engine.compile of k3_1b's step shapes (STARTUP_S)
 #   bash benchmarks/h200_round.sh long step peers   # several at once (one lock for timed GPU work)
 #
 # The k3_1b runs compile without XLA's Triton GEMM fusions (85 s instead of 111 s, same step time).
@@ -132,6 +135,25 @@ serve1b() {  # k3_1b's decode at B2 and B16 (context 64) and B64 and B256 (conte
     --config configs/k3_1b.yaml --only-decode --batches 64,256 --context 1024 --steps 20 \
     --profile "$R/trace_serve" > "$R/serve_1b_long.log" 2>&1
   say "serve_1b done"
+}
+serveflags() {  # k3_1b's decode at B2 and B16 (context 64), profiled, with XLA's Triton GEMM
+  # fusions and without (cuBLAS for every product): whether the one-token LM head and projections
+  # read their weights faster through cuBLAS (Serving run 15: the LM head at 1.2 TB/s)
+  local flags
+  for flags in "" "--xla_gpu_enable_triton_gemm=false"; do
+    flock -o "$LOCK" env XLA_FLAGS="$flags" timeout "${SERVING_S:-170}" python3 benchmarks/serve.py \
+      --config configs/k3_1b.yaml --only-decode --batches 2,16 --context 64 --steps 30 \
+      --profile "$R/trace_flags" > "$R/serve_flags${flags:+_cublas}.log" 2>&1
+  done
+  say "serveflags done"
+}
+startup() {  # Engine.compile of k3_1b's 42 programs (block_size 512, batches to 64) with its
+  # progress bar, then two decode batches; XLA_FLAGS as given (STARTUP_S seconds)
+  flock -o "$LOCK" timeout "${STARTUP_S:-400}" python3 benchmarks/serve.py \
+    --config configs/k3_1b.yaml --precompile --only-decode --batches 64 --context 64 \
+    --steps 10 > "$R/startup.log" 2>&1
+  tr '\r' '\n' < "$R/startup.log" | grep -v "^\s*$" > "$R/startup_lines.log"
+  say "startup done"
 }
 
 kernels() {  # KDA variants, MLA decode kernels, MoE tilings, one after the other
@@ -273,7 +295,7 @@ ncu() {
 [ $# -gt 0 ] || set -- both
 for what in "$@"; do  # several modes run side by side; timed GPU work takes the lock in turn
   case "$what" in
-    kernels|multi|peers|flapeers|kdasweep|unchanged|ncu|amgpu|gates|serving|serve48b|serve1b|glu|lse|kdadecode|mladecode|qbselect|conv|attnres|permute|optim|moesweep) $what & ;;  # blocking
+    kernels|multi|peers|flapeers|kdasweep|unchanged|ncu|amgpu|gates|serving|serve48b|serve1b|serveflags|startup|glu|lse|kdadecode|mladecode|qbselect|conv|attnres|permute|optim|moesweep) $what & ;;  # blocking
     train|long|step|compile1b) $what ;;        # these start background jobs of this shell
     both) train; sleep 5; kernels & ;;
     *) echo "usage: $0 MODE... (the modes are listed at the top of this script)"

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 import sharding
 from k3jax import vision_prompt
@@ -375,14 +376,23 @@ class Engine:
 
   def compile(self, workers: int | None = None) -> float:
     """Compiles every step shape and its sampling programs, ``workers`` at a time (default: half
-    the host's cores, XLA's compiles run side by side); returns (and logs) the seconds it took."""
+    the host's cores, XLA's compiles run side by side); returns (and logs) the seconds it took.
+    Each shape compiles as soon as it is lowered (lowering is Python, one at a time), the most
+    tokens first, so the longest compiles do not end the run alone."""
     t0 = time.perf_counter()
-    todo = [s for s in self.step_shapes() if s not in self._steps]
+    todo = sorted((s for s in self.step_shapes() if s not in self._steps),
+                  key=lambda s: s[1] * s[2], reverse=True)
     samplers = [s for s in self.sampler_shapes() if s not in self._samplers]
-    lowered = [self._lower(*s) for s in todo] + [self._lower_sampler(*s) for s in samplers]
-    workers = workers or max(1, min(len(lowered), (os.cpu_count() or 2) // 2))
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-      compiled = list(pool.map(lambda low: low.compile(), lowered))
+    jobs = [(self._lower, s) for s in todo] + [(self._lower_sampler, s) for s in samplers]
+    workers = workers or max(1, min(len(jobs), (os.cpu_count() or 2) // 2))
+    with (concurrent.futures.ThreadPoolExecutor(workers) as pool,
+          tqdm(total=len(jobs), desc="compiling step shapes", unit="program",
+               dynamic_ncols=True, mininterval=1.0) as bar):
+      futures = []
+      for lower, s in jobs:
+        futures.append(pool.submit(lower(*s).compile))
+        futures[-1].add_done_callback(lambda _: bar.update())
+      compiled = [f.result() for f in futures]
     self._steps.update(zip(todo, compiled))
     self._samplers.update(zip(samplers, compiled[len(todo):]))
     if self._images is not None:
