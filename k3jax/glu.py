@@ -20,11 +20,14 @@ def situ_glu(a: jax.Array, b: jax.Array, beta: float = 4.0, beta_lin: float = 25
   return glu(a, b, "situ", beta, beta_lin)
 
 
-def glu_activation(cfg: ModelConfig, *, packed: bool = False):
-  """The config's activation: ``(gate, up) -> h`` with ``model.glu_implementation``, or ``gu
+def glu_activation(cfg: ModelConfig, *, packed: bool = False, width: int | None = None):
+  """The config's activation: ``(gate, up) -> h`` with ``model.glu_implementation``, ``gu
   [..., 2F] -> h`` when ``packed`` (the routed experts' form, with the MoE's
-  ``implementation``)."""
+  ``implementation``), or ``y [..., W] -> h`` reading the gate and up columns ``[0, 2 width)`` of
+  a fused input projection's rows when ``width`` is given (``model.glu_implementation``)."""
   kw = dict(kind=cfg.activation, beta=cfg.situ_beta, beta_lin=cfg.situ_linear_beta)
+  if width is not None:
+    return functools.partial(glu_packed, width=width, implementation=cfg.glu_implementation, **kw)
   if packed:
     return functools.partial(glu_packed, implementation=cfg.moe.implementation, **kw)
   return functools.partial(glu, implementation=cfg.glu_implementation, **kw)
@@ -50,6 +53,15 @@ class GLU(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     """x: ``[B, T, d]`` or flat tokens ``[N, d]``."""
     return self.down(self.gate_proj(x), self.up_proj(x))
+
+  def down_fused(self, y: jax.Array, width: int) -> jax.Array:
+    """The activation and the down projection of a fused input weight's output ``y [N, S, P]``
+    (:meth:`k3jax.latent_moe.LatentMoE.fuse_inputs`: per head shard ``S``, its ``width`` gate
+    columns, then as many up columns, then others) -> ``[N, d]``: the kernel reads the gate and
+    up columns where they lie, no slice of them is made."""
+    names = P(token_spec()[0], logical_spec(("mlp",))[0], None)  # S: the mlp columns' shards
+    h = per_device(glu_activation(self.cfg, width=width), (names,), names)(y)
+    return self.down_proj(h.reshape(h.shape[0], -1))
 
   def down(self, gate: jax.Array, up: jax.Array) -> jax.Array:
     """The activation and the down projection of the gate and up projections ``[B, T, F]`` or

@@ -144,10 +144,9 @@ class LatentMoE(nnx.Module):
     f = self.cfg.moe.num_shared_experts * self.cfg.moe.expert_intermediate // self.shards
     y = jnp.einsum("btd,dsp->btsp", x, self.in_proj[...].astype(x.dtype))
     y = shard(y, ("batch", "length", "heads", None))
-    flat = lambda a: a.reshape(b * t, -1)
     with jax.named_scope("shared_experts"):
-      shared = self.shared_experts.down(flat(y[..., :f]), flat(y[..., f:2 * f]))
-    return flat(y[:, :, 0, 2 * f:]), shared  # every shard holds the whole latent: shard 0's
+      shared = self.shared_experts.down_fused(y.reshape(b * t, *y.shape[2:]), f)
+    return y[:, :, 0, 2 * f:].reshape(b * t, -1), shared  # every shard holds the latent: shard 0's
 
   def dense(self, tokens: int) -> bool:
     """Whether a decoding call on ``tokens`` tokens runs the routed experts densely

@@ -21,14 +21,15 @@ def _inputs(shape, seed):
   return gu, g
 
 
-@pytest.mark.parametrize("form", ["packed", "pair"])
+@pytest.mark.parametrize("form", ["packed", "pair", "wide"])
 @pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
 @pytest.mark.parametrize("kind", ["situ", "silu"])
 @pytest.mark.parametrize("shape", [(37, 80), (1, 16), (2, 5, 48)])
 def test_glu_values_and_grad_match_float64(impl, kind, shape, form):
   """Rows not a multiple of the 32-row tile (37), one row, F=40 (not a multiple of the column
   tile), a leading batch shape; float32 inputs, so the tolerance is float32 rounding. Packed
-  (``gu [..., 2F]``) and as a pair of arrays (gate, up ``[..., F]``)."""
+  (``gu [..., 2F]``), as a pair of arrays (gate, up ``[..., F]``) and packed in a wider row
+  (``width=F`` of ``[..., 2F + 7]``: the last 7 columns neither read nor given a gradient)."""
   gu, g = _inputs(shape, seed=len(shape) * 100 + shape[0])
   f = shape[-1] // 2
   guj, gj = jnp.asarray(gu, jnp.float32), jnp.asarray(g, jnp.float32)
@@ -40,6 +41,13 @@ def test_glu_values_and_grad_match_float64(impl, kind, shape, form):
   if form == "packed":
     y, vjp = jax.vjp(lambda x: glu_packed(x, kind, implementation=impl), guj)
     (dgu,) = vjp(gj)
+  elif form == "wide":
+    extra = jnp.asarray(np.random.default_rng(7).normal(size=shape[:-1] + (7,)) * 1e3, jnp.float32)
+    y, vjp = jax.vjp(lambda x: glu_packed(x, kind, width=f, implementation=impl),
+                     jnp.concatenate([guj, extra], -1))
+    (dgu,) = vjp(gj)
+    np.testing.assert_array_equal(np.asarray(dgu[..., 2 * f:]), 0)
+    dgu = dgu[..., :2 * f]
   else:
     y, vjp = jax.vjp(lambda p, q: glu(p, q, kind, implementation=impl), guj[..., :f], guj[..., f:])
     dgu = jnp.concatenate(vjp(gj), -1)
@@ -73,6 +81,8 @@ def test_bad_input_is_named():
     glu_packed(jnp.ones((2, 4)), "gelu")
   with pytest.raises(ValueError, match="even last dimension"):
     glu_packed(jnp.ones((2, 5)), "situ")
+  with pytest.raises(ValueError, match="width 3 does not fit gu"):
+    glu_packed(jnp.ones((2, 5)), "situ", width=3)
   with pytest.raises(ValueError, match="one shape"):
     glu(jnp.ones((2, 4)), jnp.ones((2, 5)))
   # gate and up of two dtypes: both in their common type, as the XLA form's result
@@ -88,8 +98,8 @@ def test_cuda_lowering_at_the_expert_shape(h200_lowering):
   from pallas_kernels.glu import gpu
   gu = jax.ShapeDtypeStruct((524288, 1024), jnp.bfloat16)
   g = jax.ShapeDtypeStruct((524288, 512), jnp.bfloat16)
-  for fn, args in ((lambda x: gpu.glu_fwd(x, "situ", 4.0, 25.0), (gu,)),
-                   (lambda x, y: gpu.glu_bwd(x, y, "situ", 4.0, 25.0), (gu, g)),
+  for fn, args in ((lambda x: gpu.glu_fwd(x, 512, "situ", 4.0, 25.0), (gu,)),
+                   (lambda x, y: gpu.glu_bwd(x, y, 512, "situ", 4.0, 25.0), (gu, g)),
                    (lambda a, b: gpu.glu_pair_fwd(a, b, "situ", 4.0, 25.0), (g, g)),
                    (lambda a, b, y: gpu.glu_pair_bwd(a, b, y, "situ", 4.0, 25.0), (g, g, g))):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

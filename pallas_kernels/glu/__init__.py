@@ -86,33 +86,42 @@ def _form(name: str, implementation: str, config):
   return functools.partial(getattr(gpu, name), config=config or gpu.Config())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _glu_packed(gu, kind, beta, beta_lin, implementation, config):
-  return _form("glu_fwd", implementation, config)(gu, kind, beta, beta_lin)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
+def _glu_packed(gu, f, kind, beta, beta_lin, implementation, config):
+  return _form("glu_fwd", implementation, config)(gu, f, kind, beta, beta_lin)
 
 
-def _glu_packed_fwd(gu, kind, beta, beta_lin, implementation, config):
+def _glu_packed_fwd(gu, f, kind, beta, beta_lin, implementation, config):
   # The kernel itself, not ``_glu_packed`` (a nested custom_vjp call): a remat policy that keeps
   # Pallas outputs (``dots_kernels``) sees the pallas_call and keeps h.
-  return _form("glu_fwd", implementation, config)(gu, kind, beta, beta_lin), gu
+  return _form("glu_fwd", implementation, config)(gu, f, kind, beta, beta_lin), gu
 
 
-def _glu_packed_bwd(kind, beta, beta_lin, implementation, config, gu, g):
-  return (_form("glu_bwd", implementation, config)(gu, g, kind, beta, beta_lin),)
+def _glu_packed_bwd(f, kind, beta, beta_lin, implementation, config, gu, g):
+  d = _form("glu_bwd", implementation, config)(gu, g, f, kind, beta, beta_lin)
+  pad = gu.shape[-1] - 2 * f  # the columns after the up half take no part: zero gradient
+  return (jnp.pad(d, [(0, 0)] * (d.ndim - 1) + [(0, pad)]) if pad else d,)
 
 
 _glu_packed.defvjp(_glu_packed_fwd, _glu_packed_bwd)
 
 
 def glu_packed(gu: jax.Array, kind: str = "situ", beta: float = 4.0, beta_lin: float = 25.0, *,
-               implementation: str | None = None, config=None) -> jax.Array:
+               width: int | None = None, implementation: str | None = None,
+               config=None) -> jax.Array:
   """:func:`glu` of ``gu [..., 2F]`` (gate then up) -> ``h [..., F]`` in gu's dtype;
-  differentiable, its backward one pass that returns ``d gu`` whole. ``config``: the GPU
+  differentiable, its backward one pass that returns ``d gu`` whole. ``width``: F, where ``gu``
+  has more columns after the up half (``[..., W >= 2F]``, a fused input projection's output;
+  those columns are not read and get a zero gradient); None: half of gu's. ``config``: the GPU
   kernels' tiling (:class:`pallas_kernels.glu.gpu.Config`; None its defaults)."""
   _check(kind)
-  if gu.shape[-1] % 2:
+  w = gu.shape[-1]
+  if width is None and w % 2:
     raise ValueError(f"glu_packed: gu {gu.shape} must have an even last dimension (gate, up)")
-  return _glu_packed(gu, kind, float(beta), float(beta_lin), resolve(implementation), config)
+  f = w // 2 if width is None else width
+  if not 0 < 2 * f <= w:
+    raise ValueError(f"glu_packed: width {width} does not fit gu {gu.shape} twice")
+  return _glu_packed(gu, f, kind, float(beta), float(beta_lin), resolve(implementation), config)
 
 
 __all__ = ["glu", "glu_packed", "resolve", "IMPLEMENTATIONS", "KINDS"]

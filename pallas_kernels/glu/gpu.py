@@ -90,16 +90,15 @@ def _call(kernel, a, b, f: int, b_off: int, args, widths, *, kind, beta, beta_li
   return [o.reshape(*lead, o.shape[-1]) for o in outs]
 
 
-def glu_fwd(gu, kind: str, beta: float, beta_lin: float, config: Config = Config()):
-  """``h [..., F]`` of ``gu [..., 2F]``."""
-  f = gu.shape[-1] // 2
+def glu_fwd(gu, f: int, kind: str, beta: float, beta_lin: float, config: Config = Config()):
+  """``h [..., F]`` of the gate and up columns ``[0, 2F)`` of ``gu [..., W]``."""
   return _call(_fwd_kernel, gu, gu, f, f, (), (f,), kind=kind, beta=beta, beta_lin=beta_lin,
                name="glu_fwd", config=config)[0]
 
 
-def glu_bwd(gu, g, kind: str, beta: float, beta_lin: float, config: Config = Config()):
-  """``d gu [..., 2F]`` for the cotangent ``g [..., F]``."""
-  f = gu.shape[-1] // 2
+def glu_bwd(gu, g, f: int, kind: str, beta: float, beta_lin: float, config: Config = Config()):
+  """``d gu [..., 2F]`` of the columns ``[0, 2F)`` of ``gu [..., W]`` for the cotangent ``g
+  [..., F]``."""
   return _call(_bwd_kernel, gu, gu, f, f, (g,), (2 * f,), kind=kind, beta=beta,
                beta_lin=beta_lin, name="glu_bwd", config=config)[0]
 

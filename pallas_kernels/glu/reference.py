@@ -49,15 +49,14 @@ def f32(x):
   return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
-def split(gu):
-  """The gate and up halves of ``gu [..., 2F]``, widened to float32."""
-  f = gu.shape[-1] // 2
-  return f32(gu[..., :f]), f32(gu[..., f:])
+def split(gu, f: int):
+  """The gate and up columns ``[0, F)`` and ``[F, 2F)`` of ``gu [..., W]``, widened to float32."""
+  return f32(gu[..., :f]), f32(gu[..., f:2 * f])
 
 
-def glu_fwd(gu, kind: str, beta: float, beta_lin: float):
-  """``h [..., F]`` of ``gu [..., 2F]``."""
-  return glu_math(kind, beta, beta_lin, *split(gu), grads=False).astype(gu.dtype)
+def glu_fwd(gu, f: int, kind: str, beta: float, beta_lin: float):
+  """``h [..., F]`` of the gate and up columns ``[0, 2F)`` of ``gu [..., W]``."""
+  return glu_math(kind, beta, beta_lin, *split(gu, f), grads=False).astype(gu.dtype)
 
 
 def glu_grads(a, b, g, kind: str, beta: float, beta_lin: float):
@@ -67,9 +66,10 @@ def glu_grads(a, b, g, kind: str, beta: float, beta_lin: float):
   return g * da, g * db
 
 
-def glu_bwd(gu, g, kind: str, beta: float, beta_lin: float):
-  """``d gu [..., 2F]`` of ``gu`` for the output cotangent ``g [..., F]``."""
-  da, db = glu_grads(*split(gu), g, kind, beta, beta_lin)
+def glu_bwd(gu, g, f: int, kind: str, beta: float, beta_lin: float):
+  """``d gu [..., 2F]`` of the columns ``[0, 2F)`` of ``gu [..., W]`` for the output cotangent
+  ``g [..., F]``."""
+  da, db = glu_grads(*split(gu, f), g, kind, beta, beta_lin)
   return jnp.concatenate([da, db], axis=-1).astype(gu.dtype)
 
 
