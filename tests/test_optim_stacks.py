@@ -22,6 +22,20 @@ def x64():
     yield
 
 
+@pytest.fixture(scope="module")
+def train_states():
+  """{scan_layers: (config, initial train state)} in float32, unscanned and scanned: the two
+  train-state tests share them (each initialisation is a compile of its own)."""
+  from k3jax.train_state import init_train_state
+  out = {}
+  with jax.enable_x64(False):
+    for scan in ("false", "true"):
+      cfg = tiny_config(*SMALL, "model.remat=full", f"model.scan_layers={scan}",
+                        "optimizer.name=muon", "optimizer.muon_ns_precision=f32")
+      out[scan] = cfg, init_train_state(cfg)
+  return out
+
+
 def _random_params(cfg, seed):
   """The model's per-layer parameter tree (pure dict) of fresh float64 normals."""
   shapes = nnx.to_pure_dict(nnx.state(abstract_model(cfg), nnx.Param))
@@ -85,13 +99,12 @@ def test_stack_round_trip():
 
 
 @pytest.mark.slow
-def test_scanned_train_step_equals_unrolled():
+def test_scanned_train_step_equals_unrolled(train_states):
   """Two train steps (Muon, clipping, router biases) of the scanned model, whose train state
   holds the scanned layers' parameters and moments stacked, against the unrolled one: same
   losses, norms and parameters to float32 rounding, and the same per-layer trees once
   unstacked."""
   from k3jax import train_step as ts
-  from k3jax.train_state import init_train_state
   rng = np.random.default_rng(3)
   ids = jnp.asarray(rng.integers(0, 256, (2, 16)), jnp.int32)
   batch = {"input_ids": ids, "targets": jnp.roll(ids, -1, 1),
@@ -100,10 +113,7 @@ def test_scanned_train_step_equals_unrolled():
            "weights": jnp.ones((2, 16), jnp.float32)}
   out = []
   with jax.enable_x64(False):
-    for scan in ("false", "true"):
-      cfg = tiny_config(*SMALL, "model.remat=full", f"model.scan_layers={scan}",
-                        "optimizer.muon_ns_precision=f32")
-      st = init_train_state(cfg)
+    for cfg, st in train_states.values():
       step = jax.jit(ts.make_train_step(cfg, st.graphdef, st.tx, st.schedule))
       p, o, b, metrics = step(st.params, st.opt_state, st.biases, jnp.int32(0), st.rng, batch)
       p, o, b, m = step(p, o, b, jnp.int32(1), st.rng, batch)
@@ -142,13 +152,11 @@ def _saved_and_restored(src, dst, directory):
 
 
 @pytest.mark.slow
-def test_checkpoints_keep_one_entry_per_layer(tmp_path):
+def test_checkpoints_keep_one_entry_per_layer(train_states, tmp_path):
   """A scanned run's stacked state saves one entry per layer, as an unscanned run's: each
   setting restores the other's checkpoint, values exact (fresh random ones in every leaf)."""
-  from k3jax.train_state import init_train_state
+  (_, plain), (_, scanned) = train_states["false"], train_states["true"]
   with jax.enable_x64(False):
-    plain, scanned = (init_train_state(tiny_config(*SMALL, f"model.scan_layers={scan}"))
-                      for scan in ("false", "true"))
     rng = np.random.default_rng(4)
     fresh = lambda tree: jax.tree.map(
         lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype)
