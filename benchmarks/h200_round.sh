@@ -137,13 +137,13 @@ serve1b() {  # k3_1b's decode at B2 and B16 (context 64) and B64 and B256 (conte
   say "serve_1b done"
 }
 serveflags() {  # k3_1b's decode at B2 and B16 (context 64), profiled, with XLA's Triton GEMM
-  # fusions and without (cuBLAS for every product): whether the one-token LM head and projections
-  # read their weights faster through cuBLAS (Serving run 15: the LM head at 1.2 TB/s)
+  # fusions and without (cuBLAS for every product; slower in Serving run 16: 747 kernels against
+  # 502 at two rows)
   local flags
   for flags in "" "--xla_gpu_enable_triton_gemm=false"; do
     flock -o "$LOCK" env XLA_FLAGS="$flags" timeout "${SERVING_S:-170}" python3 benchmarks/serve.py \
       --config configs/k3_1b.yaml --only-decode --batches 2,16 --context 64 --steps 30 \
-      --profile "$R/trace_flags" > "$R/serve_flags${flags:+_cublas}.log" 2>&1
+      --profile "$R/trace_flags${flags:+_cublas}" > "$R/serve_flags${flags:+_cublas}.log" 2>&1
   done
   say "serveflags done"
 }

@@ -65,7 +65,7 @@ class GLU(nnx.Module):
 
   def down(self, gate: jax.Array, up: jax.Array) -> jax.Array:
     """The activation and the down projection of the gate and up projections ``[B, T, F]`` or
-    ``[N, F]`` (a fused input weight computes those: :meth:`k3jax.latent_moe.LatentMoE.fuse_inputs`)."""
+    ``[N, F]``."""
     names = (("batch", "length", "mlp") if gate.ndim == 3
              else P(token_spec()[0], logical_spec(("mlp",))[0]))
     h = per_device(self.act, (names, names), names)(gate, up)
