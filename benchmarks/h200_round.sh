@@ -55,6 +55,7 @@ R=/tmp/h200_round; mkdir -p "$R"
 OUT=${OUT:-$R/out}; mkdir -p "$OUT"
 finish() { tar czf "$OUT/h200_round.tar.gz" -C "$R" --exclude='trace*' . 2>/dev/null; }
 trap finish EXIT
+trap 'exit 143' TERM  # an outer timeout still leaves the tarball (EXIT runs finish)
 WHEELS=$(ls .whl/*.whl .whl_train/*.whl .whl_grain/*.whl 2>/dev/null)
 [ -z "$WHEELS" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site $WHEELS || exit 1
@@ -120,10 +121,14 @@ gates() {  # issue 40's run: every gate kind at GATE_SHAPES beside jla (fla as t
 }
 
 serving() { serve48b; serve1b; }  # issue 39, what Serving run 13 left (SERVING_S: seconds each)
-serve48b() {  # Kimi Linear 48B's decode at B64 and B1 (H200 only: 91.5 GiB of bf16 weights)
+serve48b() {  # Kimi Linear 48B's decode at B64 and B1 (H200 only: 91.5 GiB of bf16 weights).
+  # SERVE48B_ARGS replaces the run's options; SERVE48B_SET adds config overrides (on an H100:
+  # "model.num_layers=14 model.mla_layers=[3,7,11,13]", the first 14 of its 27 layers);
+  # SERVE48B_TAG names the log (serve_48b$TAG.log: a second run in the same call)
   flock -o "$LOCK" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "${SERVING_S:-270}" python3 \
-    benchmarks/serve.py --config configs/kimi_linear_48b.yaml --only-decode --batches 64,1 \
-    --steps 20 > "$R/serve_48b.log" 2>&1
+    benchmarks/serve.py --config configs/kimi_linear_48b.yaml \
+    ${SERVE48B_ARGS:---only-decode --batches 64,1 --steps 20} ${SERVE48B_SET:-} \
+    > "$R/serve_48b${SERVE48B_TAG:-}.log" 2>&1
   say "serve_48b done"
 }
 serve1b() {  # k3_1b's decode at B2 and B16 (context 64) and B64 and B256 (context 1024), profiled:
@@ -148,10 +153,11 @@ serveflags() {  # k3_1b's decode at B2 and B16 (context 64), profiled, with XLA'
   say "serveflags done"
 }
 startup() {  # Engine.compile of k3_1b's 42 programs (block_size 512, batches to 64) with its
-  # progress bar, then two decode batches; XLA_FLAGS as given (STARTUP_S seconds)
+  # progress bar, then decode at B64 and a Poisson stream (32 requests at 4/s, prompts 128-2K,
+  # outputs 32-256) that meets no compile; XLA_FLAGS as given (STARTUP_S seconds)
   flock -o "$LOCK" timeout "${STARTUP_S:-400}" python3 benchmarks/serve.py \
-    --config configs/k3_1b.yaml --precompile --only-decode --batches 64 --context 64 \
-    --steps 10 > "$R/startup.log" 2>&1
+    --config configs/k3_1b.yaml --precompile --batches 64 --context 64 --steps 10 --ttft "" \
+    --prefix "" --stream 32 --rate 4 > "$R/startup.log" 2>&1
   tr '\r' '\n' < "$R/startup.log" | grep -v "^\s*$" > "$R/startup_lines.log"
   say "startup done"
 }

@@ -3,12 +3,12 @@
 ``python benchmarks/serve.py --config configs/k3_1b.yaml [--json OUT] [key=value ...]`` builds the
 config's model with random bf16 weights and :class:`k3jax.serve.engine.Engine`, then measures
 
-- TTFT of a 1K, 8K and 32K prompt (one request, nothing cached), and of an 8K prompt whose first
-  7.5K tokens another request left in the prefix cache;
 - decode: steady decode steps at batch 1, 16, 64 and 256 (contexts of ``--context`` tokens),
   against the floor: the bytes a step must read (every dense weight, the experts the batch routes
   to in expectation, the MLA pages and KDA states of the batch, the states written back) over the
-  card's measured copy bandwidth;
+  card's measured copy bandwidth (first: what a run cut short by its time limit must keep);
+- TTFT of a 1K, 8K and 32K prompt (one request, nothing cached), and of an 8K prompt whose first
+  7.5K tokens another request left in the prefix cache;
 - a stream: Poisson arrivals of mixed prompt and output lengths, generated tokens/s and mean TTFT.
 
 The engine is driven synchronously (``Engine.step``); step shapes compile on first use, outside
@@ -199,9 +199,16 @@ def main(argv=None):
   a = p.parse_args(argv)
   batches = [int(b) for b in a.batches.split(",") if b]
   lengths = [int(t) for t in a.ttft.split(",") if t]
+  # the longest request of any phase (prompt and output), and a margin
+  longest = lengths + [a.context + a.steps + 64]
+  if a.prefix:
+    longest.append(sum(int(x) for x in a.prefix.split(",")))
+  if a.stream:
+    lo, hi, olo, ohi = (int(x) for x in a.stream_lengths.split(","))
+    longest.append(hi + ohi)
   base = ["model.param_dtype=bfloat16", "model.compute_dtype=bfloat16",
           f"serve.max_batch={max(batches)}", "serve.block_size=512", "serve.token_budget=4096",
-          f"serve.max_model_len={max(lengths + [a.context + a.steps + 64]) + 64}"]
+          f"serve.max_model_len={max(longest) + 64}"]
   pages = max(max(batches) * (a.context + a.steps + 80), 2 * max(lengths + [8192])) // 64 + 256
   base += [f"serve.num_pages={pages}", f"serve.num_slots={max(batches) + 33}"]
   cfg = config_lib.load(a.config, base + a.overrides)
@@ -223,17 +230,6 @@ def main(argv=None):
   rng = np.random.default_rng(0)
   vocab = cfg.model.vocab_size
 
-  if a.only_decode:
-    lengths, a.stream, a.prefix = [], 0, None
-  out["ttft"] = []
-  for n in lengths:
-    ttft(engine, rng.integers(3, vocab, n).tolist())  # compiles the chunk shapes
-    s = ttft(engine, rng.integers(3, vocab, n).tolist())
-    out["ttft"].append({"prompt": n, "ttft_s": s})
-    print(f"TTFT {n:>6} tokens: {s * 1e3:8.1f} ms", flush=True)
-
-  if a.prefix:
-    prefix_hit(engine, a.prefix, rng, out)
   out["decode"] = []
   for b in batches:
     secs = decode_rate(engine, b, a.context, a.steps, rng,
@@ -245,8 +241,18 @@ def main(argv=None):
     print(f"decode B{b:<4} ctx {a.context}: {secs * 1e3:7.2f} ms/step, {b / secs:9.0f} tok/s, "
           f"floor {floor * 1e3:6.2f} ms ({secs / floor:.2f}x)", flush=True)
 
+  if a.only_decode:
+    lengths, a.stream, a.prefix = [], 0, None
+  out["ttft"] = []
+  for n in lengths:
+    ttft(engine, rng.integers(3, vocab, n).tolist())  # compiles the chunk shapes
+    s = ttft(engine, rng.integers(3, vocab, n).tolist())
+    out["ttft"].append({"prompt": n, "ttft_s": s})
+    print(f"TTFT {n:>6} tokens: {s * 1e3:8.1f} ms", flush=True)
+
+  if a.prefix:
+    prefix_hit(engine, a.prefix, rng, out)
   if a.stream:
-    lo, hi, olo, ohi = (int(x) for x in a.stream_lengths.split(","))
     out["stream"] = stream(engine, a.stream, a.rate, rng, (lo, hi), (olo, ohi))
     print(f"stream: {json.dumps(out['stream'])}", flush=True)
   out["compiled_shapes"] = len(engine._steps)

@@ -26,7 +26,9 @@ def gathered_mlp(x, expert_ids, weights, w_gate_up, w_down, activation):
   ``pallas_kernels.moe.expert_mlp``; for few pairs)."""
   n, k = expert_ids.shape
   acc = jnp.promote_types(x.dtype, jnp.float32)
-  gu = jnp.einsum("nd,nkdf->nkf", x, w_gate_up[expert_ids], preferred_element_type=acc)
+  # a product and a sum rather than an einsum: XLA fuses the gather into the reduction and reads
+  # the weights where they lie; the einsum had it copy the gathered weights out first (GPU)
+  gu = jnp.sum(x.astype(acc)[:, None, :, None] * w_gate_up[expert_ids].astype(acc), axis=2)
   h = activation(gu.astype(x.dtype)).astype(x.dtype)
   y = jnp.einsum("nkf,nkfd->nkd", h, w_down[expert_ids], preferred_element_type=acc)
   return jnp.einsum("nkd,nk->nd", y, weights.astype(acc)).astype(x.dtype)
