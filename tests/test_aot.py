@@ -69,20 +69,25 @@ def test_gpu_compiles_without_the_fusion_autotuner():
   assert "fusion" in compiled.as_text()
 
 
-def test_gathered_experts_read_the_weights_in_place_on_gpu():
-  """Decoding a few tokens through many experts (``moe.reference.gathered_mlp``, Kimi Linear
-  48B's shapes) compiles for an H200 with the gathered weights read where they lie: the gate/up
-  product as an einsum over the gathered weights had XLA copy them, transposed, into a buffer of
-  their size (151 MB per MoE layer and step at two rows)."""
-  from pallas_kernels.moe import reference
+@pytest.mark.parametrize("target", ["h200", "v5p:2x2x1"])
+def test_few_routed_experts_read_the_weights_in_place(target):
+  """Decoding a few tokens through many experts (``moe.expert_mlp``'s few pairs, Kimi Linear
+  48B's shapes) compiles with each pair's expert weights read where they lie, no copy of them:
+  on GPU the gate/up product as an einsum over the gathered weights had XLA copy them out,
+  transposed (151 MB per MoE layer and step at two rows); on TPU any gather of them did (2.7 GB
+  of temporaries), hence its pair-by-pair loop."""
+  from pallas_kernels import moe
   n, k, e, d, f = 2, 8, 256, 2304, 1024
-  sh = jax.sharding.SingleDeviceSharding(_devices("h200")[0])
+  dev = _devices(target)[0]
+  sh = jax.sharding.SingleDeviceSharding(dev)
   args = [jax.ShapeDtypeStruct(s, t, sharding=sh) for s, t in (
       ((n, d), jnp.bfloat16), ((n, k), jnp.int32), ((n, k), jnp.float32),
       ((e, d, 2 * f), jnp.bfloat16), ((e, f, d), jnp.bfloat16))]
   act = lambda gu: jax.nn.silu(gu[..., :f]) * gu[..., f:]
-  fn = lambda x, ids, w, w1, w2: reference.gathered_mlp(x, ids, w, w1, w2, act)
-  compiled = aot.compile_lowered(jax.jit(fn).trace(*args).lower(), "h200")
+  with pallas_kernels.target_platform("tpu" if target.startswith("v") else "gpu"), \
+      jax.set_mesh(jax.sharding.Mesh(np.array([dev]), ("x",))):
+    lowered = jax.jit(lambda *a: moe.expert_mlp(*a, act)).trace(*args).lower()
+  compiled = aot.compile_lowered(lowered, target)
   gathered = n * k * d * 2 * f * 2
   assert compiled.memory_analysis().temp_size_in_bytes < gathered // 100
 

@@ -125,11 +125,18 @@ def test_expert_mlp_pallas_equals_xla_values_and_grads():
   assert np.all(np.asarray(g_p[3][4], np.float32) == 0)  # the expert without tokens
 
 
+# the routed experts as expert_mlp runs them (XLA), and TPU's formulation of few pairs
+FORMULATIONS = {"expert_mlp": lambda *a: moe.expert_mlp(*a, glu, implementation="xla"),
+                "looped_mlp": lambda *a: reference.looped_mlp(*a, glu)}
+
+
+@pytest.mark.parametrize("form", FORMULATIONS)
 @pytest.mark.parametrize("t,e,k", [(37, 5, 2), (3, 32, 2), (1, 16, 4)])
-def test_expert_mlp_matches_numpy_loop(t, e, k):
-  """The grouped path, and the gathered one of few token-expert pairs (4 * t * k <= e)."""
+def test_expert_mlp_matches_numpy_loop(t, e, k, form):
+  """The grouped path, the gathered one of few token-expert pairs (4 * t * k <= e) and TPU's
+  pair by pair."""
   x, ids, wts, wgu, wdn = small_mlp(seed=1, t=t, e=e, k=k)
-  y = moe.expert_mlp(x, ids, wts, wgu, wdn, glu, implementation="xla")
+  y = FORMULATIONS[form](x, ids, wts, wgu, wdn)
   xf, wgu64, wdn64 = (np.asarray(a, np.float64) for a in (x, wgu, wdn))
   f = wdn.shape[1]
   ref = np.zeros_like(xf)
@@ -143,9 +150,11 @@ def test_expert_mlp_matches_numpy_loop(t, e, k):
   assert rel_err(y, ref) < 2e-2
 
 
-def test_gathered_experts_gradients_match_a_dense_formulation():
-  """Few pairs take the gathered path; its gradients (tokens, routing weights, both expert
-  stacks, including experts no token picked) equal a one-hot dense formulation's."""
+@pytest.mark.parametrize("form", FORMULATIONS)
+def test_gathered_experts_gradients_match_a_dense_formulation(form):
+  """Few pairs take the gathered path (TPU's pair by pair); its gradients (tokens, routing
+  weights, both expert stacks, including experts no token picked) equal a one-hot dense
+  formulation's."""
   x, ids, wts, wgu, wdn = (a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a
                            for a in small_mlp(seed=3, t=2, e=16, k=2))
   probe = jnp.sin(jnp.arange(x.shape[1], dtype=jnp.float32))
@@ -156,8 +165,7 @@ def test_gathered_experts_gradients_match_a_dense_formulation():
     return jnp.einsum("nk,nkf,nke,efd->nd", wts, h, onehot, wdn)
 
   loss = lambda fn: jax.grad(lambda *a: jnp.sum(fn(*a) * probe), argnums=(0, 1, 2, 3))
-  got = jax.jit(loss(lambda *a: moe.expert_mlp(a[0], ids, *a[1:], glu, implementation="xla")))(
-      x, wts, wgu, wdn)
+  got = jax.jit(loss(lambda *a: FORMULATIONS[form](a[0], ids, *a[1:])))(x, wts, wgu, wdn)
   want = jax.jit(loss(dense))(x, wts, wgu, wdn)
   for a, b in zip(got, want):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

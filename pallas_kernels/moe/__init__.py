@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels import resolve_implementation
+from pallas_kernels import default_backend, resolve_implementation
 from pallas_kernels.moe import reference
 
 IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas_tpu", "pallas")
@@ -52,14 +52,15 @@ def expert_mlp(x, expert_ids, weights, w_gate_up, w_down, activation, *, impleme
   the permutation's (:func:`permute`'s gather, :func:`unpermute`'s backward).
 
   With fewer pairs than a quarter of the experts (decoding a few requests) each pair's expert
-  weights are gathered and applied directly (:func:`reference.gathered_mlp`): a handful of
-  kernels instead of the sort, the padded grouped matmuls and the scatter back, reading about
-  as many weights (few pairs share an expert).
+  weights are gathered and applied directly (:func:`reference.gathered_mlp`; on TPU pair by pair,
+  :func:`reference.looped_mlp`): a handful of kernels instead of the sort, the padded grouped
+  matmuls and the scatter back, reading about as many weights (few pairs share an expert).
   """
   n, k = expert_ids.shape
   if 4 * n * k <= w_gate_up.shape[0]:
+    few = reference.looped_mlp if default_backend() == "tpu" else reference.gathered_mlp
     with jax.named_scope("gathered_experts"):
-      return reference.gathered_mlp(x, expert_ids, weights, w_gate_up, w_down, activation)
+      return few(x, expert_ids, weights, w_gate_up, w_down, activation)
   with jax.named_scope("permute"):
     xs, group_sizes, order = permute(x, expert_ids, w_gate_up.shape[0],
                                      implementation=implementation)
