@@ -34,8 +34,8 @@
 #   bash benchmarks/h200_round.sh amgpu     # the Mosaic kda_chunk_a's card diagnostic (pytest)
 #   bash benchmarks/h200_round.sh gates     # issue 40: every gate kind at every shape, jla, fla
 #   bash benchmarks/h200_round.sh serving   # issue 39: serve48b, then serve1b (SERVING_S: seconds each)
-#   bash benchmarks/h200_round.sh serve48b  # Kimi Linear 48B decode B64 and B1 (H200 only: 91.5
-#                                           # GiB of bf16 weights)
+#   bash benchmarks/h200_round.sh serve48b  # Kimi Linear 48B decode B1-B256, 8K TTFT, prefix hit
+#                                           # (an H100: its first 14 of 27 layers)
 #   bash benchmarks/h200_round.sh serve1b   # k3_1b's decode B2, B16 (context 64), B64, B256
 #                                           # (context 1024), profiled
 #   bash benchmarks/h200_round.sh serveflags  # k3_1b's decode B2, B16 with and without XLA's
@@ -121,14 +121,18 @@ gates() {  # issue 40's run: every gate kind at GATE_SHAPES beside jla (fla as t
 }
 
 serving() { serve48b; serve1b; }  # issue 39, what Serving run 13 left (SERVING_S: seconds each)
-serve48b() {  # Kimi Linear 48B's decode at B64 and B1 (H200 only: 91.5 GiB of bf16 weights).
-  # SERVE48B_ARGS replaces the run's options; SERVE48B_SET adds config overrides (on an H100:
-  # "model.num_layers=14 model.mla_layers=[3,7,11,13]", the first 14 of its 27 layers);
+serve48b() {  # Kimi Linear 48B's decode at B1, 16, 64 and 256, then the 8K TTFT and the
+  # 7.5K-of-8K prefix hit: the whole model on a card of more than 100 GB (91.5 GiB of bf16
+  # weights), else its first 14 of 27 layers (an H100's 80 GB; the floor counts the same layers).
+  # SERVE48B_ARGS replaces the run's options; SERVE48B_SET replaces the cut's config overrides;
   # SERVE48B_TAG names the log (serve_48b$TAG.log: a second run in the same call)
+  local set="" mb
+  mb=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i "$KGPU")
+  [ "$mb" -gt 100000 ] || set="model.num_layers=14 model.mla_layers=[3,7,11,13]"
   flock -o "$LOCK" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "${SERVING_S:-270}" python3 \
     benchmarks/serve.py --config configs/kimi_linear_48b.yaml \
-    ${SERVE48B_ARGS:---only-decode --batches 64,1 --steps 20} ${SERVE48B_SET:-} \
-    > "$R/serve_48b${SERVE48B_TAG:-}.log" 2>&1
+    ${SERVE48B_ARGS:---batches 1,16,64,256 --ttft 8192 --stream 0 --steps 20} \
+    ${SERVE48B_SET-$set} > "$R/serve_48b${SERVE48B_TAG:-}.log" 2>&1
   say "serve_48b done"
 }
 serve1b() {  # k3_1b's decode at B2 and B16 (context 64) and B64 and B256 (context 1024), profiled:
