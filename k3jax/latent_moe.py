@@ -119,33 +119,38 @@ class LatentMoE(nnx.Module):
   def fuse_inputs(self, shards: int) -> None:
     """The serving layout for ``shards`` head shards (the mesh's ``tensor`` size), as the
     attention layers' (:meth:`k3jax.kda.KDA.fuse_inputs`): the shared experts' gate and up
-    projections and the routed experts' projection into the latent become one weight ``in_proj
-    [d, shards, P]`` (:func:`k3jax.nn.head_major`: each shard's mlp columns of gate and up, then
-    the latent projection repeated), one matmul per layer and step in place of three. The router
-    keeps its own float32 product. A layer without both (full-width experts, no shared experts)
-    stays as it is."""
+    projections and (with a latent) the routed experts' projection into the latent become one
+    weight ``in_proj [d, shards, P]`` (:func:`k3jax.nn.head_major`: each shard's mlp columns of
+    gate and up, then the latent projection repeated), one matmul per layer and step in place of
+    three (two without a latent: Kimi Linear). The router keeps its own float32 product. A layer
+    without shared experts stays as it is."""
     m = self.cfg.moe
-    if not (m.latent_dim and m.num_shared_experts):
+    if not m.num_shared_experts:
       return
     f = m.num_shared_experts * m.expert_intermediate
     if f % shards:
       raise ValueError(f"LatentMoE.fuse_inputs: shared experts of width {f} do not split into "
                        f"{shards} shards")
     g = self.shared_experts
-    self.in_proj = head_major([g.gate_proj.kernel[...], g.up_proj.kernel[...]],
-                              [self.routed_expert_down_proj.kernel[...]], shards)
+    latent = [self.routed_expert_down_proj.kernel[...]] if m.latent_dim else []
+    self.in_proj = head_major([g.gate_proj.kernel[...], g.up_proj.kernel[...]], latent, shards)
     self.shards = shards
-    del self.routed_expert_down_proj, g.gate_proj, g.up_proj
+    if m.latent_dim:
+      del self.routed_expert_down_proj
+    del g.gate_proj, g.up_proj
 
   def _fused_inputs(self, x):
-    """The serving layout's (:meth:`fuse_inputs`) routed experts' latent input ``[N, latent]``
-    and shared experts' output ``[N, d]`` from x ``[B, T, d]``."""
+    """The serving layout's (:meth:`fuse_inputs`) routed experts' input (the latent ``[N,
+    latent]``, or the tokens ``[N, d]`` without one) and shared experts' output ``[N, d]`` from
+    x ``[B, T, d]``."""
     b, t, d = x.shape
     f = self.cfg.moe.num_shared_experts * self.cfg.moe.expert_intermediate // self.shards
     y = jnp.einsum("btd,dsp->btsp", x, self.in_proj[...].astype(x.dtype))
     y = shard(y, ("batch", "length", "heads", None))
     with jax.named_scope("shared_experts"):
       shared = self.shared_experts.down_fused(y.reshape(b * t, *y.shape[2:]), f)
+    if not self.cfg.moe.latent_dim:
+      return x.reshape(b * t, d), shared
     return y[:, :, 0, 2 * f:].reshape(b * t, -1), shared  # every shard holds the latent: shard 0's
 
   def dense(self, tokens: int) -> bool:
