@@ -37,8 +37,8 @@ def gathered_mlp(x, expert_ids, weights, w_gate_up, w_down, activation):
 def looped_mlp(x, expert_ids, weights, w_gate_up, w_down, activation):
   """:func:`gathered_mlp` one token-expert pair after another (``lax.map``): each pair's expert
   weights are sliced where they lie and feed the products directly. For TPU, where a loop costs
-  no kernel launches and XLA copies a gather of every pair's weights out whole (Kimi Linear 48B
-  at two rows: 2.7 GB of temporaries per layer, against 0.1 MB this way)."""
+  no kernel launches and XLA copies a gather of every pair's weights out whole
+  (benchmarks/RESULTS.md, Serving: Kimi Linear 48B's decode step, compile-only)."""
   n, k = expert_ids.shape
   acc = jnp.promote_types(x.dtype, jnp.float32)
   flat = expert_ids.reshape(-1)
