@@ -82,6 +82,13 @@ def test_a_layout_holds_only_inside_its_block():
     assert logical_spec(("expert",), None, axes) == jax.sharding.PartitionSpec(("expert", "context"))
     with sharding.layout(MeshConfig(expert_axes=("data",))):
       assert active_layout() == Layout(("data",), True)
+    # serving: no MoonEP, no ZeRO-3 split (heads over tensor only), the experts' rule kept
+    with sharding.layout(MeshConfig(), serving=True):
+      assert active_layout() == Layout(("expert",), False, True)
+      served = axes + ("tensor",)
+      assert logical_spec(("embed", "heads"), None, served) == jax.sharding.PartitionSpec(None, "tensor")
+      assert logical_spec(("expert", "latent", "mlp"), None, served) == jax.sharding.PartitionSpec(
+          "expert", None, "tensor")
     assert active_layout() == Layout(("expert", "context"), False)
   assert active_layout() == default
   assert logical_spec(("expert",), None, axes) == jax.sharding.PartitionSpec("expert")

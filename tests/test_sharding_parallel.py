@@ -138,10 +138,12 @@ def test_fused_short_conv_on_meshes(body):
 
 
 def test_serving_engine_on_a_mesh(body):
-  """The serving engine with training's sharding rules on 8 devices gives one device's tokens."""
+  """The serving engine on 8 devices (training's rules less the ZeRO-3 split) gives one device's
+  tokens; the routed experts are split over expert, every other weight at most over tensor."""
   out = body("serve_mesh")
   assert out["equal"] and out["hits"] == 16 and out["devices"] == 8
   assert out["state_spec"] == "P(None, 'tensor')"
+  assert "expert" in out["experts"] and out["others"] == ["tensor"], out
 
 
 def test_serving_layout_on_a_mesh(body):

@@ -404,8 +404,15 @@ def serve_mesh():
   e = Engine(model, cfg.serve, mesh=cfg.mesh)
   out = e.generate(prompts[:2], sp) + e.generate(prompts[2:], sp)
   state = next(p["state"] for p in e._pools if "state" in p)
+  # the mesh axes each weight of the steps is split over: the routed experts' and the others'
+  split = {"experts": set(), "others": set()}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(e._step_params):
+    axes = {a for entry in leaf.sharding.spec if entry
+            for a in ((entry,) if isinstance(entry, str) else entry)}
+    split["experts" if "experts" in jax.tree_util.keystr(path) else "others"] |= axes
   return {"equal": out == one, "hits": e.stats.prefix_hit_tokens,
-          "state_spec": str(state.sharding.spec), "devices": len(state.sharding.device_set)}
+          "state_spec": str(state.sharding.spec), "devices": len(state.sharding.device_set),
+          **{k: sorted(v) for k, v in split.items()}}
 
 
 

@@ -68,8 +68,10 @@ class Engine:
 
   model: the model to serve (its parameters are split off once); serve: the ``serve.*`` config;
   mesh: a ``MeshConfig`` to serve on a mesh of the local devices with training's sharding rules
-  (experts over ``expert``, heads over ``tensor``; the KDA slots' heads over ``tensor`` too, the
-  MLA pages, shared by all heads, and the step's rows on every device), or None: one device.
+  less the ZeRO-3 split (``sharding.layout(..., serving=True)``: experts over ``expert``, heads
+  and mlp columns over ``tensor``, every other weight whole on each device; the KDA slots' heads
+  over ``tensor`` too, the MLA pages, shared by all heads, and the step's rows on every device;
+  plain expert dispatch, MoonEP off), or None: one device.
   """
 
   def __init__(self, model: K3Model, serve: ServeConfig, *, mesh: MeshConfig | None = None):
@@ -98,15 +100,17 @@ class Engine:
     self._shards = 1 if self.mesh is None else self.mesh.shape.get("tensor", 1)
     self._rows = None  # sharding of the step's per-row inputs
     if self.mesh is not None:
-      params = mesh_lib.shard_params(params, self.mesh)
+      with self._scope():  # the serving layout's rules (sharding.layout(..., serving=True))
+        params = mesh_lib.shard_params(params, self.mesh)
       self._rows = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     self._set_params(params)
     self._pools = step_lib.init_pools(nnx.merge(self._step_graphdef, self._step_params),
                                       num_pages=num_pages, page_size=ps, num_slots=num_slots)
     if self.mesh is not None:
       names = [{k: _POOL_NAMES[k][-a.ndim:] for k, a in p.items()} for p in self._pools]
-      self._pools = jax.device_put(self._pools,
-                                   mesh_lib.pure_shardings(self._pools, self.mesh, names))
+      with self._scope():
+        self._pools = jax.device_put(self._pools,
+                                     mesh_lib.pure_shardings(self._pools, self.mesh, names))
     self._steps: dict[tuple[bool, int, int], Callable] = {}
     self._samplers: dict[tuple[bool, int, bool], Callable] = {}  # (decode, rows, draw)
     # the previous steps' sampled tokens, padded to the largest decode and prefill row counts
@@ -265,7 +269,8 @@ class Engine:
     serving = step_lib.serving_model(nnx.merge(self._graphdef, params), self._shards)
     self._step_graphdef, state = nnx.split(serving)
     if self.mesh is not None:
-      state = mesh_lib.shard_params(state, self.mesh)
+      with self._scope():
+        state = mesh_lib.shard_params(state, self.mesh)
     self._step_params = state
     self._leaves = jax.tree.leaves(state)  # what the steps take (step_lib.step)
 
@@ -329,7 +334,7 @@ class Engine:
     if self.mesh is None:
       yield
       return
-    with jax.set_mesh(self.mesh), sharding.layout(self.mesh_cfg):
+    with jax.set_mesh(self.mesh), sharding.layout(self.mesh_cfg, serving=True):
       yield
 
   def _lower(self, decode: bool, n: int, t: int):
