@@ -87,19 +87,22 @@ train() {
 compile1b() {
   # k3_1b's step on one GPU with nothing else running: compile time with XLA's own pass timers
   # (summed by xla_pass_times.py), then 10 steps (MFU). Issue 41's target: under 60 s at the
-  # MFU of Training run 50 (35.8%). COMPILE1B_TRIALS: more XLA flags per trial, one process
-  # after the other, ';'-separated ('-' for none; default '-'), e.g.
-  # COMPILE1B_TRIALS="-;--xla_gpu_enable_llvm_module_compilation_parallelism=true".
-  local i=0 extra
+  # MFU of Training run 50 (35.8%). COMPILE1B_TRIALS: one process per trial, one after the
+  # other, ';'-separated, each more XLA flags ('--...') and config overrides ('key=value')
+  # ('-' for none; default '-'), e.g. COMPILE1B_TRIALS="-;model.scan_layers=true".
+  local i=0 trial word flags sets
   IFS=';' read -ra trials <<< "${COMPILE1B_TRIALS:--}"
-  for extra in "${trials[@]}"; do
-    [ "$extra" = "-" ] && extra=""
+  for trial in "${trials[@]}"; do
+    flags=""; sets=""
+    for word in $trial; do
+      case "$word" in -) ;; --*) flags="$flags $word" ;; *) sets="$sets $word" ;; esac
+    done
     CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 \
-      XLA_FLAGS="--xla_gpu_enable_triton_gemm=false $extra" TF_CPP_MIN_LOG_LEVEL=0 \
+      XLA_FLAGS="--xla_gpu_enable_triton_gemm=false$flags" TF_CPP_MIN_LOG_LEVEL=0 \
       TF_CPP_VMODULE=hlo_pass_pipeline=1,gpu_compiler=1,nvptx_compiler=1 timeout $LIMIT \
-      python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 10 \
+      python3 benchmarks/bench_train.py --config configs/k3_1b.yaml --steps 10 $sets \
       --json "$R/1b_compile$i.json" > "$R/1b_compile$i.log" 2> "$R/1b_compile$i.err"
-    echo "XLA_FLAGS extra: ${extra:-none}" >> "$R/1b_compile$i.log"
+    echo "XLA_FLAGS extra:${flags:- none}; overrides:${sets:- none}" >> "$R/1b_compile$i.log"
     python3 benchmarks/xla_pass_times.py "$R/1b_compile$i.err" > "$R/1b_passes$i.log" 2>&1
     grep -v "hlo_pass_pipeline\|gpu_compiler\|nvptx_compiler" "$R/1b_compile$i.err" | tail -60 \
       > "$R/1b_compile_err_tail$i.log"; rm -f "$R/1b_compile$i.err"
