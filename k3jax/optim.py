@@ -269,22 +269,25 @@ def _iterate(y: jax.Array, dtype, form: str) -> jax.Array:
   """``NS_STEPS`` steps ``X <- a X + (b A + c A^2) X``, ``A = X X^T``, on wide matrices ``y
   [..., m, n]`` in ``form`` (:data:`NS_FORMS`): the iterate, every matmul's operands and outputs
   in ``dtype`` (each matmul accumulates in float32 and rounds once at its output, so no float32
-  product is written to memory and converted), the elementwise sums in float32."""
+  product is written to memory and converted), the elementwise sums in float32. The steps run as
+  a loop, so XLA compiles one step per group of leaves, not ``NS_STEPS`` (a TPU compile spends
+  seconds on each instruction: benchmarks/RESULTS.md, "Newton-Schulz as a loop")."""
   if form not in NS_FORMS:
     raise ValueError(f"Newton-Schulz form: expected one of {NS_FORMS}, got {form!r}")
   a, b, c = NS_COEFFS
   dot = lambda u, v: jnp.matmul(u, v, preferred_element_type=dtype)
   y = y.astype(dtype)
   a_eye = a * jnp.eye(y.shape[-2], dtype=jnp.float32) if form == "polynomial" else None
-  for _ in range(NS_STEPS):
+
+  def step(_, y):
     s = dot(y, y.mT)  # A
     f = s.astype(jnp.float32)
     if form == "sums":
       s = (b * f + c * dot(s, s).astype(jnp.float32)).astype(dtype)  # b A + c A^2
-      y = (a * y.astype(jnp.float32) + dot(s, y).astype(jnp.float32)).astype(dtype)
-    else:
-      y = dot(dot((c * f).astype(dtype), s) + (b * f + a_eye).astype(dtype), y)
-  return y
+      return (a * y.astype(jnp.float32) + dot(s, y).astype(jnp.float32)).astype(dtype)
+    return dot(dot((c * f).astype(dtype), s) + (b * f + a_eye).astype(dtype), y)
+
+  return jax.lax.fori_loop(0, NS_STEPS, step, y)
 
 
 def newton_schulz(xs: list[jax.Array], dims: list[MuonDimensionNumbers], dtype,
