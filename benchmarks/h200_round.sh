@@ -30,7 +30,7 @@
 #                                           # commit's copy (`git archive`) and of this code, in
 #                                           # turn at the same shapes: a change that must not move them
 #   bash benchmarks/h200_round.sh compile1b # k3_1b alone: compile with XLA's pass timers, MFU
-#                                           # (COMPILE1B_TRIALS: XLA flag trials in turn)
+#                                           # (COMPILE1B_TRIALS: trials in turn, XLA flags or overrides)
 #   bash benchmarks/h200_round.sh amgpu     # the Mosaic kda_chunk_a's card diagnostic (pytest)
 #   bash benchmarks/h200_round.sh gates     # issue 40: every gate kind at every shape, jla, fla
 #   bash benchmarks/h200_round.sh serving   # issue 39: serve48b, then serve1b (SERVING_S: seconds each)
