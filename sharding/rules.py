@@ -56,9 +56,9 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
 }
 
 
-# Serving keeps no ZeRO-3 split: a decode step would all-gather every dense weight (K3 cut to
-# five layers on 8 H200s: 2.3 GB for the LM head alone, each step). Heads and mlp columns go
-# over ``tensor`` only; the routed experts keep their ``expert`` rule.
+# Serving keeps no ZeRO-3 split: a decode step would all-gather every dense weight, each step
+# (benchmarks/RESULTS.md, Serving: the serving engine on a mesh). Heads and mlp columns go over
+# ``tensor`` only; the routed experts keep their ``expert`` rule.
 SERVING_RULES: dict[str, tuple[str, ...]] = {
     "embed": (), "kv": (), "latent": (), "vision_merge": (), "heads": ("tensor",)}
 
@@ -87,8 +87,8 @@ def layout(mesh_cfg, serving: bool = False):
   """``with layout(cfg.mesh): ...``: the layout of ``MeshConfig`` ``mesh_cfg`` (see
   :class:`Layout`) for the rules used when none are passed and for expert parallelism; the one
   before is restored on exit. ``serving``: the serving engine's (no ZeRO-3 split, and no MoonEP,
-  whose per-step fetch of hot experts' weights is a training device: K3 cut to five layers on 8
-  H200s decoded with 79 GB of temporaries with it, 2.6 GB without)."""
+  whose per-step fetch of hot experts' weights is a training device that would copy them at
+  every decode step: benchmarks/RESULTS.md, Serving: the serving engine on a mesh)."""
   with _LAYOUT(Layout(tuple(mesh_cfg.expert_axes), bool(mesh_cfg.moonep) and not serving,
                       serving)):
     yield

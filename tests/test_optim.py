@@ -175,17 +175,17 @@ def test_newton_schulz_matches_a_float64_loop(shape, dims, form):
     np.testing.assert_allclose(np.asarray(g, np.float64), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("form,dots", [("sums", 3), ("polynomial", 3)])
-def test_newton_schulz_compiles_one_step_per_group(form, dots):
-  """The steps are a loop: the lowered program holds one step's matmuls per group of stacked
-  leaves (two groups here), not ``NS_STEPS`` copies (each instruction costs a TPU compile seconds
-  at K3's size)."""
+@pytest.mark.parametrize("form", ["sums", "polynomial"])
+def test_newton_schulz_compiles_one_step_per_group(form):
+  """The steps are a loop: the lowered program holds one step's three matmuls per group of
+  stacked leaves (two groups here), not ``NS_STEPS`` copies (each instruction costs a TPU compile
+  seconds at K3's size). Only the program's structure is checked: the inputs are abstract."""
   from optax.contrib import MuonDimensionNumbers
-  xs = [jnp.ones((8, 16)), jnp.ones((8, 16)), jnp.ones((4, 12))]
+  xs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((8, 16), (8, 16), (4, 12))]
   text = jax.jit(lambda xs: optim.newton_schulz(
       xs, [MuonDimensionNumbers(0, 1)] * 3, jnp.float32, rms=0.2, form=form)).lower(xs).as_text()
   assert text.count("stablehlo.while") == 2
-  assert text.count("stablehlo.dot_general") == 2 * dots
+  assert text.count("stablehlo.dot_general") == 2 * 3
 
 
 def test_weight_decay_mask():

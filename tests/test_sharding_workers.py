@@ -391,6 +391,7 @@ def serve_mesh():
   from k3jax.model import K3Model
   from k3jax.serve.engine import Engine
   from k3jax.serve.types import SamplingParams
+  from sharding.mesh import spec_axes
   cfg = load("configs/k3_tiny.yaml", [
       "serve.max_batch=2", "serve.prefill_rows=1", "serve.block_size=16", "serve.page_size=16",
       "serve.max_model_len=128", "serve.token_budget=16", "mesh.data=2", "mesh.expert=2",
@@ -407,9 +408,8 @@ def serve_mesh():
   # the mesh axes each weight of the steps is split over: the routed experts' and the others'
   split = {"experts": set(), "others": set()}
   for path, leaf in jax.tree_util.tree_leaves_with_path(e._step_params):
-    axes = {a for entry in leaf.sharding.spec if entry
-            for a in ((entry,) if isinstance(entry, str) else entry)}
-    split["experts" if "experts" in jax.tree_util.keystr(path) else "others"] |= axes
+    split["experts" if "experts" in jax.tree_util.keystr(path) else "others"] |= set(
+        spec_axes(leaf.sharding.spec))
   return {"equal": out == one, "hits": e.stats.prefix_hit_tokens,
           "state_spec": str(state.sharding.spec), "devices": len(state.sharding.device_set),
           **{k: sorted(v) for k, v in split.items()}}
