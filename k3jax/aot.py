@@ -237,13 +237,28 @@ def _shape_bytes(text: str) -> int:
              for dt, dims in _SHAPE.findall(text))
 
 
+def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
+  """The trips of the ``while`` on ``line``: XLA's known trip count (GPU), else its condition's
+  ``counter < constant`` (TPU's compiled HLO records no count; JAX's loops count up from 0);
+  1 when neither is there."""
+  n = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+  if n:
+    return int(n.group(1))
+  cond = re.search(r"condition=%([\w.-]+)", line)
+  body = "\n".join(comps.get(cond.group(1), [])) if cond else ""
+  bounds = re.findall(r"= s32\[\]\S* constant\((\d+)\)", body)
+  if len(bounds) == 1 and re.search(r"ROOT .* compare\(.*direction=LT", body):
+    return int(bounds[0])
+  return 1
+
+
 def collective_bytes(hlo_text: str) -> dict[str, int]:
   """Bytes each device receives per run of a compiled (SPMD, per-device) HLO module, by
   collective: the result of every all-gather, all-reduce, reduce-scatter, all-to-all and
-  collective-permute, counted once per trip of the while loops around it (XLA's known trip
-  counts). A measure of the traffic the partitioner and the ``shard_map``s put in the program,
-  to set beside the plan's analytical ``collectives``: a gathered batch or a replicated weight
-  shows as an all-gather far larger than the layout needs."""
+  collective-permute, counted once per trip of the while loops around it (:func:`_trip_count`).
+  A measure of the traffic the partitioner and the ``shard_map``s put in the program, to set
+  beside the plan's analytical ``collectives``: a gathered batch or a replicated weight shows as
+  an all-gather far larger than the layout needs."""
   comps: dict[str, list[str]] = {}
   entry, cur = None, None
   for line in hlo_text.splitlines():
@@ -262,10 +277,9 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
         continue
       result, op = m.groups()
       if op == "while" and depth < 8:
-        n = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
         body = re.search(r"body=%([\w.-]+)", line)
         if body:
-          walk(body.group(1), trips * (int(n.group(1)) if n else 1), depth + 1)
+          walk(body.group(1), trips * _trip_count(line, comps), depth + 1)
         continue
       if op in ("call", "conditional") and depth < 8:
         for sub in re.findall(r"(?:to_apply|branch_computations)=\{?%([\w.-]+)", line):

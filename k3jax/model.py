@@ -17,7 +17,7 @@ from k3jax.kda import KDA
 from k3jax.latent_moe import LatentMoE
 from k3jax.mla import MLA
 from k3jax.nn import Embed, Linear, RMSNorm
-from k3jax.scan import balance_barrier, run_groups
+from k3jax.scan import balance_barrier, run_groups, run_layers
 from k3jax.vision.merge import merge_visual
 from k3jax.vision.projector import Projector
 from k3jax.vision.tower import VisionTower
@@ -234,15 +234,24 @@ class K3Model(nnx.Module):
                              vision.get("token_offset")), _ACT)
     blocks: tuple = ()
     moe_stats, caches = {}, []
-    start, period, groups = (0, 1, 0)
-    if cfg.scan_layers and cache is None:  # decoding runs every layer unrolled (k3jax/scan.py)
-      start, period, groups = cfg.layer_groups()
+    scanned = cfg.scan_layers and cache is None  # decoding runs every layer unrolled
+    start, period, groups = cfg.layer_groups() if scanned else (0, 1, 0)
+    runs = dict(cfg.layer_runs()) if scanned else {}
+    done = 0  # the layers before this one that ran in a scan (k3jax/scan.py)
     for i, layer in enumerate(self.layers):
-      if start <= i < start + period * groups:
-        if i == start:
-          x, blocks, stats = run_groups(cfg, self.layers, layer_call, x, blocks, segment_ids,
-                                        valid, stacked)
-          moe_stats.update(stats)
+      if i < done:
+        continue
+      if groups and i == start:
+        x, blocks, stats = run_groups(cfg, self.layers, layer_call, x, blocks, segment_ids,
+                                      valid, stacked)
+        moe_stats.update(stats)
+        done = start + period * groups
+        continue
+      if runs.get(i, 1) > 1:
+        done = i + runs[i]
+        x, blocks, stats = run_layers(layer_call(cfg, i), [self.layers[j] for j in range(i, done)],
+                                      x, blocks, segment_ids, valid, i)
+        moe_stats.update(stats)
         continue
       layer_cache = None if cache is None else cache[i]
       x, blocks, c, stats = layer_call(cfg, i, layer_cache)(layer, x, blocks, segment_ids, valid,

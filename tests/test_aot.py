@@ -231,7 +231,8 @@ def test_tpu_memory_is_what_libtpu_allocates():
 
 def test_collective_bytes_counts_results_and_loop_trips():
   """Sync collectives and async pairs (their done's result) count once per trip of the loops
-  around them; starts, other ops and uncalled computations do not count."""
+  around them (a known trip count, or the condition's bound); starts, other ops and uncalled
+  computations do not count."""
   hlo = """HloModule m
 
 %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
@@ -240,6 +241,13 @@ def test_collective_bytes_counts_results_and_loop_trips():
   %ag-start = (f32[8]{0}, f32[32]{0}) all-gather-start(%x), dimensions={0}
   %ag-done = f32[32]{0} all-gather-done(%ag-start)
   ROOT %t = (s32[], f32[8]{0}) tuple(%i, %x)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %bound = s32[]{:T(128)} constant(7)
+  %p = (s32[]{:T(128)}, f32[8]{0}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %bound), direction=LT
 }
 
 %unused (a: bf16[1000]) -> bf16[1000] {
@@ -252,10 +260,13 @@ ENTRY %main (a: f32[8], b: bf16[4,16]) -> f32[8] {
   %ar = bf16[4,16]{1,0} all-reduce(%b), replica_groups={{0,1}}, to_apply=%add
   %a2a = bf16[4,16]{1,0} all-to-all(%b), dimensions={0}
   %w = (s32[], f32[8]{0}) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %w2 = (s32[], f32[8]{0}) while(%t0), condition=%cond, body=%body
   ROOT %o = f32[8]{0} add(%a, %a)
 }
 """
-  assert aot.collective_bytes(hlo) == {"all-reduce": 128, "all-to-all": 128, "all-gather": 5 * 128}
+  # %w: XLA's known trip count (GPU); %w2: none, as in TPU programs: its condition's bound
+  assert aot.collective_bytes(hlo) == {"all-reduce": 128, "all-to-all": 128,
+                                       "all-gather": (5 + 7) * 128}
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ KIMI_LINEAR = ["model.arch=kimi_linear", "model.attn_res.enabled=false", "model.
                "model.moe.latent_dim=0"]
 
 
-@pytest.mark.parametrize("name, groups", [("k3", (1, 4, 22)), ("kimi_linear_48b", (1, 4, 6)),
+@pytest.mark.parametrize("name, groups", [("k3", (3, 4, 22)), ("kimi_linear_48b", (1, 4, 6)),
                                           ("k3_1b", (1, 4, 3)), ("k3_tiny", (1, 1, 2))])
 def test_layer_groups_of_the_presets(name, groups):
   m = config_lib.load(ROOT / "configs" / f"{name}.yaml").model
@@ -40,7 +40,7 @@ def test_layer_groups_of_the_presets(name, groups):
 
 def test_layer_groups_stop_at_the_remat_skip_layers():
   m = config_lib.load(ROOT / "configs" / "k3.yaml", ["model.remat_skip=10"]).model
-  assert m.layer_groups() == (1, 4, 20)  # layers 83-92 run without remat, outside the scan
+  assert m.layer_groups() == (3, 4, 20)  # layers 83-92 run without remat, outside the scan
   m = config_lib.load(ROOT / "configs" / "k3.yaml", ["model.num_layers=3",
                                                     "model.mla_layers=[2]"]).model
   assert m.layer_groups()[2] == 0
@@ -72,28 +72,58 @@ def _loss_and_grads(model, ids, seg):
   return jax.jit(jax.value_and_grad(loss, has_aux=True))(params, rest)
 
 
+# Layers 1-6 scan as two groups of KDA, KDA, MLA (a run of two like layers, one inner scan, then
+# one layer); layers 7 and 8 (KDA) run as one scan outside the groups. AttnRes commits at layers 0
+# and 5: inside the inner scan.
+RUNS = ["model.num_layers=9", "model.mla_layers=[3,6]", "model.attn_res.block_size=5"]
+
+
+def test_group_and_layer_runs():
+  m = tiny_config(*SMALL, *RUNS, "model.remat=full").model
+  assert (m.layer_groups(), m.group_runs(), m.layer_runs()) == ((1, 3, 2), [(0, 2), (2, 1)],
+                                                               [(0, 1), (7, 2)])
+  m = tiny_config(*SMALL, "model.remat=full").model
+  assert (m.group_runs(), m.layer_runs()) == ([(0, 1), (1, 1)], [(0, 1)])
+  # without full remat every layer runs alone (a run's scan would copy its saved activations)
+  m = tiny_config(*SMALL, *RUNS, "model.remat=none").model
+  assert (m.group_runs(), m.layer_runs()) == ([(0, 1), (1, 1), (2, 1)], [(0, 1), (7, 1), (8, 1)])
+  m = config_lib.load(ROOT / "configs" / "k3.yaml").model
+  assert (m.group_runs(), m.layer_runs()) == ([(0, 1), (1, 3)], [(0, 1), (1, 2), (91, 2)])
+  # a layer that commits a block runs alone outside the groups: K3's layers 1 and 2 with
+  # blocks of two layers
+  m = config_lib.load(ROOT / "configs" / "k3.yaml", ["model.attn_res.block_size=2"]).model
+  assert m.layer_runs()[:3] == [(0, 1), (1, 1), (2, 1)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["kimi_k3", "kimi_linear"])
-def test_scanned_equals_unrolled(arch):
+@pytest.mark.parametrize("arch, remat", [("kimi_k3", "full"), ("kimi_k3", "none"),
+                                         ("kimi_linear", "full")])
+def test_scanned_equals_unrolled(arch, remat):
   """Same logits, loss, gradients and per-layer router statistics (keys and values) as the
-  unrolled decoder without remat, the scanned one under ``remat: full`` (with AttnRes the scan's
-  own backward; without, autodiff's through per-layer remat)."""
-  extra = KIMI_LINEAR if arch == "kimi_linear" else []
-  ids = jax.random.randint(jax.random.key(2), (2, 12), 0, 256)
-  seg = jnp.asarray([[1] * 7 + [2] * 5, [1] * 12])
-  unrolled, _ = _models(*extra)
-  (want_loss, (want_logits, want_moe)), want_grads = _loss_and_grads(unrolled, ids, seg)
-  assert list(want_moe) == [str(i) for i in range(1, 7)]
-  _, scanned = _models(*extra, "model.remat=full")
-  (loss, (logits, moe)), grads = _loss_and_grads(scanned, ids, seg)
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
-  np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+  unrolled decoder without remat, the scanned one under ``remat`` (``full`` with AttnRes: the
+  scan's own backward; otherwise autodiff's, through per-layer remat without AttnRes); under
+  full remat with inner scans over the groups' like layers and a scan outside them (``RUNS``).
+  In float64, so that only the order of sums differs."""
+  extra = (KIMI_LINEAR if arch == "kimi_linear" else []) + RUNS + [
+      "model.param_dtype=float64", "model.compute_dtype=float64"]
+  with jax.enable_x64(True):
+    ids = jax.random.randint(jax.random.key(2), (2, 12), 0, 256)
+    seg = jnp.asarray([[1] * 7 + [2] * 5, [1] * 12])
+    unrolled, _ = _models(*extra)
+    (want_loss, (want_logits, want_moe)), want_grads = _loss_and_grads(unrolled, ids, seg)
+    assert list(want_moe) == [str(i) for i in range(1, 9)]
+    _, scanned = _models(*extra, f"model.remat={remat}")
+    assert scanned.cfg.layer_runs()[-1] == ((7, 2) if remat == "full" else (8, 1))
+    (loss, (logits, moe)), grads = _loss_and_grads(scanned, ids, seg)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-12)
+  np.testing.assert_allclose(logits, want_logits, rtol=1e-10, atol=1e-12)
   assert list(moe) == list(want_moe)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), moe, want_moe)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12), moe,
+               want_moe)
   flat, want_flat = jax.tree.leaves(grads), jax.tree.leaves(want_grads)
   assert len(flat) == len(want_flat)
   for g, w in zip(flat, want_flat):
-    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(w))))
+    np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12 * float(jnp.max(jnp.abs(w))))
 
 
 def _mix_inputs(slots=3, shape=(2, 5, 8)):

@@ -243,12 +243,45 @@ class ModelConfig:
     return i < self.remat_layers
 
   def layer_groups(self) -> tuple[int, int, int]:
-    """(first layer, period, groups) of the scanned decoder layers: the longest run of at least
-    two back-to-back groups of ``period`` layers, after layer 0, whose layers agree in mixer,
-    MLP kind and remat (K3: layers 1-88 as 22 groups of 3 KDA + 1 MLA); the smallest period
-    among equals. (1, 1, 0) when nothing repeats."""
-    return _layer_groups(tuple((self.layer_kind(i), self.is_moe(i), self.is_remat(i))
-                               for i in range(self.num_layers)))
+    """(first layer, period, groups) of the scanned decoder layers: at least two back-to-back
+    groups of ``period`` layers whose layers agree in mixer, MLP kind and remat, chosen so that
+    the fewest layers are compiled: one per run of like layers in a group (:meth:`group_runs`)
+    and outside the groups (:meth:`layer_runs`); the smallest period, then the first start,
+    among equals. K3: layers 3-90 as 22 groups of an MLA layer and three KDA layers, with layer
+    0 and the runs 1-2 and 91-92 outside (five layers compiled). (1, 1, 0) when nothing
+    repeats."""
+    return _layer_groups(self._layer_keys(), *self._alone())
+
+  def group_runs(self) -> list[tuple[int, int]]:
+    """The positions of a scanned group in runs of back-to-back like layers (as
+    :meth:`layer_groups` compares them) under full remat: ``(first position, length)`` each (K3:
+    ``[(0, 1), (1, 3)]``, an MLA layer then three KDA layers). The scan runs a run as an inner
+    ``lax.scan``: one of its layers is compiled (k3jax/scan.py)."""
+    start, p, _ = self.layer_groups()
+    return _runs(_free_keys(self._layer_keys(), self._alone()[0])[start:start + p])
+
+  def layer_runs(self) -> list[tuple[int, int]]:
+    """The layers outside the scanned groups in runs as :meth:`group_runs`'s, none of whose
+    layers commits an AttnRes block: ``(first layer, length)`` each, in order (K3: ``[(0, 1),
+    (1, 2), (91, 2)]``). A scanned decoder runs a run of two or more as one ``lax.scan``."""
+    start, p, g = self.layer_groups()
+    free = _free_keys(self._layer_keys(), self._alone()[1])
+    end = start + p * g
+    return [*_runs(free[:start]), *[(end + j, r) for j, r in _runs(free[end:])]]
+
+  def _layer_keys(self) -> tuple:
+    return tuple((self.layer_kind(i), self.is_moe(i), self.is_remat(i))
+                 for i in range(self.num_layers))
+
+  def _alone(self) -> tuple[tuple, tuple]:
+    """Which layers join no run, inside the groups and outside them. Only layers under full
+    remat join one: with saved activations, a run's inner scan copies them out of its loop
+    (k3_1b scanned without remat: 18 GiB more, benchmarks/RESULTS.md). Outside the groups
+    neither does a layer that commits an AttnRes block: the blocks are a tuple there, of a known
+    length."""
+    inside = tuple(not (self.remat == "full" and self.is_remat(i)) for i in range(self.num_layers))
+    a = self.attn_res
+    return inside, tuple(x or (a.enabled and i % a.block_size == 0) for i, x in enumerate(inside))
 
   def scan_positions(self) -> list[list[int]]:
     """The scanned layers' indices by position in the group, then by group: ``[p][g]`` of
@@ -263,17 +296,37 @@ def group_positions(start: int, p: int, g: int) -> list[list[int]]:
   return [[start + k * p + j for k in range(g)] for j in range(p)]
 
 
+def _runs(keys: tuple) -> list[tuple[int, int]]:
+  """(first index, length) of each run of equal back-to-back ``keys``."""
+  runs = []
+  for j, key in enumerate(keys):
+    if runs and keys[runs[-1][0]] == key:
+      runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+    else:
+      runs.append((j, 1))
+  return runs
+
+
+def _free_keys(keys: tuple, alone: tuple) -> tuple:
+  """``keys`` with the key of each layer marked ``alone`` made unique, so that it joins no run."""
+  return tuple((key, i) if solo else key for i, (key, solo) in enumerate(zip(keys, alone)))
+
+
 @functools.lru_cache(maxsize=64)
-def _layer_groups(keys: tuple) -> tuple[int, int, int]:
-  """See :meth:`ModelConfig.layer_groups` (``keys``: one hashable per layer)."""
-  n, best = len(keys), (1, 1, 0)
+def _layer_groups(keys: tuple, inside: tuple, outside: tuple) -> tuple[int, int, int]:
+  """See :meth:`ModelConfig.layer_groups` (``keys``: one hashable per layer; ``inside``,
+  ``outside``: :meth:`ModelConfig._alone`)."""
+  n, best, cost = len(keys), (1, 1, 0), len(keys) + 1
+  free_in, free_out = _free_keys(keys, inside), _free_keys(keys, outside)
   for p in range(1, n // 2 + 1):
     for s in range(1, n - 2 * p + 1):
       g = 1
       while s + (g + 1) * p <= n and keys[s + g * p:s + (g + 1) * p] == keys[s:s + p]:
         g += 1
-      if g >= 2 and g * p > best[1] * best[2]:
-        best = (s, p, g)
+      compiled = (len(_runs(free_out[:s])) + len(_runs(free_in[s:s + p]))
+                  + len(_runs(free_out[s + g * p:])))
+      if g >= 2 and compiled < cost:
+        best, cost = (s, p, g), compiled
   return best
 
 
