@@ -18,7 +18,8 @@
 #   bash benchmarks/h200_round.sh lse       # LM-head log-sum-exp vs XLA, tile sweep (LSE_DTYPE)
 #   bash benchmarks/h200_round.sh mladecode # MLA decode kernels (mosaic, seesaw) at N 1-256
 #   bash benchmarks/h200_round.sh qbselect  # exact QB's radix select kernel vs XLA
-#   bash benchmarks/h200_round.sh kdadecode # KDA decode configurations and copy ceilings
+#   bash benchmarks/h200_round.sh kdadecode # KDA decode configurations and copy ceilings, fla
+#                                           # (KDA_DECODE_NS=64,256,1024: the pool sizes)
 #   bash benchmarks/h200_round.sh conv      # KDA short conv + SiLU kernels vs XLA, tile sweep
 #   bash benchmarks/h200_round.sh attnres   # AttnRes mixture kernels vs XLA, tile sweep
 #   bash benchmarks/h200_round.sh permute   # MoE permutation kernels (expansion, unpermute) vs XLA
@@ -262,7 +263,10 @@ glu() { bench glu 60 benchmarks/glu.py --sweep; }
 lse() {  # LSE_DTYPE=bfloat16: train.bf16_logits's chunk
   bench logsumexp 60 benchmarks/logsumexp.py --sweep --dtype "${LSE_DTYPE:-float32}"; }
 qbselect() { bench radix_select 58 benchmarks/radix_select.py --budget 42; }
-kdadecode() { bench kda_decode 200 benchmarks/kda_decode.py --budget 120 --peers; }
+kdadecode() {  # KDA_DECODE_NS: the pool sizes (default the script's 64,256), e.g. 64,256,1024
+  bench kda_decode 200 benchmarks/kda_decode.py --budget 120 --peers \
+    ${KDA_DECODE_NS:+--ns $KDA_DECODE_NS}
+}
 mladecode() { bench mla_decode 150 benchmarks/mla.py --decode-only; }
 conv() { bench conv 100 benchmarks/conv.py; }
 attnres() { bench attn_res 120 benchmarks/attn_res.py --budget 100; }

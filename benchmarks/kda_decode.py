@@ -5,7 +5,7 @@ in place (H=32, K=V=128), reported as state traffic (read + write) per second.
                                              # vs the XLA path, with ceiling references (XLA and
                                              # Pallas in-place scaling of the pool), then N=64
                                              # fastest first, within --budget (75 s) (~85 s)
-  python3 benchmarks/kda_decode.py --peers   # then fla's fused_recurrent_kda at N=64, 256
+  python3 benchmarks/kda_decode.py --peers   # then fla's fused_recurrent_kda at the same Ns
   python3 benchmarks/kda_decode.py --ns 3 --heads 2  # CPU dry run (kernels interpreted)
 
 ``benchmarks/kda.py`` times the default tuning beside the training kernels (:func:`decode`).
@@ -219,8 +219,8 @@ def decode_table(results, h):
           flush=True)
 
 
-def decode_fla():
-  for n in DECODE_N:
+def decode_fla(ns):
+  for n in ns:
     try:
       ms = time_fla_decode(n)
     except Exception as e:  # noqa: BLE001
@@ -256,7 +256,7 @@ def main():
   h = int(sys.argv[sys.argv.index("--heads") + 1]) if "--heads" in sys.argv else 32
   decode_sweep(left, ns, h)
   if "--peers" in sys.argv:  # fla's fused_recurrent_kda in the same run
-    decode_fla()
+    decode_fla(ns)
   print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
