@@ -113,11 +113,15 @@ def run_layers(call, layers: list, x, blocks, segment_ids, valid, first: int):
   """A run of back-to-back like layers outside the scanned groups, none committing an AttnRes
   block (:meth:`ModelConfig.layer_runs`): ``call`` (:func:`k3jax.model.layer_call` of the
   first) over their states stacked here, as one ``lax.scan``; ``blocks`` a tuple (it does not
-  grow). Returns (x, blocks, {layer index (str): router stats})."""
-  graphdef = nnx.split(layers[0])[0]
-  f = _called_layer(call, graphdef, segment_ids, valid)
-  (x, blocks), stats = _run(f, _stack([nnx.split(layer)[1] for layer in layers]), (x, blocks),
-                            first)
+  grow, so the scan closes over it rather than carrying it: a carry would be saved for every
+  layer's backward). Returns (x, blocks, {layer index (str): router stats})."""
+  f = _called_layer(call, nnx.split(layers[0])[0], segment_ids, valid)
+
+  def step(x, state, idx):
+    (x, _), s = f((x, blocks), state, idx)
+    return x, s
+
+  x, stats = _run(step, _stack([nnx.split(layer)[1] for layer in layers]), x, first)
   return x, blocks, {str(first + i): s for i, s in enumerate(_unstack(stats, len(layers)))
                      if s is not None}
 
