@@ -243,7 +243,7 @@ class KDA(nnx.Module):
   def __call__(self, x: jax.Array, *, segment_ids=None, valid=None, cache=None, decode=False):
     """x: ``[B, T, d]``; segment_ids ``[B, T]`` (packed documents); valid ``[B, T]`` bool, a
     prefix of each row (prefill of right-padded prompts: padding leaves state and conv tails
-    unchanged); cache: this layer's decode cache (:meth:`init_cache` of B rows), the same of a
+    unchanged; ignored when decoding, where a padding row runs on a scratch slot); cache: this layer's decode cache (:meth:`init_cache` of B rows), the same of a
     slot pool plus ``"slots" [B]`` int32 (row b continues pool entry ``slots[b]``; the serving
     engine's cache), or None; decode: x holds new tokens that continue the cache. Returns
     (y ``[B, T, d]``, new cache or None)."""
@@ -251,6 +251,7 @@ class KDA(nnx.Module):
     b, t, _ = x.shape
     h, hv, kd, vd = k.num_heads, k.value_heads, k.head_dim, k.v_head_dim
     slots = None if cache is None else cache.get("slots")
+    valid = None if decode else valid
     rows = (lambda a: a) if slots is None else (lambda a: a[slots])
     lengths = None if valid is None else valid.sum(1)
     if self.fused:

@@ -75,7 +75,7 @@ class Experts(nnx.Module):
 def all_experts(x, expert_ids, weights, w_gate_up, w_down, activation):
   """The routed experts of few tokens computed densely: every expert on every token, then each
   token's ``k`` outputs weighted and summed (float32, as
-  ``pallas_kernels.moe.reference.gathered_mlp``). ``x [N, D]``, expert_ids and weights ``[N, k]``,
+  ``pallas_kernels.moe.expert_mlp``). ``x [N, D]``, expert_ids and weights ``[N, k]``,
   ``w_gate_up [E, D, 2F]``, ``w_down [E, F, D]``, activation ``[M, 2F] -> [M, F]`` -> ``[N, D]``."""
   n = x.shape[0]
   e, _, f2 = w_gate_up.shape
@@ -169,7 +169,10 @@ class LatentMoE(nnx.Module):
 
   def __call__(self, x: jax.Array, *, valid: jax.Array | None = None, decoding: bool = False):
     """valid: ``[B, T]`` bool, tokens that count for balancing (padding excluded). decoding: no
-    router statistics (then None), and few tokens may run every expert (:meth:`dense`)."""
+    router statistics (then None), few tokens may run every expert (:meth:`dense`), and padding
+    (``valid`` false) takes the first token's experts, which must be real, where the experts are
+    not split: a serving step's padding rows and tails then read no expert weights of their
+    own."""
     m = self.cfg.moe
     b, t, d = x.shape
     xf = x.reshape(b * t, d)
@@ -178,6 +181,9 @@ class LatentMoE(nnx.Module):
       scores = self.gate.scores(xf)
       bias = self.gate.bias[...]
       ids, weights = router.route(scores, bias, m)
+    if decoding and vf is not None and not expert_parallel.active():
+      # (split experts keep their routing: a capacity would drop real tokens' slots)
+      ids = jnp.where(vf[:, None], ids, ids[:1])
     if self.fused:
       xe, shared = self._fused_inputs(x)
     else:

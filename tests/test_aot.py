@@ -73,9 +73,9 @@ def test_gpu_compiles_without_the_fusion_autotuner():
 def test_few_routed_experts_read_the_weights_in_place(target):
   """Decoding a few tokens through many experts (``moe.expert_mlp``'s few pairs, Kimi Linear
   48B's shapes) compiles with each pair's expert weights read where they lie, no copy of them:
-  on GPU the gate/up product as an einsum over the gathered weights had XLA copy them out,
-  transposed (151 MB per MoE layer and step at two rows); on TPU any gather of them did (2.7 GB
-  of temporaries), hence its pair-by-pair loop."""
+  on GPU through the grouped matmul kernels (an einsum over the gathered weights had XLA copy
+  them out, transposed: 151 MB per MoE layer and step at two rows); on TPU any gather of them
+  did (2.7 GB of temporaries), hence its pair-by-pair loop."""
   from pallas_kernels import moe
   n, k, e, d, f = 2, 8, 256, 2304, 1024
   dev = _devices(target)[0]
@@ -90,6 +90,8 @@ def test_few_routed_experts_read_the_weights_in_place(target):
   compiled = aot.compile_lowered(lowered, target)
   gathered = n * k * d * 2 * f * 2
   assert compiled.memory_analysis().temp_size_in_bytes < gathered // 100
+  if target == "h200":
+    assert aot.kernel_counts(compiled.as_text()).get("mosaic_gpu", 0) >= 2  # the two products
 
 
 def test_missing_plugin_names_the_fix(monkeypatch, tmp_path):

@@ -133,8 +133,8 @@ FORMULATIONS = {"expert_mlp": lambda *a: moe.expert_mlp(*a, glu, implementation=
 @pytest.mark.parametrize("form", FORMULATIONS)
 @pytest.mark.parametrize("t,e,k", [(37, 5, 2), (3, 32, 2), (1, 16, 4)])
 def test_expert_mlp_matches_numpy_loop(t, e, k, form):
-  """The grouped path, the gathered one of few token-expert pairs (4 * t * k <= e) and TPU's
-  pair by pair."""
+  """The grouped path (also for few token-expert pairs, 4 * t * k <= e, off TPU) and TPU's pair
+  by pair."""
   x, ids, wts, wgu, wdn = small_mlp(seed=1, t=t, e=e, k=k)
   y = FORMULATIONS[form](x, ids, wts, wgu, wdn)
   xf, wgu64, wdn64 = (np.asarray(a, np.float64) for a in (x, wgu, wdn))
@@ -151,10 +151,9 @@ def test_expert_mlp_matches_numpy_loop(t, e, k, form):
 
 
 @pytest.mark.parametrize("form", FORMULATIONS)
-def test_gathered_experts_gradients_match_a_dense_formulation(form):
-  """Few pairs take the gathered path (TPU's pair by pair); its gradients (tokens, routing
-  weights, both expert stacks, including experts no token picked) equal a one-hot dense
-  formulation's."""
+def test_few_pairs_gradients_match_a_dense_formulation(form):
+  """Few pairs (the grouped path; TPU's pair by pair): the gradients (tokens, routing weights,
+  both expert stacks, including experts no token picked) equal a one-hot dense formulation's."""
   x, ids, wts, wgu, wdn = (a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a
                            for a in small_mlp(seed=3, t=2, e=16, k=2))
   probe = jnp.sin(jnp.arange(x.shape[1], dtype=jnp.float32))

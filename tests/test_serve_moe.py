@@ -126,3 +126,35 @@ def test_dense_decode_settings_are_checked():
     tiny_config("model.moe.dense_decode_tokens=-1")
   with pytest.raises(ConfigError, match="model.moe.dense_decode_unpicked_mb"):
     tiny_config("model.moe.dense_decode_unpicked_mb=-1")
+
+
+@pytest.mark.parametrize("moe_case", list(MOES))
+def test_padding_takes_the_first_tokens_experts(moe_case, monkeypatch):
+  """Decoding on the routed path with padding (a serving step's padding rows and chunk tails):
+  padding tokens go to the first token's experts, so they read no expert weights of their own;
+  the real tokens keep their routing and their outputs, float32."""
+  from k3jax import latent_moe
+  cfg = tiny_config("model.param_dtype=float32", "model.compute_dtype=float32",
+                    "model.moe.dense_decode_tokens=0", *MOES[moe_case]).model
+  rng = np.random.default_rng(5)
+  moe = LatentMoE(cfg, rngs=nnx.Rngs(6))
+  graphdef, state = nnx.split(moe)
+  state = jax.tree.map(lambda a: a + 0.3 * jnp.asarray(rng.normal(size=a.shape), a.dtype), state)
+  moe = nnx.merge(graphdef, state)
+  seen = []
+  routed = latent_moe.expert_parallel.routed_experts
+
+  def spy(x, ids, *a, **kw):
+    seen.append(np.asarray(ids).reshape(-1, ids.shape[-1]))
+    return routed(x, ids, *a, **kw)
+  monkeypatch.setattr(latent_moe.expert_parallel, "routed_experts", spy)
+  x = jnp.asarray(rng.normal(size=(3, 4, cfg.hidden_size)), jnp.float32)
+  valid = jnp.asarray([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], bool)
+  want, _ = moe(x, decoding=True)
+  got, _ = moe(x, valid=valid, decoding=True)
+  free, padded = seen
+  v = np.asarray(valid).reshape(-1)
+  assert len({tuple(r) for r in free[~v]} - {tuple(free[0])}) > 0  # padding routed its own way
+  np.testing.assert_array_equal(padded[v], free[v])
+  np.testing.assert_array_equal(padded[~v], np.broadcast_to(free[0], padded[~v].shape))
+  np.testing.assert_array_equal(np.asarray(got)[np.asarray(valid)], np.asarray(want)[np.asarray(valid)])

@@ -109,7 +109,8 @@ def forward(model: K3Model, pools: list[dict], tokens, starts, nvalid, page_tabl
     tails = jnp.unstack(conv[0]["conv"][slots], axis=1)
     for c, tail in zip([c for c in cache if "slots" in c], tails):
       c["tail"] = tail
-  valid = None if decode else jnp.arange(t)[None, :] < nvalid[:, None]
+  # padding rows (scratch slot 0) and tails: the MoE routes them as the first row's first token
+  valid = (slots > 0)[:, None] & (jnp.arange(t)[None, :] < nvalid[:, None])
   h, aux = model.hidden(tokens, valid=valid, cache=cache, decode=decode, lengths=starts + t,
                         vision=vision)
   last = jnp.take_along_axis(h, (nvalid - 1)[:, None, None], axis=1)[:, 0]

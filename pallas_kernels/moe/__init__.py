@@ -51,16 +51,17 @@ def expert_mlp(x, expert_ids, weights, w_gate_up, w_down, activation, *, impleme
   routing weights. Returns ``[N, D]``. ``implementation`` picks the grouped matmuls' kernels and
   the permutation's (:func:`permute`'s gather, :func:`unpermute`'s backward).
 
-  With fewer pairs than a quarter of the experts (decoding a few requests) each pair's expert
-  weights are gathered and applied directly (:func:`reference.gathered_mlp`; on TPU pair by pair,
-  :func:`reference.looped_mlp`): a handful of kernels instead of the sort, the padded grouped
-  matmuls and the scatter back, reading about as many weights (few pairs share an expert).
+  On TPU, with fewer pairs than a quarter of the experts (decoding a few requests), the pairs run
+  one after another (:func:`reference.looped_mlp`), each expert's weights sliced where they lie:
+  a loop costs no kernel launches there, and XLA copies any gather of the pairs' weights out
+  whole. GPUs and CPUs take the grouped path at every size: XLA turns a gathered formulation
+  into column reductions far from the card's bandwidth (benchmarks/RESULTS.md, Serving: the few
+  pairs on the grouped path), while the grouped matmuls read each picked expert once.
   """
   n, k = expert_ids.shape
-  if 4 * n * k <= w_gate_up.shape[0]:
-    few = reference.looped_mlp if default_backend() == "tpu" else reference.gathered_mlp
-    with jax.named_scope("gathered_experts"):
-      return few(x, expert_ids, weights, w_gate_up, w_down, activation)
+  if 4 * n * k <= w_gate_up.shape[0] and default_backend() == "tpu":
+    with jax.named_scope("looped_experts"):
+      return reference.looped_mlp(x, expert_ids, weights, w_gate_up, w_down, activation)
   with jax.named_scope("permute"):
     xs, group_sizes, order = permute(x, expert_ids, w_gate_up.shape[0],
                                      implementation=implementation)

@@ -20,25 +20,13 @@ def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None):
   return out
 
 
-def gathered_mlp(x, expert_ids, weights, w_gate_up, w_down, activation):
-  """Routed experts by gathering each token-expert pair's weights: ``x [N, D]``, expert_ids and
-  weights ``[N, k]``, ``w_gate_up [E, D, 2F]``, ``w_down [E, F, D]`` -> ``[N, D]`` (see
-  ``pallas_kernels.moe.expert_mlp``; for few pairs)."""
-  n, k = expert_ids.shape
-  acc = jnp.promote_types(x.dtype, jnp.float32)
-  # a product and a sum rather than an einsum: XLA fuses the gather into the reduction and reads
-  # the weights where they lie; the einsum had it copy the gathered weights out first (GPU)
-  gu = jnp.sum(x.astype(acc)[:, None, :, None] * w_gate_up[expert_ids].astype(acc), axis=2)
-  h = activation(gu.astype(x.dtype)).astype(x.dtype)
-  y = jnp.einsum("nkf,nkfd->nkd", h, w_down[expert_ids], preferred_element_type=acc)
-  return jnp.einsum("nkd,nk->nd", y, weights.astype(acc)).astype(x.dtype)
-
-
 def looped_mlp(x, expert_ids, weights, w_gate_up, w_down, activation):
-  """:func:`gathered_mlp` one token-expert pair after another (``lax.map``): each pair's expert
-  weights are sliced where they lie and feed the products directly. For TPU, where a loop costs
-  no kernel launches and XLA copies a gather of every pair's weights out whole
-  (benchmarks/RESULTS.md, Serving: Kimi Linear 48B's decode step, compile-only)."""
+  """Routed experts one token-expert pair after another (``lax.map``): ``x [N, D]``, expert_ids
+  and weights ``[N, k]``, ``w_gate_up [E, D, 2F]``, ``w_down [E, F, D]`` -> ``[N, D]`` (see
+  ``pallas_kernels.moe.expert_mlp``; for few pairs on TPU). Each pair's expert weights are sliced
+  where they lie and feed the products directly: a loop costs no kernel launches there, and XLA
+  copies a gather of every pair's weights out whole (benchmarks/RESULTS.md, Serving: Kimi Linear
+  48B's decode step, compile-only)."""
   n, k = expert_ids.shape
   acc = jnp.promote_types(x.dtype, jnp.float32)
   flat = expert_ids.reshape(-1)
