@@ -243,10 +243,11 @@ class KDA(nnx.Module):
   def __call__(self, x: jax.Array, *, segment_ids=None, valid=None, cache=None, decode=False):
     """x: ``[B, T, d]``; segment_ids ``[B, T]`` (packed documents); valid ``[B, T]`` bool, a
     prefix of each row (prefill of right-padded prompts: padding leaves state and conv tails
-    unchanged; ignored when decoding, where a padding row runs on a scratch slot); cache: this layer's decode cache (:meth:`init_cache` of B rows), the same of a
-    slot pool plus ``"slots" [B]`` int32 (row b continues pool entry ``slots[b]``; the serving
-    engine's cache), or None; decode: x holds new tokens that continue the cache. Returns
-    (y ``[B, T, d]``, new cache or None)."""
+    unchanged; ignored when decoding, where a padding row runs on a scratch slot); cache: this
+    layer's decode cache (:meth:`init_cache` of B rows), the same of a slot pool plus ``"slots"
+    [B]`` int32 (row b continues pool entry ``slots[b]``; the serving engine's cache), or None;
+    decode: x holds new tokens that continue the cache. Returns (y ``[B, T, d]``, new cache or
+    None)."""
     k = self.cfg.kda
     b, t, _ = x.shape
     h, hv, kd, vd = k.num_heads, k.value_heads, k.head_dim, k.v_head_dim

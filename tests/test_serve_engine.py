@@ -249,6 +249,35 @@ def test_allocator_refcounts():
     a.incref(y)
 
 
+def test_a_block_another_request_cached_first_may_be_evicted_under_its_follower():
+  """Two requests compute the same first block; the first registers it, the second's insert
+  returns that block (its own pages stay its own, with no reference on the block's). Once the
+  first request is gone the block can be evicted while the second still runs: the second's next
+  block must not be cached under the evicted one (every cached block's parent stays cached).
+  Found by test_random_streams_cached_equals_uncached."""
+  from types import SimpleNamespace
+  pages, slots = Allocator(9, "page"), Allocator(4, "slot")
+  eng = SimpleNamespace(serve=SimpleNamespace(prefix_cache=True, block_size=4, page_size=2,
+                                              checkpoint_every=1),
+                        index=PrefixIndex(pages, slots, block_size=4), _checkpoints=[])
+  eng._alloc_slot = slots.alloc
+  toks = list(range(10, 19))  # two blocks and a token
+  a, b = (SimpleNamespace(keys=toks, blocks=[], computed=4, slot=s,
+                          pages=[pages.alloc() for _ in range(4)]) for s in (1, 2))
+  Engine._register(eng, a)
+  Engine._register(eng, b)
+  assert b.blocks == a.blocks and b.blocks[0].pages == tuple(a.pages[:2])
+  for p in a.pages:  # the first request ends
+    pages.decref(p)
+  eng.index.evict_pages(pages.free + 2)
+  assert not eng.index.blocks  # the shared block went; the second request still holds it
+  b.computed = 8
+  Engine._register(eng, b)
+  assert all(blk.parent is None or eng.index.blocks.get(blk.parent.key) is blk.parent
+             for blk in eng.index.blocks.values())
+  assert len(b.blocks) == 1 and not eng.index.blocks
+
+
 def test_prefix_index_lookup_and_coupled_eviction():
   pages, slots = Allocator(9, "page"), Allocator(4, "slot")
   idx = PrefixIndex(pages, slots, block_size=4)
