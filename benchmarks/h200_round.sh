@@ -125,7 +125,7 @@ gates() {  # issue 40's run: every gate kind at GATE_SHAPES beside jla (fla as t
 }
 
 serving() { serve48b; serve1b; }  # issue 39, what Serving run 13 left (SERVING_S: seconds each)
-serve48b() {  # Kimi Linear 48B's decode at B1, 16, 64 and 256, then the 8K TTFT and the
+serve48b() {  # Kimi Linear 48B's decode at B1, 16, 64 and 256 (profiled), then the 8K TTFT and the
   # 7.5K-of-8K prefix hit: the whole model on a card of more than 100 GB (91.5 GiB of bf16
   # weights), else its first 14 of 27 layers (an H100's 80 GB; the floor counts the same layers).
   # SERVE48B_ARGS replaces the run's options; SERVE48B_SET replaces the cut's config overrides;
@@ -135,7 +135,7 @@ serve48b() {  # Kimi Linear 48B's decode at B1, 16, 64 and 256, then the 8K TTFT
   [ "$mb" -gt 100000 ] || set="model.num_layers=14 model.mla_layers=[3,7,11,13]"
   flock -o "$LOCK" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "${SERVING_S:-270}" python3 \
     benchmarks/serve.py --config configs/kimi_linear_48b.yaml \
-    ${SERVE48B_ARGS:---batches 1,16,64,256 --ttft 8192 --stream 0 --steps 20} \
+    ${SERVE48B_ARGS:---batches 1,16,64,256 --ttft 8192 --stream 0 --steps 20 --profile "$R/trace_48b"} \
     ${SERVE48B_SET-$set} > "$R/serve_48b${SERVE48B_TAG:-}.log" 2>&1
   say "serve_48b done"
 }
