@@ -275,6 +275,7 @@ def test_a_block_another_request_cached_first_may_be_evicted_under_its_follower(
   assert all(blk.parent is None or eng.index.blocks.get(blk.parent.key) is blk.parent
              for blk in eng.index.blocks.values())
   assert len(b.blocks) == 1 and not eng.index.blocks
+  assert eng.index.insert(12345, b.blocks[0], toks[4:8], b.pages[2:4]) is None
 
 
 def test_prefix_index_lookup_and_coupled_eviction():

@@ -131,9 +131,13 @@ class PrefixIndex:
     pages = tuple(p for b in chain[:best + 1] for p in b.pages)
     return chain, Hit((best + 1) * self.block_size, pages, chain[best].checkpoint)
 
-  def insert(self, key: int, parent: Block | None, tokens, pages) -> Block:
+  def insert(self, key: int, parent: Block | None, tokens, pages) -> Block | None:
     """Registers a full block (taking a reference on each page), or returns the block already
-    cached under ``key``."""
+    cached under ``key``; None when ``parent`` is no longer cached (a block another request
+    cached first, whose pages the caller holds no reference on, may be evicted under it): every
+    cached block's parent stays cached."""
+    if parent is not None and self.blocks.get(parent.key) is not parent:
+      return None
     b = self.blocks.get(key)
     if b is not None:
       b.last_use = next(self._clock)

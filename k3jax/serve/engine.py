@@ -675,14 +675,11 @@ class Engine:
       return
     tokens = r.keys[i * bs:(i + 1) * bs]
     parent = r.blocks[-1] if r.blocks else None
-    if parent is not None and self.index.blocks.get(parent.key) is not parent:
-      # The parent was cached by another request first (``insert`` returned that block, whose
-      # pages this request holds no reference on) and has since been evicted: this request's
-      # later blocks have no chain to hang from, so they stay uncached.
-      return
     per = bs // self.serve.page_size
     block = self.index.insert(chain_key(parent.key if parent else 0, tokens), parent, tokens,
                               r.pages[i * per:(i + 1) * per])
+    if block is None:  # the parent was evicted: this request's later blocks stay uncached
+      return
     r.blocks.append(block)
     if block.checkpoint is None and (i + 1) % self.serve.checkpoint_every == 0:
       slot = self._alloc_slot()
