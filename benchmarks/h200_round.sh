@@ -18,6 +18,8 @@
 #   bash benchmarks/h200_round.sh lse       # LM-head log-sum-exp vs XLA, tile sweep (LSE_DTYPE)
 #   bash benchmarks/h200_round.sh mladecode # MLA decode kernels (mosaic, seesaw) at N 1-256
 #   bash benchmarks/h200_round.sh qbselect  # exact QB's radix select kernel vs XLA
+#   bash benchmarks/h200_round.sh states    # issue 40 item 4: the forward with serving's states
+#                                           # every 4 chunks, both checkpoint writes (smem, registers)
 #   bash benchmarks/h200_round.sh kdadecode # KDA decode configurations and copy ceilings, fla
 #                                           # (KDA_DECODE_NS=64,256,1024: the pool sizes)
 #   bash benchmarks/h200_round.sh conv      # KDA short conv + SiLU kernels vs XLA, tile sweep
@@ -263,6 +265,14 @@ glu() { bench glu 60 benchmarks/glu.py --sweep; }
 lse() {  # LSE_DTYPE=bfloat16: train.bf16_logits's chunk
   bench logsumexp 60 benchmarks/logsumexp.py --sweep --dtype "${LSE_DTYPE:-float32}"; }
 qbselect() { bench radix_select 58 benchmarks/radix_select.py --budget 42; }
+states() {  # the forward alone and with the states every 4 chunks at the four shapes of issue 40,
+  # the Mosaic pass's checkpoints through SMEM (the default), then from the registers (checked)
+  local shapes=1x16384x32x128,4x4096x32x128,1x65536x16x128,1x8192x32x128
+  local args="--gates --gate-kinds bounded --ours-only --no-profile --no-parts --no-decode"
+  bench states_smem 150 benchmarks/kda.py $args --no-check --shapes $shapes --budget 130
+  bench states_registers 170 benchmarks/kda.py $args --shapes $shapes --budget 150 \
+    --set "mgpu_checkpoints='registers'"
+}
 kdadecode() {  # KDA_DECODE_NS: the pool sizes (default the script's 64,256), e.g. 64,256,1024
   bench kda_decode 200 benchmarks/kda_decode.py --budget 120 --peers \
     ${KDA_DECODE_NS:+--ns $KDA_DECODE_NS}
@@ -312,7 +322,7 @@ ncu() {
 [ $# -gt 0 ] || set -- both
 for what in "$@"; do  # several modes run side by side; timed GPU work takes the lock in turn
   case "$what" in
-    kernels|multi|peers|flapeers|kdasweep|unchanged|ncu|amgpu|gates|serving|serve48b|serve1b|serveflags|startup|glu|lse|kdadecode|mladecode|qbselect|conv|attnres|permute|optim|moesweep) $what & ;;  # blocking
+    kernels|multi|peers|flapeers|kdasweep|unchanged|ncu|amgpu|gates|serving|serve48b|serve1b|serveflags|startup|glu|lse|states|kdadecode|mladecode|qbselect|conv|attnres|permute|optim|moesweep) $what & ;;  # blocking
     train|long|step|compile1b) $what ;;        # these start background jobs of this shell
     both) train; sleep 5; kernels & ;;
     *) echo "usage: $0 MODE... (the modes are listed at the top of this script)"

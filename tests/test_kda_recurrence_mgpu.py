@@ -93,7 +93,7 @@ def _close(got, want, tol, name):
 # K = 128 with a 128-wide V tile: single-buffered S / V' / O, dS / dV' (three chunks reuse them).
 # The state checkpoints every 2 chunks beside the stores of h and V', and every chunk alone (the
 # staging buffer reused chunk after chunk), in 2 column pieces at K = 128 with a 32-wide V tile
-# and 4 at 128 wide
+# and 4 at 128 wide; and both stored straight from the registers
 @pytest.mark.slow
 @pytest.mark.parametrize("b,nc,hv,kd,vd,bv,stages", [
     (1, 1, 1, 64, 32, 32, 3), (2, 2, 2, 64, 16, 16, 2), (1, 5, 1, 128, 64, 32, 3),
@@ -101,10 +101,11 @@ def _close(got, want, tol, name):
 def test_forward_and_backward_match_float64_loops(b, nc, hv, kd, vd, bv, stages):
   w, u, qg, aqk, kdec, gc, s0 = _factors(nc + kd, b, nc, hv, kd, vd)
   o_want, st_want, h_want, vn_want, after = _forward_loop(w, u, qg, aqk, kdec, gc, s0)
-  for store, every in ((False, 0), (True, 0), (True, 2), (False, 1)):
+  for store, every, ck in ((False, 0, "smem"), (True, 0, "smem"), (True, 2, "smem"),
+                           (False, 1, "smem"), (True, 2, "registers"), (False, 1, "registers")):
     outs = recurrence_mgpu.recurrence_fwd(w, u, qg, aqk, kdec, gc, s0, out_dtype=BF16,
                                           store=store, block_v=bv, stages=stages, interpret=True,
-                                          every=every)
+                                          every=every, checkpoints=ck)
     assert len(outs) == 2 + 2 * store + bool(every)
     _close(outs[0], o_want, 8e-3, "o")  # bf16 output
     _close(outs[1], st_want, 1e-4, "final state")
@@ -150,15 +151,17 @@ def test_kernels_lower_for_cuda(h200_lowering):
   assert 'name = "kda_fwd_recurrence"' not in text  # the Triton passes are not used
 
 
-@pytest.mark.parametrize("b,t,h", [(1, 16384, 32), (1, 65536, 16), (4, 4096, 32)])
-def test_states_forward_lowers_on_the_mosaic_pass(h200_lowering, b, t, h):
+@pytest.mark.parametrize("b,t,h,ck", [(1, 16384, 32, "smem"), (1, 65536, 16, "smem"),
+                                      (4, 4096, 32, "smem"), (4, 4096, 32, "registers")])
+def test_states_forward_lowers_on_the_mosaic_pass(h200_lowering, b, t, h, ck):
   """``output_states_every`` (serving's prefix states) at the benchmark shapes takes the Mosaic
   forward pass too, lowered for an H200 on the CPU (its SMEM staging of the checkpoints within
-  the limit: whole at the 64-wide V tile of B1 H32 and H16, in 4 pieces at B4 H32's 128-wide)."""
+  the limit: whole at the 64-wide V tile of B1 H32 and H16, in 4 pieces at B4 H32's 128-wide;
+  or stored from the registers)."""
   from pallas_kernels.kda import kda
   kd = 128
-  tuning = config.default_config((b, t, h, kd), use_qk_l2norm=True, beta_is_logit=True,
-                                 device=H200)
+  tuning = dataclasses.replace(config.default_config(
+      (b, t, h, kd), use_qk_l2norm=True, beta_is_logit=True, device=H200), mgpu_checkpoints=ck)
   fn = lambda q, k, v, g, beta: kda(
       q, k, v, g, beta, use_qk_l2norm=True, A_log=jnp.zeros(h), dt_bias=jnp.zeros(h * kd),
       gate="softplus", beta_is_logit=True, implementation="pallas_gpu", config=tuning,

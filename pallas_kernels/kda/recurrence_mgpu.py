@@ -30,8 +30,8 @@ one wave for 128 of them) single-buffered, warpgroup 0 writing the next chunk's 
 float32; outputs o ``[B, Tp, HV, V]``, the final state ``[B, HV, K, V]`` float32, with
 ``store`` h ``[B, NC, HV, K, V]`` and vn ``[B, Tp, HV, V]`` (bf16), and with ``every`` the
 states after every ``every`` chunks (float32, the prefix cache's checkpoints of serving:
-warpgroup 0 writes them to one SMEM buffer and TMA copies them out while it moves on, in
-:func:`checkpoint_pieces` column pieces so the buffer takes no ring slot).
+warpgroup 0 stores them from its registers, or writes them to one SMEM buffer that TMA copies out
+while it moves on, in :func:`checkpoint_pieces` column pieces so the buffer takes no ring slot).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def _kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, 
   # int32 operands of lax.div / lax.rem and int32 loop indices, also under jax_enable_x64
   b, h = lax.div(bh, jnp.int32(hv)), lax.rem(bh, jnp.int32(hv))
   vs = pl.ds(pl.multiple_of(lax.axis_index("v") * bv, bv), bv)
-  pw = bv // pieces  # columns of a checkpoint piece
+  pw = bv // max(pieces, 1)  # columns of a checkpoint piece
   piece = lambda j: pl.ds(pl.multiple_of(lax.axis_index("v") * bv + j * pw, pw), pw)
   rows = lambda i: pl.ds(i * c, c)
 
@@ -159,12 +159,14 @@ def _kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, 
       decay = plgpu.load(gc_smem.at[slot], layout=wgmma.ROWS)
       s = s * lax.broadcast_in_dim(decay, s.shape, [0])
       s = wgmma.add(s, (kd_smem.at[slot].T, vn_smem.at[p]), interpret=interpret)
-      if every:  # the state after every ``every`` chunks: float32 pieces staged through SMEM
+      if every:  # the state after every ``every`` chunks, float32
         m = lax.div(i + 1, jnp.int32(every))
 
         @pl.when(m * every == i + 1)
         def _():
-          for j in range(pieces):
+          if not pieces:  # straight from the registers
+            outs[-1].at[b, m - 1, h, :, vs][...] = s
+          for j in range(pieces):  # staged through SMEM
             # the buffer's last copy has read it: the previous piece's, else the previous
             # checkpoint's (``every`` chunks' stores of h and V' committed since)
             plgpu.wait_smem_to_gmem(0 if j else every * store, wait_read_only=True)
@@ -203,14 +205,15 @@ def _kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, 
 
 
 def recurrence_fwd(w, u, qg, aqk, kd, gc, s0, *, out_dtype, store: bool, block_v: int,
-                   stages: int, interpret: bool, every: int = 0):
+                   stages: int, interpret: bool, every: int = 0, checkpoints: str = "smem"):
   """(o, final state), with ``store`` (h, vn) and with ``every`` last the states after every
-  ``every`` chunks ``[B, max(NC // every, 1), HV, K, V]`` float32; see the module docstring."""
+  ``every`` chunks ``[B, max(NC // every, 1), HV, K, V]`` float32, written as ``checkpoints``
+  says (``KdaGpuConfig.mgpu_checkpoints``); see the module docstring."""
   bsz, tp, hv, kdim = w.shape
   vd = u.shape[-1]
   c, nc = CHUNK, tp // CHUNK
   bv = block_v
-  pieces = checkpoint_pieces(kdim, bv, stages)
+  pieces = checkpoint_pieces(kdim, bv, stages) if checkpoints == "smem" else 0
   stages = ring_slots(kdim, bv, stages, forward=True)
   nbuf = buffers(kdim, bv, forward=True)
   bf16 = jnp.bfloat16
@@ -240,7 +243,7 @@ def recurrence_fwd(w, u, qg, aqk, kd, gc, s0, *, out_dtype, store: bool, block_v
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # warpgroup 1's tiles landed
       plgpu.Barrier(num_barriers=nbuf),  # S, V' of a chunk written (warpgroup 0 -> 1)
       plgpu.Barrier(num_barriers=nbuf),  # ... and read (warpgroup 1 -> 0)
-  ) + ((wgmma.swizzled((kdim, bv // pieces), jnp.float32),) if every else ())  # a checkpoint
+  ) + ((wgmma.swizzled((kdim, bv // pieces), jnp.float32),) if every and pieces else ())
   outs = plgpu.kernel(
       kern, out_type=tuple(out_type), scratch_types=scratch, grid=(vd // bv, bsz * hv),
       grid_names=("v", "bh"), **wgmma.kernel_params(interpret, threads=2))(
