@@ -91,9 +91,7 @@ def _close(got, want, tol, name):
 # (batch, chunks, value heads, K, V, V tile, ring slots): one chunk (fewer chunks than the
 # prologue fetches), two and five (both S / V' buffers reused, the ring wrapping), two V tiles;
 # K = 128 with a 128-wide V tile: single-buffered S / V' / O, dS / dV' (three chunks reuse them).
-# The state checkpoints every 2 chunks beside the stores of h and V', and every chunk alone (the
-# staging buffer reused chunk after chunk), in 2 column pieces at K = 128 with a 32-wide V tile
-# and 4 at 128 wide; and both stored straight from the registers
+# The state checkpoints every 2 chunks beside the stores of h and V', and every chunk alone
 @pytest.mark.slow
 @pytest.mark.parametrize("b,nc,hv,kd,vd,bv,stages", [
     (1, 1, 1, 64, 32, 32, 3), (2, 2, 2, 64, 16, 16, 2), (1, 5, 1, 128, 64, 32, 3),
@@ -101,11 +99,10 @@ def _close(got, want, tol, name):
 def test_forward_and_backward_match_float64_loops(b, nc, hv, kd, vd, bv, stages):
   w, u, qg, aqk, kdec, gc, s0 = _factors(nc + kd, b, nc, hv, kd, vd)
   o_want, st_want, h_want, vn_want, after = _forward_loop(w, u, qg, aqk, kdec, gc, s0)
-  for store, every, ck in ((False, 0, "smem"), (True, 0, "smem"), (True, 2, "smem"),
-                           (False, 1, "smem"), (True, 2, "registers"), (False, 1, "registers")):
+  for store, every in ((False, 0), (True, 0), (True, 2), (False, 1)):
     outs = recurrence_mgpu.recurrence_fwd(w, u, qg, aqk, kdec, gc, s0, out_dtype=BF16,
                                           store=store, block_v=bv, stages=stages, interpret=True,
-                                          every=every, checkpoints=ck)
+                                          every=every)
     assert len(outs) == 2 + 2 * store + bool(every)
     _close(outs[0], o_want, 8e-3, "o")  # bf16 output
     _close(outs[1], st_want, 1e-4, "final state")
@@ -151,17 +148,15 @@ def test_kernels_lower_for_cuda(h200_lowering):
   assert 'name = "kda_fwd_recurrence"' not in text  # the Triton passes are not used
 
 
-@pytest.mark.parametrize("b,t,h,ck", [(1, 16384, 32, "smem"), (1, 65536, 16, "smem"),
-                                      (4, 4096, 32, "smem"), (4, 4096, 32, "registers")])
-def test_states_forward_lowers_on_the_mosaic_pass(h200_lowering, b, t, h, ck):
+@pytest.mark.parametrize("b,t,h", [(1, 16384, 32), (1, 65536, 16), (4, 4096, 32)])
+def test_states_forward_lowers_on_the_mosaic_pass(h200_lowering, b, t, h):
   """``output_states_every`` (serving's prefix states) at the benchmark shapes takes the Mosaic
-  forward pass too, lowered for an H200 on the CPU (its SMEM staging of the checkpoints within
-  the limit: whole at the 64-wide V tile of B1 H32 and H16, in 4 pieces at B4 H32's 128-wide;
-  or stored from the registers)."""
+  forward pass too, lowered for an H200 on the CPU (the 64-wide V tile of B1 H32 and H16, the
+  128-wide of B4 H32)."""
   from pallas_kernels.kda import kda
   kd = 128
-  tuning = dataclasses.replace(config.default_config(
-      (b, t, h, kd), use_qk_l2norm=True, beta_is_logit=True, device=H200), mgpu_checkpoints=ck)
+  tuning = config.default_config((b, t, h, kd), use_qk_l2norm=True, beta_is_logit=True,
+                                 device=H200)
   fn = lambda q, k, v, g, beta: kda(
       q, k, v, g, beta, use_qk_l2norm=True, A_log=jnp.zeros(h), dt_bias=jnp.zeros(h * kd),
       gate="softplus", beta_is_logit=True, implementation="pallas_gpu", config=tuning,
@@ -189,11 +184,9 @@ def test_unsupported_factors_take_the_triton_passes():
 def test_every_supported_tiling_fits_shared_memory(kd, bv):
   """Both passes at each supported K and V tile, at most ``ring_slots`` slots, lowered for an
   H200 (Mosaic GPU refuses more than 227 KiB of SMEM per CTA), the forward also with the state
-  checkpoints' staging buffer; double-buffered up to a 64-wide V tile at K = 128, single-buffered
-  at 128, where the checkpoints go in 4 column pieces (whole ones would take a ring slot)."""
+  checkpoints; double-buffered up to a 64-wide V tile at K = 128, single-buffered at 128."""
   assert recurrence_mgpu.buffers(kd, bv, True) == recurrence_mgpu.buffers(kd, bv, False) == (
       1 if kd * bv > 128 * 64 else 2)
-  assert recurrence_mgpu.checkpoint_pieces(kd, bv, 8) == {32: 2, 128: 4}.get(bv, 1)
   sds = jax.ShapeDtypeStruct
   tok = lambda d: sds((1, 256, 2, d), BF16)
   gc, state = sds((1, 4, 2, kd), jnp.float32), sds((1, 2, kd, 2 * bv), jnp.float32)

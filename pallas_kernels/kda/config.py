@@ -80,11 +80,6 @@ class KdaGpuConfig:
   mgpu_v_tile: int = 64  # V tile of the Mosaic passes
   # Ring slots the Mosaic passes ask for (``recurrence_mgpu.ring_slots`` caps them by SMEM)
   mgpu_stages: int = 3
-  # How the Mosaic forward pass writes serving's state checkpoints (``output_states_every``):
-  # "smem" (staged through one SMEM buffer in column pieces, each copied out by TMA before the
-  # next is written) or "registers" (stored straight from the state's registers, no SMEM and no
-  # wait on the state's chain)
-  mgpu_checkpoints: str = "smem"
   chunk_wu: str = "mosaic"  # WY factors: "mosaic" (``wu_mgpu`` where it applies) or "triton"
   # kda_chunk_a: "mosaic" (``a_mgpu`` where it applies: 64-token chunks, K = 64 or 128),
   # "bounded" (``a_mgpu`` for the bounded gate only) or "triton". ``default_config`` takes
@@ -117,9 +112,6 @@ class KdaGpuConfig:
     if self.recurrence not in ("mosaic", "backward", "triton"):
       raise ValueError(f"KdaGpuConfig: recurrence {self.recurrence!r} must be 'mosaic', "
                        "'backward' or 'triton'")
-    if self.mgpu_checkpoints not in ("smem", "registers"):
-      raise ValueError(f"KdaGpuConfig: mgpu_checkpoints {self.mgpu_checkpoints!r} must be "
-                       "'smem' or 'registers'")
     if self.chunk_wu not in ("mosaic", "triton"):
       raise ValueError(f"KdaGpuConfig: chunk_wu {self.chunk_wu!r} must be 'mosaic' or 'triton'")
     if self.chunk_a not in ("mosaic", "bounded", "triton"):

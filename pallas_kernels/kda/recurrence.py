@@ -114,8 +114,7 @@ def recurrence_fwd(cfg: KdaOptions, w, u, qg, aqk, kd, gc, s0, out_dtype, store,
   if bv:
     return recurrence_mgpu.recurrence_fwd(w, u, qg, aqk, kd, gc, s0, out_dtype=out_dtype,
                                           store=store, block_v=bv, every=every,
-                                          stages=cfg.tuning.mgpu_stages, interpret=interpret(),
-                                          checkpoints=cfg.tuning.mgpu_checkpoints)
+                                          stages=cfg.tuning.mgpu_stages, interpret=interpret())
   bv = min(cfg.tuning.v_tile, vd)
   f32 = jnp.float32
   out_shape = [jax.ShapeDtypeStruct((bsz, tp, hv, vd), out_dtype),

@@ -30,8 +30,7 @@ one wave for 128 of them) single-buffered, warpgroup 0 writing the next chunk's 
 float32; outputs o ``[B, Tp, HV, V]``, the final state ``[B, HV, K, V]`` float32, with
 ``store`` h ``[B, NC, HV, K, V]`` and vn ``[B, Tp, HV, V]`` (bf16), and with ``every`` the
 states after every ``every`` chunks (float32, the prefix cache's checkpoints of serving:
-warpgroup 0 stores them from its registers, or writes them to one SMEM buffer that TMA copies out
-while it moves on, in :func:`checkpoint_pieces` column pieces so the buffer takes no ring slot).
+warpgroup 0 stores them straight from its registers: no SMEM, and no wait on the state's chain).
 """
 
 from __future__ import annotations
@@ -89,19 +88,6 @@ def ring_slots(kdim: int, bv: int, want: int, forward: bool) -> int:
   return max(2, min(want, room // _slot_bytes(kdim, bv)))
 
 
-def checkpoint_pieces(kdim: int, bv: int, want: int) -> int:
-  """The column pieces in which the forward stages its float32 state checkpoints ``[K, BV]``
-  through one SMEM buffer (each copied out by TMA before the next is written): the fewest whose
-  buffer fits beside the ring of :func:`ring_slots` (``want``) and the :func:`buffers`, so the
-  checkpoints take no ring slot. 1 up to a 64-wide V tile at K = 128, 4 at 128 wide."""
-  room = (_ring_bytes(kdim, bv, True, buffers(kdim, bv, True))
-          - ring_slots(kdim, bv, want, True) * _slot_bytes(kdim, bv))
-  pieces = 1
-  while pieces < bv // 8 and room < 4 * kdim * bv // pieces:
-    pieces *= 2
-  return pieces
-
-
 def _ring(bars, stages: int, nc: int, tiles):
   """``fetch(i)``: TMA of the i-th chunk's tiles (``tiles``: (i -> GMEM ref, SMEM ring) pairs)
   into ring slot ``i % stages``, signalled on ``bars[slot]``; the first ``stages - 1`` chunks are
@@ -117,18 +103,16 @@ def _ring(bars, stages: int, nc: int, tiles):
 
 
 def _kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, *rest, hv, nc,
-            bv, stages, nbuf, store, every, pieces, interpret):
+            bv, stages, nbuf, store, every, interpret):
   n_out = 2 * store + bool(every)
   outs, scratch = rest[:n_out], rest[n_out:]
   (w_smem, kd_smem, u_smem, gc_smem, qg_smem, a_smem, s_smem, vn_smem, o_smem,
-   in0, in1, ready, free, *ck_smem) = scratch
+   in0, in1, ready, free) = scratch
   c = CHUNK
   bh, wg = lax.axis_index("bh"), lax.axis_index("wg")
   # int32 operands of lax.div / lax.rem and int32 loop indices, also under jax_enable_x64
   b, h = lax.div(bh, jnp.int32(hv)), lax.rem(bh, jnp.int32(hv))
   vs = pl.ds(pl.multiple_of(lax.axis_index("v") * bv, bv), bv)
-  pw = bv // max(pieces, 1)  # columns of a checkpoint piece
-  piece = lambda j: pl.ds(pl.multiple_of(lax.axis_index("v") * bv + j * pw, pw), pw)
   rows = lambda i: pl.ds(i * c, c)
 
   @pl.when(wg == 0)
@@ -159,27 +143,20 @@ def _kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, 
       decay = plgpu.load(gc_smem.at[slot], layout=wgmma.ROWS)
       s = s * lax.broadcast_in_dim(decay, s.shape, [0])
       s = wgmma.add(s, (kd_smem.at[slot].T, vn_smem.at[p]), interpret=interpret)
-      if every:  # the state after every ``every`` chunks, float32
+      if every:  # the state after every ``every`` chunks, float32, from the registers (a
+        # TMA copy staged through SMEM waited on the chain: benchmarks/RESULTS.md, issue 40 run 18)
         m = lax.div(i + 1, jnp.int32(every))
 
         @pl.when(m * every == i + 1)
         def _():
-          if not pieces:  # straight from the registers
-            outs[-1].at[b, m - 1, h, :, vs][...] = s
-          for j in range(pieces):  # staged through SMEM
-            # the buffer's last copy has read it: the previous piece's, else the previous
-            # checkpoint's (``every`` chunks' stores of h and V' committed since)
-            plgpu.wait_smem_to_gmem(0 if j else every * store, wait_read_only=True)
-            ck_smem[0][...] = s if pieces == 1 else s[:, j * pw:(j + 1) * pw]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(ck_smem[0], outs[-1].at[b, m - 1, h, :, piece(j)])
+          outs[-1].at[b, m - 1, h, :, vs][...] = s
       return s
 
     s0 = plgpu.load(s0_ref.at[b, h, :, vs], layout=plgpu.Layout.WGMMA, optimized=False)
     st_ref.at[b, h, :, vs][...] = lax.fori_loop(jnp.int32(0), nc, step, s0)
     for j in range(nbuf):  # warpgroup 1's releases of the last chunks (each phase waited once)
       pl.when(nc > j)(lambda: plgpu.barrier_wait(free.at[jnp.int32((nc - 1 - j) % nbuf)]))
-    if store or every:
+    if store:
       plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 1)
@@ -205,15 +182,13 @@ def _kernel(w_ref, u_ref, qg_ref, a_ref, kd_ref, gc_ref, s0_ref, o_ref, st_ref, 
 
 
 def recurrence_fwd(w, u, qg, aqk, kd, gc, s0, *, out_dtype, store: bool, block_v: int,
-                   stages: int, interpret: bool, every: int = 0, checkpoints: str = "smem"):
+                   stages: int, interpret: bool, every: int = 0):
   """(o, final state), with ``store`` (h, vn) and with ``every`` last the states after every
-  ``every`` chunks ``[B, max(NC // every, 1), HV, K, V]`` float32, written as ``checkpoints``
-  says (``KdaGpuConfig.mgpu_checkpoints``); see the module docstring."""
+  ``every`` chunks ``[B, max(NC // every, 1), HV, K, V]`` float32; see the module docstring."""
   bsz, tp, hv, kdim = w.shape
   vd = u.shape[-1]
   c, nc = CHUNK, tp // CHUNK
   bv = block_v
-  pieces = checkpoint_pieces(kdim, bv, stages) if checkpoints == "smem" else 0
   stages = ring_slots(kdim, bv, stages, forward=True)
   nbuf = buffers(kdim, bv, forward=True)
   bf16 = jnp.bfloat16
@@ -225,7 +200,7 @@ def recurrence_fwd(w, u, qg, aqk, kd, gc, s0, *, out_dtype, store: bool, block_v
   if every:
     out_type.append(jax.ShapeDtypeStruct((bsz, max(nc // every, 1), hv, kdim, vd), jnp.float32))
   kern = functools.partial(_kernel, hv=hv, nc=nc, bv=bv, stages=stages, nbuf=nbuf, store=store,
-                           every=every, pieces=pieces, interpret=interpret)
+                           every=every, interpret=interpret)
   kern.__name__ = "kda_fwd_recurrence_mgpu"
   # the key-side tiles meet the BV-wide S and V' in their products: the swizzle of a BV row
   key = functools.partial(wgmma.swizzled, dtype=bf16, swizzle=min(2 * bv, 128))
@@ -243,7 +218,7 @@ def recurrence_fwd(w, u, qg, aqk, kd, gc, s0, *, out_dtype, store: bool, block_v
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # warpgroup 1's tiles landed
       plgpu.Barrier(num_barriers=nbuf),  # S, V' of a chunk written (warpgroup 0 -> 1)
       plgpu.Barrier(num_barriers=nbuf),  # ... and read (warpgroup 1 -> 0)
-  ) + ((wgmma.swizzled((kdim, bv // pieces), jnp.float32),) if every and pieces else ())
+  )
   outs = plgpu.kernel(
       kern, out_type=tuple(out_type), scratch_types=scratch, grid=(vd // bv, bsz * hv),
       grid_names=("v", "bh"), **wgmma.kernel_params(interpret, threads=2))(
