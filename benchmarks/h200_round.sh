@@ -267,9 +267,10 @@ lse() {  # LSE_DTYPE=bfloat16: train.bf16_logits's chunk
 qbselect() { bench radix_select 58 benchmarks/radix_select.py --budget 42; }
 states() {  # the forward alone and with the states every 4 chunks at the four shapes of issue 40
   # (the states checked against the float32 recurrence at each)
-  bench states 240 benchmarks/kda.py --gates --gate-kinds bounded --ours-only --no-profile \
+  # (about 60 s a shape: run 18's budget of 150 s reached the states at one shape of four)
+  bench states 330 benchmarks/kda.py --gates --gate-kinds bounded --ours-only --no-profile \
     --no-parts --no-decode --shapes 1x16384x32x128,4x4096x32x128,1x65536x16x128,1x8192x32x128 \
-    --budget 225
+    --budget 315
 }
 kdadecode() {  # KDA_DECODE_NS: the pool sizes (default the script's 64,256), e.g. 64,256,1024
   bench kda_decode 200 benchmarks/kda_decode.py --budget 120 --peers \
