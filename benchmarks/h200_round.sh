@@ -265,9 +265,8 @@ glu() { bench glu 60 benchmarks/glu.py --sweep; }
 lse() {  # LSE_DTYPE=bfloat16: train.bf16_logits's chunk
   bench logsumexp 60 benchmarks/logsumexp.py --sweep --dtype "${LSE_DTYPE:-float32}"; }
 qbselect() { bench radix_select 58 benchmarks/radix_select.py --budget 42; }
-states() {  # the forward alone and with the states every 4 chunks at the four shapes of issue 40
-  # (the states checked against the float32 recurrence at each)
-  # (about 60 s a shape: run 18's budget of 150 s reached the states at one shape of four)
+states() {  # the forward alone and with the states every 4 chunks at the four shapes of issue 40,
+  # the states checked against the float32 recurrence at each (about 60 s a shape)
   bench states 330 benchmarks/kda.py --gates --gate-kinds bounded --ours-only --no-profile \
     --no-parts --no-decode --shapes 1x16384x32x128,4x4096x32x128,1x65536x16x128,1x8192x32x128 \
     --budget 315
